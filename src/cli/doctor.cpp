@@ -1,0 +1,30 @@
+#include "cli/commands.h"
+#include "common/doctor.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <memory>
+
+namespace voodoo::cli {
+
+command add_doctor(CLI::App & app) {
+    auto * sub = app.add_subcommand("doctor", "Check the llama.cpp libraries, LibTorch, CUDA, BLAS and disk");
+    sub->footer("example:\n  voodoo doctor\n  voodoo doctor --json");
+    auto dir = std::make_shared<std::string>(".");
+    auto json = std::make_shared<bool>(false);
+    sub->add_option("--dir", *dir, "Folder whose free disk space to report")->capture_default_str();
+    sub->add_flag("--json", *json, "Print the checks as JSON");
+    return {sub, [dir, json] {
+        const auto checks = run_doctor(*dir);
+        if (*json) {
+            fmt::print("{}\n", doctor_to_json(checks).dump(2));
+        } else {
+            fmt::print("{}", doctor_to_text(checks));
+        }
+        return std::all_of(checks.begin(), checks.end(), [](const doctor_check & c) { return c.ok; }) ? 0 : 1;
+    }};
+}
+
+}  // namespace voodoo::cli

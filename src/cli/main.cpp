@@ -1,0 +1,46 @@
+// voodoo: learned per-tensor llama.cpp quantization. Parses the command line and calls the library.
+#include "cli/commands.h"
+#include "common/error.h"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <vector>
+#include <string>
+
+int main(int argc, char ** argv) {
+    CLI::App app{"voodoo: the best GGUF of an LLM for a given size, learned by gradient descent"};
+    app.require_subcommand(1);
+    app.footer(R"(examples:
+  voodoo doctor
+  voodoo inspect model.gguf
+  voodoo inspect model.gguf --json > model.json
+
+Run `voodoo <command> --help` for a command's options.)");
+    const std::vector<voodoo::cli::command> commands = {
+        voodoo::cli::add_doctor(app),
+        voodoo::cli::add_inspect(app),
+    };
+
+    try {
+        app.parse(argc, argv);
+    } catch (const CLI::ParseError & e) {
+        return app.exit(e);
+    }
+    try {
+        for (const auto & c : commands) {
+            if (c.sub->parsed()) {
+                return c.run();
+            }
+        }
+    } catch (const voodoo::error & e) {
+        std::fflush(stdout);
+        fmt::print(stderr, "voodoo: error: {}\n", e.what());
+        return 1;
+    } catch (const std::exception & e) {
+        std::fflush(stdout);
+        fmt::print(stderr, "voodoo: internal error: {}\n", e.what());
+        return 2;
+    }
+    return 0;
+}

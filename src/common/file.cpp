@@ -1,0 +1,136 @@
+#include "common/file.h"
+
+#include "common/error.h"
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace voodoo {
+
+size_t file_size(const std::string & path) {
+    struct stat st {};
+    if (stat(path.c_str(), &st) != 0) {
+        fail("cannot open '{}': {}", path, std::strerror(errno));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        fail("'{}' is not a regular file", path);
+    }
+    return static_cast<size_t>(st.st_size);
+}
+
+bool same_file(const std::string & a, const std::string & b) {
+    struct stat sa {}, sb {};
+    if (stat(a.c_str(), &sa) != 0 || stat(b.c_str(), &sb) != 0) {
+        return false;
+    }
+    return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+mapped_file::mapped_file(const std::string & path) {
+    size_ = file_size(path);
+    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        fail("cannot open '{}': {}", path, std::strerror(errno));
+    }
+    if (size_ > 0) {
+        void * p = mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (p == MAP_FAILED) {
+            const int e = errno;
+            close(fd);
+            fail("cannot map '{}' ({} bytes): {}", path, size_, std::strerror(e));
+        }
+        data_ = static_cast<const uint8_t *>(p);
+    }
+    close(fd);
+}
+
+mapped_file::~mapped_file() {
+    if (data_) {
+        munmap(const_cast<uint8_t *>(data_), size_);
+    }
+}
+
+atomic_file::atomic_file(std::string path) : path_(std::move(path)) {
+    namespace fs = std::filesystem;
+    const fs::path dest(path_);
+    if (dest.filename().empty()) {
+        fail("output path '{}' names a folder, not a file", path_);
+    }
+    const fs::path dir = dest.has_parent_path() ? dest.parent_path() : fs::path(".");
+    std::error_code ec;
+    if (!fs::is_directory(dir, ec)) {
+        fail("cannot write '{}': folder '{}' does not exist", path_, dir.string());
+    }
+    temp_path_ = (dir / fmt::format(".{}.{}.tmp", dest.filename().string(), getpid())).string();
+    file_ = std::fopen(temp_path_.c_str(), "wb");
+    if (!file_) {
+        fail("cannot write '{}': {}", temp_path_, std::strerror(errno));
+    }
+}
+
+atomic_file::~atomic_file() {
+    if (file_) {
+        std::fclose(file_);
+    }
+    if (!committed_) {
+        std::remove(temp_path_.c_str());
+    }
+}
+
+void atomic_file::write(const void * data, size_t n) {
+    if (n == 0) {
+        return;
+    }
+    if (std::fwrite(data, 1, n, file_) != n) {
+        fail("writing '{}' failed after {} bytes: {}; nothing was written to the destination", path_, written_,
+             std::strerror(errno));
+    }
+    written_ += n;
+}
+
+void atomic_file::write_zeros(size_t n) {
+    static const uint8_t zeros[256] = {};
+    while (n > 0) {
+        const size_t k = std::min(n, sizeof(zeros));
+        write(zeros, k);
+        n -= k;
+    }
+}
+
+void atomic_file::commit() {
+    if (std::fflush(file_) != 0 || fsync(fileno(file_)) != 0) {
+        fail("writing '{}' failed: {}; nothing was written to the destination", path_, std::strerror(errno));
+    }
+    std::fclose(file_);
+    file_ = nullptr;
+    if (std::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+        fail("cannot rename '{}' to '{}': {}", temp_path_, path_, std::strerror(errno));
+    }
+    committed_ = true;
+    const std::filesystem::path dest(path_);
+    const std::string dir = dest.has_parent_path() ? dest.parent_path().string() : ".";
+    const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd >= 0) {
+        fsync(fd);
+        close(fd);
+    }
+}
+
+void write_file_atomic(const std::string & path, std::span<const uint8_t> bytes) {
+    atomic_file f(path);
+    f.write(bytes);
+    f.commit();
+}
+
+void write_file_atomic(const std::string & path, const std::string & text) {
+    write_file_atomic(path, std::span<const uint8_t>(reinterpret_cast<const uint8_t *>(text.data()), text.size()));
+}
+
+}  // namespace voodoo

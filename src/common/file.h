@@ -1,0 +1,72 @@
+// Files: read-only memory maps and atomic writes (temp file in the destination folder, fsync, rename).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <span>
+#include <string>
+
+namespace voodoo {
+
+/// Size of a regular file in bytes. Throws voodoo::error naming the path when it is missing,
+/// unreadable or not a regular file.
+size_t file_size(const std::string & path);
+
+/// True when a and b name the same file on disk (same device and inode). False if either is missing.
+bool same_file(const std::string & a, const std::string & b);
+
+/// A read-only, private memory map of a whole file. Empty files map to an empty span.
+class mapped_file {
+public:
+    /// Throws voodoo::error naming the path when it cannot be opened or mapped.
+    explicit mapped_file(const std::string & path);
+    ~mapped_file();
+    mapped_file(const mapped_file &) = delete;
+    mapped_file & operator=(const mapped_file &) = delete;
+
+    std::span<const uint8_t> bytes() const { return {data_, size_}; }
+    size_t size() const { return size_; }
+
+private:
+    const uint8_t * data_ = nullptr;
+    size_t size_ = 0;
+};
+
+/// A file written under a temporary name beside its destination and renamed over it by commit().
+/// Until commit() succeeds the destination is untouched; destroying an uncommitted atomic_file
+/// removes the temporary. Every write is checked: a full disk is an error naming the destination.
+class atomic_file {
+public:
+    /// Opens `<dir>/.<name>.<pid>.tmp`. Throws voodoo::error when the folder is not writable.
+    explicit atomic_file(std::string path);
+    ~atomic_file();
+    atomic_file(const atomic_file &) = delete;
+    atomic_file & operator=(const atomic_file &) = delete;
+
+    /// Appends bytes. Throws voodoo::error (with the OS reason, e.g. "No space left on device").
+    void write(const void * data, size_t n);
+    void write(std::span<const uint8_t> bytes) { write(bytes.data(), bytes.size()); }
+    /// Appends n zero bytes.
+    void write_zeros(size_t n);
+    /// Bytes written so far.
+    size_t tell() const { return written_; }
+    /// Flushes, fsyncs, renames onto the destination and fsyncs the folder.
+    void commit();
+
+    const std::string & path() const { return path_; }
+    const std::string & temp_path() const { return temp_path_; }
+
+private:
+    std::string path_;
+    std::string temp_path_;
+    FILE * file_ = nullptr;
+    size_t written_ = 0;
+    bool committed_ = false;
+};
+
+/// Writes a whole text or binary file atomically (atomic_file + commit).
+void write_file_atomic(const std::string & path, std::span<const uint8_t> bytes);
+void write_file_atomic(const std::string & path, const std::string & text);
+
+}  // namespace voodoo

@@ -1,0 +1,28 @@
+// Routing of ggml's and libllama's log lines: kept quiet by default, captured while Voodoo asks
+// ggml to parse something so that its complaint can be part of our one-line error.
+#pragma once
+
+#include <string>
+
+namespace voodoo {
+
+/// Installs Voodoo's log callback in ggml and libllama (idempotent). Lines at or above
+/// `min_level` (ggml_log_level: 2 = info, 3 = warn, 4 = error) are printed to stderr.
+void ggml_log_install(int min_level = 4);
+
+/// While alive on a thread, ggml/llama log lines from that thread are collected instead of printed.
+class ggml_log_capture {
+public:
+    ggml_log_capture();
+    ~ggml_log_capture();
+    ggml_log_capture(const ggml_log_capture &) = delete;
+    ggml_log_capture & operator=(const ggml_log_capture &) = delete;
+
+    /// The error and warning lines collected so far, joined with "; ", without the function prefixes.
+    std::string text() const;
+
+private:
+    ggml_log_capture * outer_;
+};
+
+}  // namespace voodoo

@@ -1,0 +1,28 @@
+// Which tensors Voodoo chooses a type for, and among which types (DESIGN.md, "The math").
+#pragma once
+
+#include <ggml.h>
+
+#include <cstdint>
+#include <span>
+#include <string_view>
+#include <vector>
+
+namespace voodoo {
+
+/// True for a weight llama.cpp would quantize: 2-D or more, name ends in "weight", not a norm, router,
+/// conv kernel, positional table or the other exclusions of llama.cpp's tensor_allows_quantization
+/// (src/llama-quant.cpp, with quantize_output_tensor on). Everything else is copied byte for byte.
+bool tensor_is_selectable(std::string_view name, int n_dims);
+
+/// The default menu: the general-purpose llama.cpp storage types from IQ1_S to Q8_0 plus F16 and BF16,
+/// by increasing bits per weight. Left out: TQ1_0/TQ2_0 (ternary-trained models), MXFP4/NVFP4 (models
+/// trained for FP4) and Q1_0/Q2_0; a --menu can still name them.
+const std::vector<ggml_type> & default_menu_types();
+
+/// The menu of one tensor: the types of `types` whose block size divides ne0, the ones that llama.cpp
+/// refuses without an imatrix (IQ1/IQ2/IQ3_XXS family) only when has_imatrix. Order kept.
+/// A tensor no block type fits keeps F16/BF16 (when in `types`), as llama.cpp falls back to F16.
+std::vector<ggml_type> menu_for(std::span<const ggml_type> types, int64_t ne0, bool has_imatrix);
+
+}  // namespace voodoo

@@ -1,0 +1,104 @@
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+
+using voodoo::test::run_voodoo;
+
+TEST(cli, inspect_lists_the_48_tensors_of_stories260k_and_the_total) {
+    const auto r = run_voodoo("inspect " + voodoo::test::stories260k());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("48 tensors"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("file size     1185376 bytes"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("blk.4.ffn_down.weight"), std::string::npos);
+    EXPECT_NE(r.output.find("no block type fits ne0 = 172"), std::string::npos);
+    size_t rows = 0;
+    for (size_t pos = 0; (pos = r.output.find(" f32 ", pos)) != std::string::npos; ++pos) {
+        ++rows;
+    }
+    EXPECT_EQ(rows, 48u);
+}
+
+TEST(cli, inspect_json_gives_sizes_bpw_and_menus) {
+    const auto r = run_voodoo("inspect --json " + voodoo::test::stories260k());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["n_tensors"], 48);
+    EXPECT_EQ(j["file_bytes"], 1185376);
+    int64_t bytes = 0, weights = 0, selectable = 0;
+    for (const auto & t : j["tensors"]) {
+        bytes += t["bytes"].get<int64_t>();
+        int64_t n = 1;
+        for (const auto & d : t["shape"]) {
+            n *= d.get<int64_t>();
+        }
+        weights += n;
+        selectable += t["selectable"].get<bool>();
+        if (t["name"] == "blk.0.ffn_down.weight") {
+            EXPECT_EQ(t["menu"], nlohmann::json::array({"f16", "bf16"}));
+            EXPECT_TRUE(t["float_only"].get<bool>());
+        }
+        if (t["name"] == "blk.0.attn_norm.weight") {
+            EXPECT_FALSE(t["selectable"].get<bool>());
+        }
+    }
+    EXPECT_EQ(j["tensor_bytes"], bytes);
+    EXPECT_EQ(j["n_weights"], weights);
+    EXPECT_NEAR(j["bpw"].get<double>(), 32.0, 1e-9);  // every tensor is F32
+    // token_embd, output and the 7 matrices of each of the 5 blocks.
+    EXPECT_EQ(selectable, 2 + 7 * 5);
+    EXPECT_EQ(j["n_selectable"], selectable);
+}
+
+TEST(cli, inspect_metadata_lists_every_key) {
+    const auto r = run_voodoo("inspect --metadata " + voodoo::test::stories260k());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("general.architecture"), std::string::npos);
+    EXPECT_NE(r.output.find("tokenizer.ggml.tokens"), std::string::npos);
+    EXPECT_NE(r.output.find("str[512]"), std::string::npos) << r.output;
+}
+
+TEST(cli, a_missing_file_is_one_error_line_and_exit_1) {
+    const auto r = run_voodoo("inspect /nonexistent/model.gguf");
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_EQ(r.output, "voodoo: error: cannot open '/nonexistent/model.gguf': No such file or directory\n");
+}
+
+TEST(cli, a_non_gguf_file_is_one_error_line_and_exit_1) {
+    voodoo::test::temp_dir dir;
+    const std::string path = dir.file("notes.txt");
+    std::ofstream(path) << "hello";
+    const auto r = run_voodoo("inspect " + path);
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_EQ(r.output.rfind("voodoo: error: '" + path + "' is not a GGUF file", 0), 0u) << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+}
+
+TEST(cli, help_shows_examples_and_unknown_flags_exit_nonzero) {
+    const auto help = run_voodoo("--help");
+    EXPECT_EQ(help.exit_code, 0);
+    EXPECT_NE(help.output.find("voodoo inspect model.gguf"), std::string::npos) << help.output;
+    const auto bad = run_voodoo("inspect --no-such-flag x.gguf");
+    EXPECT_NE(bad.exit_code, 0);
+    EXPECT_NE(bad.output.find("--no-such-flag"), std::string::npos) << bad.output;
+}
+
+TEST(cli, doctor_reports_the_llama_cpp_release_and_libtorch) {
+    const auto r = run_voodoo("doctor --json");
+    const auto j = nlohmann::json::parse(r.output);
+    std::map<std::string, nlohmann::json> by_name;
+    for (const auto & c : j) {
+        by_name[c["name"]] = c;
+    }
+    EXPECT_NE(by_name["llama.cpp"]["value"].get<std::string>().find("v0.4.0"), std::string::npos);
+    EXPECT_TRUE(by_name["ggml backends"]["ok"].get<bool>()) << by_name["ggml backends"].dump();
+    EXPECT_FALSE(by_name["LibTorch"]["value"].get<std::string>().empty());
+    // Exit code 1 exactly when a check failed.
+    bool all_ok = true;
+    for (const auto & c : j) {
+        all_ok = all_ok && c["ok"].get<bool>();
+    }
+    EXPECT_EQ(r.exit_code, all_ok ? 0 : 1);
+}

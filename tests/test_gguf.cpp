@@ -1,0 +1,254 @@
+#include "common/error.h"
+#include "ggml/gguf.h"
+#include "ggml/quant.h"
+#include "ggml/types.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+
+#include <signal.h>
+#include <sys/resource.h>
+
+using namespace voodoo;
+using voodoo::test::temp_dir;
+
+namespace {
+
+std::vector<uint8_t> read_all(const std::string & path) {
+    std::ifstream in(path, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), {}};
+}
+
+void write_all(const std::string & path, const std::vector<uint8_t> & bytes) {
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char *>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+// Same type and same bytes (scalars, strings and arrays alike).
+bool kv_equal(const gguf_context * a, int64_t ia, const gguf_context * b, int64_t ib) {
+    const gguf_type t = gguf_get_kv_type(a, ia);
+    if (t != gguf_get_kv_type(b, ib)) {
+        return false;
+    }
+    if (t == GGUF_TYPE_STRING) {
+        return std::strcmp(gguf_get_val_str(a, ia), gguf_get_val_str(b, ib)) == 0;
+    }
+    if (t != GGUF_TYPE_ARRAY) {
+        return std::memcmp(gguf_get_val_data(a, ia), gguf_get_val_data(b, ib), gguf_scalar_size(t)) == 0;
+    }
+    const gguf_type at = gguf_get_arr_type(a, ia);
+    const size_t n = gguf_get_arr_n(a, ia);
+    if (at != gguf_get_arr_type(b, ib) || n != gguf_get_arr_n(b, ib)) {
+        return false;
+    }
+    if (at == GGUF_TYPE_STRING) {
+        for (size_t i = 0; i < n; ++i) {
+            if (std::strcmp(gguf_get_arr_str(a, ia, i), gguf_get_arr_str(b, ib, i)) != 0) {
+                return false;
+            }
+        }
+        return true;
+    }
+    return std::memcmp(gguf_get_arr_data(a, ia), gguf_get_arr_data(b, ib), n * gguf_scalar_size(at)) == 0;
+}
+
+void expect_error_naming(const std::string & path, const std::string & part) {
+    try {
+        gguf_file f(path);
+        FAIL() << "expected an error for " << path;
+    } catch (const error & e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find(path), std::string::npos) << msg;
+        EXPECT_NE(msg.find(part), std::string::npos) << msg;
+        EXPECT_EQ(msg.find('\n'), std::string::npos) << "one line: " << msg;
+    }
+}
+
+}  // namespace
+
+TEST(gguf, reads_stories260k_header_and_tensors) {
+    gguf_file f(test::stories260k());
+    EXPECT_EQ(f.version(), 3u);
+    EXPECT_EQ(f.architecture(), "llama");
+    EXPECT_EQ(f.tensors().size(), 48u);
+    EXPECT_EQ(f.n_kv(), 19);
+    EXPECT_EQ(f.get_int("llama.embedding_length"), 64);
+    EXPECT_EQ(f.get_int("llama.feed_forward_length"), 172);
+    EXPECT_EQ(f.get_int("llama.block_count"), 5);
+    EXPECT_FALSE(f.get_int("llama.no_such_key").has_value());
+    EXPECT_THROW(f.get_int("general.architecture"), error);
+    const gguf_tensor & emb = f.tensor("token_embd.weight");
+    EXPECT_EQ(emb.type, GGML_TYPE_F32);
+    EXPECT_EQ(emb.n_dims, 2);
+    EXPECT_EQ(emb.ne[0], 64);
+    EXPECT_EQ(emb.ne[1], 512);
+    EXPECT_EQ(emb.n_bytes, 64u * 512u * 4u);
+    size_t total = 0;
+    for (const gguf_tensor & t : f.tensors()) {
+        EXPECT_EQ(t.type, GGML_TYPE_F32) << t.name;
+        total += t.n_bytes;
+    }
+    // Every F32 tensor here is a multiple of 32 bytes, so the data section has no padding.
+    EXPECT_EQ(total, f.file_size() - f.data_offset());
+    EXPECT_THROW(f.tensor("no.such.weight"), error);
+}
+
+TEST(gguf, round_trip_preserves_every_key_and_tensor_byte) {
+    temp_dir dir;
+    const std::string out = dir.file("copy.gguf");
+    gguf_file src(test::stories260k());
+    {
+        gguf_writer w(out, src.alignment());
+        w.copy_kv(src);
+        for (const gguf_tensor & t : src.tensors()) {
+            w.add_tensor(t.name, t.type, t.shape());
+        }
+        for (const gguf_tensor & t : src.tensors()) {
+            w.write_tensor(t.name, src.data(t));
+        }
+        w.commit();
+    }
+    gguf_file copy(out);
+    ASSERT_EQ(copy.n_kv(), src.n_kv());
+    for (int64_t i = 0; i < src.n_kv(); ++i) {
+        const char * key = gguf_get_key(src.ctx(), i);
+        const int64_t j = copy.find_key(key);
+        ASSERT_GE(j, 0) << key;
+        EXPECT_TRUE(kv_equal(src.ctx(), i, copy.ctx(), j)) << key;
+    }
+    ASSERT_EQ(copy.tensors().size(), src.tensors().size());
+    for (size_t i = 0; i < src.tensors().size(); ++i) {
+        const gguf_tensor & a = src.tensors()[i];
+        const gguf_tensor & b = copy.tensors()[i];
+        EXPECT_EQ(a.name, b.name);
+        EXPECT_EQ(a.type, b.type);
+        EXPECT_EQ(a.ne, b.ne);
+        const auto da = src.data(a);
+        const auto db = copy.data(b);
+        ASSERT_EQ(da.size(), db.size());
+        EXPECT_EQ(std::memcmp(da.data(), db.data(), da.size()), 0) << a.name;
+    }
+    // ggml wrote the source too, so the copy is the same file, byte for byte.
+    EXPECT_EQ(read_all(out), read_all(test::stories260k()));
+}
+
+TEST(gguf, writes_mixed_types_with_a_non_default_alignment) {
+    temp_dir dir;
+    const std::string out = dir.file("mixed.gguf");
+    const auto w0 = test::gaussian(256 * 4, 1);
+    const auto w1 = test::gaussian(64 * 3, 2);
+    const auto q0 = quantize(GGML_TYPE_Q4_K, w0, 256);
+    const auto q1 = quantize(GGML_TYPE_Q8_0, w1, 64);
+    const int64_t ne0[2] = {256, 4};
+    const int64_t ne1[2] = {64, 3};
+    {
+        gguf_writer w(out, 64);
+        gguf_set_val_str(w.ctx(), "general.architecture", "test");
+        gguf_set_val_u32(w.ctx(), "test.value", 7);
+        w.add_tensor("a.weight", GGML_TYPE_Q4_K, ne0);
+        w.add_tensor("b.weight", GGML_TYPE_Q8_0, ne1);
+        w.write_tensor("a.weight", q0);
+        w.write_tensor("b.weight", q1);
+        w.commit();
+    }
+    gguf_file f(out);
+    EXPECT_EQ(f.alignment(), 64u);
+    EXPECT_EQ(f.data_offset() % 64, 0u);
+    EXPECT_EQ(f.get_int("test.value"), 7);
+    EXPECT_EQ(f.tensor("b.weight").offset % 64, 0u);
+    const auto a = f.data(f.tensor("a.weight"));
+    const auto b = f.data(f.tensor("b.weight"));
+    EXPECT_TRUE(std::equal(a.begin(), a.end(), q0.begin(), q0.end()));
+    EXPECT_TRUE(std::equal(b.begin(), b.end(), q1.begin(), q1.end()));
+}
+
+TEST(gguf, writer_refuses_out_of_order_or_missized_tensors_and_leaves_no_file) {
+    temp_dir dir;
+    const std::string out = dir.file("bad.gguf");
+    const int64_t ne[2] = {64, 2};
+    std::vector<uint8_t> bytes(64 * 2 * 4);
+    {
+        gguf_writer w(out);
+        w.add_tensor("a.weight", GGML_TYPE_F32, ne);
+        w.add_tensor("b.weight", GGML_TYPE_F32, ne);
+        EXPECT_THROW(w.add_tensor("a.weight", GGML_TYPE_F32, ne), error);
+        EXPECT_THROW(w.add_tensor("c.weight", GGML_TYPE_Q4_K, ne), error);  // 64 does not fit a 256 block
+        EXPECT_THROW(w.write_tensor("b.weight", bytes), error);
+        EXPECT_THROW(w.write_tensor("a.weight", std::span<const uint8_t>(bytes).first(10)), error);
+        w.write_tensor("a.weight", bytes);
+        EXPECT_THROW(w.commit(), error);  // b.weight was never written
+    }
+    EXPECT_FALSE(std::filesystem::exists(out));
+    EXPECT_TRUE(std::filesystem::is_empty(dir.path)) << "the temporary file was removed";
+}
+
+TEST(gguf, a_full_disk_is_an_error_and_leaves_no_file) {
+    temp_dir dir;
+    const std::string out = dir.file("full.gguf");
+    gguf_file src(test::stories260k());
+    struct rlimit old {};
+    getrlimit(RLIMIT_FSIZE, &old);
+    signal(SIGXFSZ, SIG_IGN);  // a write past the limit then fails with EFBIG, as on a full disk
+    struct rlimit small = old;
+    small.rlim_cur = 200000;
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+    std::string msg;
+    try {
+        gguf_writer w(out, src.alignment());
+        w.copy_kv(src);
+        for (const gguf_tensor & t : src.tensors()) {
+            w.add_tensor(t.name, t.type, t.shape());
+        }
+        for (const gguf_tensor & t : src.tensors()) {
+            w.write_tensor(t.name, src.data(t));
+        }
+        w.commit();
+    } catch (const error & e) {
+        msg = e.what();
+    }
+    setrlimit(RLIMIT_FSIZE, &old);
+    signal(SIGXFSZ, SIG_DFL);
+    EXPECT_NE(msg.find(out), std::string::npos) << msg;
+    EXPECT_NE(msg.find("nothing was written"), std::string::npos) << msg;
+    EXPECT_FALSE(std::filesystem::exists(out));
+    EXPECT_TRUE(std::filesystem::is_empty(dir.path));
+}
+
+TEST(gguf, bad_files_give_one_line_errors) {
+    temp_dir dir;
+    const auto good = read_all(test::stories260k());
+
+    expect_error_naming(dir.file("missing.gguf"), "No such file");
+
+    const std::string empty = dir.file("empty.gguf");
+    write_all(empty, {});
+    expect_error_naming(empty, "not a GGUF file");
+
+    const std::string text = dir.file("text.gguf");
+    const std::string words = "Once upon a time there was a file that was not a GGUF.";
+    write_all(text, std::vector<uint8_t>(words.begin(), words.end()));
+    expect_error_naming(text, "not a GGUF file");
+
+    // Cut inside the metadata: ggml's parser says what it could not read.
+    const std::string cut_header = dir.file("cut-header.gguf");
+    write_all(cut_header, std::vector<uint8_t>(good.begin(), good.begin() + 2000));
+    expect_error_naming(cut_header, "not a valid GGUF file");
+
+    // Cut inside the tensor data: the header parses, the last tensor runs past the end.
+    const std::string cut_data = dir.file("cut-data.gguf");
+    write_all(cut_data, std::vector<uint8_t>(good.begin(), good.end() - 1000));
+    expect_error_naming(cut_data, "ends at byte");
+    expect_error_naming(cut_data, "truncated or corrupt");
+
+    // An unsupported version.
+    auto v9 = good;
+    v9[4] = 9;
+    const std::string version = dir.file("v9.gguf");
+    write_all(version, v9);
+    expect_error_naming(version, "version 9");
+
+    expect_error_naming(dir.path.string(), "not a regular file");
+}

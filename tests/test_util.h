@@ -1,0 +1,71 @@
+// Shared helpers for the tests: where the shared data is, temporary folders, running the CLI.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <sys/wait.h>
+
+namespace voodoo::test {
+
+/// ../shared/data beside the checkout, or $VOODOO_SHARED_DATA.
+inline std::string shared_data() {
+    if (const char * env = std::getenv("VOODOO_SHARED_DATA")) {
+        return env;
+    }
+    return VOODOO_SHARED_DATA;
+}
+
+inline std::string stories260k() { return shared_data() + "/models/stories260K/stories260K.gguf"; }
+
+/// A fresh empty folder under the system temp dir, removed when the object dies.
+struct temp_dir {
+    std::filesystem::path path;
+    temp_dir() {
+        std::string tmpl = (std::filesystem::temp_directory_path() / "voodoo-test-XXXXXX").string();
+        path = mkdtemp(tmpl.data());
+    }
+    ~temp_dir() {
+        std::error_code ec;
+        std::filesystem::remove_all(path, ec);
+    }
+    std::string file(const std::string & name) const { return (path / name).string(); }
+};
+
+struct run_result {
+    int exit_code;
+    std::string output;  // stdout and stderr together
+};
+
+/// Runs the voodoo CLI with arguments (a shell-quoted string) and captures its output.
+inline run_result run_voodoo(const std::string & args) {
+    const std::string cmd = std::string(VOODOO_BIN) + " " + args + " 2>&1";
+    FILE * p = popen(cmd.c_str(), "r");
+    run_result r{-1, {}};
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) {
+        r.output.append(buf, n);
+    }
+    const int status = pclose(p);
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return r;
+}
+
+/// n normal(0, 1) floats from a fixed seed.
+inline std::vector<float> gaussian(size_t n, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<float> v(n);
+    for (float & x : v) {
+        x = dist(rng);
+    }
+    return v;
+}
+
+}  // namespace voodoo::test
