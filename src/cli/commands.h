@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <vector>
 
 namespace voodoo::cli {
 
@@ -12,7 +13,16 @@ struct command {
     std::function<int()> run;   // runs it once parsed; returns the exit code
 };
 
-command add_doctor(CLI::App & app);
-command add_inspect(CLI::App & app);
+using command_factory = command (*)(CLI::App & app);
+
+/// Called once per subcommand file at static-initialisation time (see VOODOO_COMMAND).
+bool register_command(const char * name, command_factory factory);
+
+/// Every registered subcommand added to app, in name order.
+std::vector<command> add_all_commands(CLI::App & app);
 
 }  // namespace voodoo::cli
+
+/// In a src/cli/*.cpp file: VOODOO_COMMAND(inspect, add_inspect) registers the subcommand.
+#define VOODOO_COMMAND(name, factory) \
+    static const bool voodoo_command_registered_##name = ::voodoo::cli::register_command(#name, factory)

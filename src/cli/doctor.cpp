@@ -9,6 +9,8 @@
 
 namespace voodoo::cli {
 
+namespace {
+
 command add_doctor(CLI::App & app) {
     auto * sub = app.add_subcommand("doctor", "Check the llama.cpp libraries, LibTorch, CUDA, BLAS and disk");
     sub->footer("example:\n  voodoo doctor\n  voodoo doctor --json");
@@ -26,5 +28,9 @@ command add_doctor(CLI::App & app) {
         return std::all_of(checks.begin(), checks.end(), [](const doctor_check & c) { return c.ok; }) ? 0 : 1;
     }};
 }
+
+}  // namespace
+
+VOODOO_COMMAND(doctor, add_doctor);
 
 }  // namespace voodoo::cli

@@ -8,6 +8,8 @@
 
 namespace voodoo::cli {
 
+namespace {
+
 command add_inspect(CLI::App & app) {
     auto * sub = app.add_subcommand("inspect", "Show a GGUF's tensors, types, sizes, BPW and each tensor's menu");
     sub->footer("examples:\n  voodoo inspect model.gguf\n  voodoo inspect model.gguf --metadata\n"
@@ -45,5 +47,9 @@ command add_inspect(CLI::App & app) {
         return 0;
     }};
 }
+
+}  // namespace
+
+VOODOO_COMMAND(inspect, add_inspect);
 
 }  // namespace voodoo::cli

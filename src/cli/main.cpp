@@ -5,8 +5,35 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <map>
 #include <vector>
 #include <string>
+
+namespace voodoo::cli {
+
+namespace {
+
+std::map<std::string, command_factory> & registry() {
+    static std::map<std::string, command_factory> r;
+    return r;
+}
+
+}  // namespace
+
+bool register_command(const char * name, command_factory factory) {
+    registry()[name] = factory;
+    return true;
+}
+
+std::vector<command> add_all_commands(CLI::App & app) {
+    std::vector<command> out;
+    for (const auto & [name, factory] : registry()) {
+        out.push_back(factory(app));
+    }
+    return out;
+}
+
+}  // namespace voodoo::cli
 
 int main(int argc, char ** argv) {
     CLI::App app{"voodoo: the best GGUF of an LLM for a given size, learned by gradient descent"};
@@ -17,10 +44,7 @@ int main(int argc, char ** argv) {
   voodoo inspect model.gguf --json > model.json
 
 Run `voodoo <command> --help` for a command's options.)");
-    const std::vector<voodoo::cli::command> commands = {
-        voodoo::cli::add_doctor(app),
-        voodoo::cli::add_inspect(app),
-    };
+    const std::vector<voodoo::cli::command> commands = voodoo::cli::add_all_commands(app);
 
     try {
         app.parse(argc, argv);

@@ -1,0 +1,29 @@
+// How a model's forward pass gets its weights. The teacher reads the source GGUF's tensors as they
+// are; the gated student (src/train) answers the selectable ones with its mixture of candidates.
+// The forward never knows which: it asks by GGUF tensor name.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+
+namespace voodoo {
+
+class weight_source {
+public:
+    virtual ~weight_source() = default;
+
+    /// The whole tensor in PyTorch layout: a GGUF tensor of ne = [ne0, ne1] is returned as
+    /// [ne1, ne0] (rows = output features), f32 or the compute dtype. 1-D tensors as [ne0].
+    /// Throws voodoo::error naming the tensor when the model has no such tensor.
+    virtual torch::Tensor get(const std::string & name) = 0;
+
+    /// Rows `ids` ([n] int64) of a 2-D tensor, [n, ne0]: embeddings, so that only the rows a batch
+    /// uses are materialised (the student mixes only those rows).
+    virtual torch::Tensor rows(const std::string & name, const torch::Tensor & ids) = 0;
+
+    /// True when the model has the tensor (optional tensors: biases, output.weight when tied).
+    virtual bool has(const std::string & name) const = 0;
+};
+
+}  // namespace voodoo
