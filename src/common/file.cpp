@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -68,7 +69,10 @@ atomic_file::atomic_file(std::string path) : path_(std::move(path)) {
     if (!fs::is_directory(dir, ec)) {
         fail("cannot write '{}': folder '{}' does not exist", path_, dir.string());
     }
-    temp_path_ = (dir / fmt::format(".{}.{}.tmp", dest.filename().string(), getpid())).string();
+    // pid and a per-process counter: two writers of the same destination (threads storing one cache
+    // entry) never share a temporary; the last rename wins with identical content.
+    static std::atomic<uint64_t> counter{0};
+    temp_path_ = (dir / fmt::format(".{}.{}.{}.tmp", dest.filename().string(), getpid(), counter++)).string();
     file_ = std::fopen(temp_path_.c_str(), "wb");
     if (!file_) {
         fail("cannot write '{}': {}", temp_path_, std::strerror(errno));

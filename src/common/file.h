@@ -38,7 +38,7 @@ private:
 /// removes the temporary. Every write is checked: a full disk is an error naming the destination.
 class atomic_file {
 public:
-    /// Opens `<dir>/.<name>.<pid>.tmp`. Throws voodoo::error when the folder is not writable.
+    /// Opens `<dir>/.<name>.<pid>.<n>.tmp`. Throws voodoo::error when the folder is not writable.
     explicit atomic_file(std::string path);
     ~atomic_file();
     atomic_file(const atomic_file &) = delete;

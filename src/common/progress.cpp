@@ -79,7 +79,8 @@ void progress::draw(bool final) {
             return;
         }
         const int decile = static_cast<int>(frac * 10);
-        if (!tty_ && decile == last_decile_) {
+        // On a pipe the 100% line is left to finish(), so it is printed once.
+        if (!tty_ && (decile == last_decile_ || done_ >= total_)) {
             return;
         }
         last_decile_ = decile;

@@ -1,0 +1,209 @@
+#include "common/error.h"
+#include "data/dataset.h"
+#include "export/export.h"
+#include "ggml/types.h"
+#include "model/fixture.h"
+#include "test_util.h"
+#include "train/trainer.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <cstring>
+#include <fstream>
+
+using namespace voodoo;
+using voodoo::test::temp_dir;
+
+namespace {
+
+// TinyStories tokens for stories260K, made once for every test here.
+const std::string & stories_data() {
+    static temp_dir dir;
+    static const std::string path = [] {
+        data_options d;
+        d.model = test::stories260k();
+        d.texts = {test::shared_data() + "/text/tinystories/tinystories_val.txt"};
+        d.ctx = 64;
+        d.val_fraction = 0.05;
+        d.out_dir = dir.file("data");
+        prepare_data(d);
+        return d.out_dir;
+    }();
+    return path;
+}
+
+train_options quick(const std::string & run_dir) {
+    train_options o;
+    o.goal = {target_kind::size, 304352};
+    o.run_dir = run_dir;
+    o.steps = 8;
+    o.batch = 1;
+    o.seq = 32;
+    o.journal_every = 1;
+    o.lr = 0.2;
+    return o;
+}
+
+std::string error_of(const std::function<void()> & fn) {
+    try {
+        fn();
+    } catch (const error & e) {
+        return e.what();
+    }
+    return "";
+}
+
+}  // namespace
+
+TEST(train, finishes_with_a_recipe_that_fits_the_target_exactly_as_exported) {
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    token_data data(stories_data());
+    const train_result r = train_gates(src, src, data.train(), nullptr, quick(dir.file("run")));
+    EXPECT_TRUE(r.finished);
+    EXPECT_EQ(r.steps_done, 8);
+    EXPECT_LE(r.total_bytes, 304352);
+    ASSERT_TRUE(std::filesystem::exists(dir.file("run/recipe.json")));
+    ASSERT_TRUE(std::filesystem::exists(dir.file("run/recipe.tensor-types.txt")));
+    const recipe saved = recipe_load(dir.file("run/recipe.json"));
+    EXPECT_EQ(saved.target, "size=304352");
+    export_options eo;
+    eo.target = saved.target;
+    EXPECT_EQ(static_cast<double>(planned_file_bytes(src, saved, eo)), r.total_bytes);
+    EXPECT_EQ(static_cast<double>(export_gguf(src, saved, dir.file("out.gguf"), eo).file_bytes), r.total_bytes);
+    std::ifstream log(dir.file("run/log.jsonl"));
+    int lines = 0;
+    for (std::string line; std::getline(log, line); ++lines) {
+        const auto j = nlohmann::json::parse(line);
+        EXPECT_EQ(j["step"], lines);
+        for (const char * key : {"loss", "ce", "kl", "size_term", "tau", "bytes", "lr", "tokens_per_s"}) {
+            EXPECT_TRUE(j.contains(key)) << key;
+        }
+    }
+    EXPECT_EQ(lines, 8);
+    EXPECT_NE(r.summary.find("ffn_down.weight"), std::string::npos) << r.summary;
+}
+
+TEST(train, a_resumed_run_ends_with_the_same_recipe_as_an_uninterrupted_one) {
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    token_data data(stories_data());
+    auto o = quick(dir.file("a"));
+    o.st_gumbel_fraction = 0.5;  // the noise must replay too
+    o.cache_dir = dir.file("cache");
+    const train_result whole = train_gates(src, src, data.train(), nullptr, o);
+
+    auto b = o;
+    b.run_dir = dir.file("b");
+    b.should_stop = [](int step) { return step == 2; };
+    const train_result first = train_gates(src, src, data.train(), nullptr, b);
+    EXPECT_FALSE(first.finished);
+    EXPECT_EQ(first.steps_done, 3);
+    EXPECT_FALSE(std::filesystem::exists(dir.file("b/recipe.json")));
+    b.should_stop = nullptr;
+    b.resume = true;
+    const train_result rest = train_gates(src, src, data.train(), nullptr, b);
+    EXPECT_TRUE(rest.finished);
+    const auto ja = recipe_to_json(recipe_load(dir.file("a/recipe.json")));
+    const auto jb = recipe_to_json(recipe_load(dir.file("b/recipe.json")));
+    EXPECT_EQ(ja["tensors"], jb["tensors"]);  // types and gate probabilities, bit for bit
+    // The log of the resumed run has each step once.
+    std::ifstream log(dir.file("b/log.jsonl"));
+    int lines = 0;
+    for (std::string line; std::getline(log, line); ++lines) {
+        EXPECT_EQ(nlohmann::json::parse(line)["step"], lines);
+    }
+    EXPECT_EQ(lines, 8);
+}
+
+TEST(train, refuses_to_reuse_or_resume_the_wrong_run_directory) {
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    token_data data(stories_data());
+    auto o = quick(dir.file("run"));
+    o.steps = 2;
+    train_gates(src, src, data.train(), nullptr, o);
+    EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, o); }).find("--resume"), std::string::npos);
+    o.resume = true;
+    o.steps = 5;  // another run
+    EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, o); }).find("other options"),
+              std::string::npos);
+    auto fresh = quick(dir.file("empty"));
+    fresh.resume = true;
+    EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, fresh); }).find("no journal"),
+              std::string::npos);
+}
+
+TEST(train, an_impossible_target_is_refused_before_any_work) {
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    token_data data(stories_data());
+    auto o = quick(dir.file("run"));
+    o.goal = {target_kind::size, 100000};
+    const std::string msg = error_of([&] { train_gates(src, src, data.train(), nullptr, o); });
+    EXPECT_NE(msg.find("outside what the menus can reach"), std::string::npos) << msg;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("run")));
+}
+
+TEST(train, a_non_finite_loss_stops_with_the_step_and_keeps_the_last_good_journal) {
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    token_data data(stories_data());
+    auto o = quick(dir.file("run"));
+    o.should_stop = [](int step) { return step == 1; };
+    train_gates(src, src, data.train(), nullptr, o);
+    const auto journal = dir.file("run/journal.pt");
+    const auto before = std::filesystem::last_write_time(journal);
+
+    // A teacher whose output norm holds a NaN: every teacher logit is NaN.
+    const std::string bad = dir.file("nan-teacher.gguf");
+    {
+        gguf_writer w(bad, src.alignment());
+        w.copy_kv(src);
+        for (const gguf_tensor & t : src.tensors()) {
+            w.add_tensor(t.name, t.type, t.shape());
+        }
+        for (const gguf_tensor & t : src.tensors()) {
+            std::vector<uint8_t> bytes(src.data(t).begin(), src.data(t).end());
+            if (t.name == "output_norm.weight") {
+                const float nan = std::nanf("");
+                std::memcpy(bytes.data(), &nan, sizeof nan);
+            }
+            w.write_tensor(t.name, bytes);
+        }
+        w.commit();
+    }
+    gguf_file teacher(bad);
+    o.should_stop = nullptr;
+    o.resume = true;
+    const std::string msg = error_of([&] { train_gates(src, teacher, data.train(), nullptr, o); });
+    EXPECT_NE(msg.find("step 2"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("not finite"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(dir.file("run")), std::string::npos) << msg;
+    EXPECT_EQ(std::filesystem::last_write_time(journal), before);
+}
+
+TEST(train, tokens_of_another_vocabulary_are_refused) {
+    temp_dir dir;
+    fixture_spec spec;
+    spec.n_embd = 64;
+    spec.n_layer = 1;
+    spec.n_head = 2;
+    spec.n_head_kv = 1;
+    spec.head_dim = 32;
+    spec.n_ff = 128;
+    spec.vocab_path = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-gpt-2.gguf";
+    write_fixture(spec, dir.file("gpt2.gguf"));
+    data_options d;
+    d.model = dir.file("gpt2.gguf");
+    d.texts = {test::shared_data() + "/text/tinystories/tinystories_val.txt"};
+    d.ctx = 64;
+    d.out_dir = dir.file("gpt2-data");
+    prepare_data(d);
+    token_data other(d.out_dir);
+    gguf_file src(test::stories260k());
+    const std::string msg = error_of([&] { train_gates(src, src, other.train(), nullptr, quick(dir.file("run"))); });
+    EXPECT_NE(msg.find("vocabulary"), std::string::npos) << msg;
+}
