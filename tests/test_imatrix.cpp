@@ -60,6 +60,7 @@ const voodoo::imatrix & collected() {
         o.model = stories260k();
         o.data_dir = data().dir;
         o.max_chunks = 8;
+        o.n_threads = 1;  // ggml's spinning thread pool crawls on cores other tests share (docs/DATA.md)
         return voodoo::collect_imatrix(o);
     }();
     return im;

@@ -40,6 +40,7 @@ TEST(imatrix_cross_check, stories260k_on_64_tinystories_chunks_agrees_with_the_l
     o.model = stories260k();
     o.data_dir = d.out_dir;
     o.max_chunks = n_chunks;
+    o.n_threads = 1;  // ggml's spinning thread pool crawls on cores other tests share (docs/DATA.md)
     const voodoo::imatrix im = voodoo::collect_imatrix(o);
     ASSERT_EQ(im.chunk_count, n_chunks);
 
