@@ -286,10 +286,14 @@ TEST(imatrix, tokens_of_another_vocabulary_are_refused_and_nothing_is_written) {
     temp_dir tmp;
     write_all(tmp.file("t.txt"), std::string(4000, 'a') + "\n\n" + std::string(4000, 'b'));
     const std::string other = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf";
-    auto r = run_voodoo("data --model " + other + " --text " + tmp.file("t.txt") + " --ctx 32 --val-fraction 0 --out " +
-                        tmp.file("d"));
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-    r = run_voodoo("imatrix --model " + stories260k() + " --data " + tmp.file("d") + " --out " + tmp.file("i.gguf"));
+    voodoo::data_options d;
+    d.model = other;
+    d.texts = {tmp.file("t.txt")};
+    d.ctx = 32;
+    d.val_fraction = 0.0;
+    d.out_dir = tmp.file("d");
+    voodoo::prepare_data(d);
+    const auto r = run_voodoo("imatrix --model " + stories260k() + " --data " + tmp.file("d") + " --out " + tmp.file("i.gguf"));
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_NE(r.output.find("another vocabulary"), std::string::npos) << r.output;
     EXPECT_FALSE(std::filesystem::exists(tmp.file("i.gguf")));
