@@ -206,14 +206,33 @@ void expect_refused(const std::string & text, const std::string & message, const
     EXPECT_FALSE(std::filesystem::exists(tmp.file("out"))) << "something was written for: " << message;
 }
 
+// The same refusal through the library: the error names the problem and no output folder appears.
+void expect_refused_by_library(const std::string & text, const std::string & message, int64_t ctx, double val) {
+    temp_dir tmp;
+    write_all(tmp.file("in.txt"), text);
+    voodoo::data_options o;
+    o.model = stories260k();
+    o.texts = {tmp.file("in.txt")};
+    o.ctx = ctx;
+    o.val_fraction = val;
+    o.out_dir = tmp.file("out");
+    try {
+        voodoo::prepare_data(o);
+        FAIL() << "accepted; expected: " << message;
+    } catch (const voodoo::error & e) {
+        EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+    EXPECT_FALSE(std::filesystem::exists(tmp.file("out"))) << "something was written for: " << message;
+}
+
 TEST(data, empty_text_is_refused_and_nothing_is_written) {
     expect_refused("", "holds no text");
-    expect_refused("\n\n   \n", "holds no text");
+    expect_refused_by_library("\n\n   \n", "holds no text", 512, 0.05);
 }
 
 TEST(data, text_shorter_than_one_chunk_is_refused_and_nothing_is_written) {
     expect_refused("Once upon a time there was a cat.\n", "shorter than one chunk");
-    expect_refused(tinystories_head(20000), "fewer than one chunk", "--ctx 512 --val-fraction 0.001");
+    expect_refused_by_library(tinystories_head(20000), "fewer than one chunk", 512, 0.001);
 }
 
 TEST(data, non_utf8_text_is_refused_with_its_offset_and_nothing_is_written) {

@@ -83,6 +83,7 @@ command add_train(CLI::App & app) {
         t.cache_dir = o->cache;
         const gguf_file src(o->model);
         const token_data data(o->data);
+        data.require_vocab_of(o->model);
         std::unique_ptr<gguf_file> teacher;
         if (!o->teacher.empty()) {
             teacher = std::make_unique<gguf_file>(o->teacher);

@@ -186,6 +186,11 @@ imatrix collect_imatrix(const imatrix_options & o) {
     cp.n_batch = static_cast<uint32_t>(train.ctx());
     cp.n_ubatch = static_cast<uint32_t>(train.ctx());
     cp.n_seq_max = 1;
+    // K/V in f32 and no flash attention: the activations are the model's, not rounded through an f16 cache
+    // (llama-imatrix's defaults round K/V to f16, which moves Σx² by about 1e-3 relative; docs/DATA.md).
+    cp.type_k = GGML_TYPE_F32;
+    cp.type_v = GGML_TYPE_F32;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cp.n_threads = cp.n_threads_batch = resolve_threads(o.n_threads);
     cp.cb_eval = eval_callback;
     cp.cb_eval_user_data = &c;

@@ -17,7 +17,9 @@ struct imatrix_options {
 };
 
 /// Runs the model (libllama, CPU backend) over the train chunks of `data_dir`, one chunk per llama_decode with
-/// logits for every position (so the output head runs on every token), the KV cache cleared between chunks, and
+/// logits for every position (so the output head runs on every token), the KV cache cleared between chunks and
+/// kept in f32 with flash attention off (llama-imatrix's default f16 cache rounds K/V; here nothing is rounded
+/// here that the weights do not round), and
 /// collects what llama-imatrix --process-output collects (tools/imatrix/imatrix.cpp collect_imatrix):
 ///   - every GGML_OP_MUL_MAT whose weight (src0) is `blk.*` or `output.weight`, activations (src1) f32 with at
 ///     least 16 rows: in_sum2[col] += x[col]² over every row x in f32, counts += rows / n_mat;
