@@ -109,3 +109,32 @@ TEST(model_forward, observer_sees_every_weight_matmul_and_the_head) {
     EXPECT_EQ(seen.at("blk.4.attn_q.weight"), 64);
     EXPECT_EQ(seen.at("output.weight"), 64);
 }
+
+TEST(model_parity, the_f32_bound_catches_a_one_percent_change_in_one_attention_matrix) {
+    // What the bound is worth: scaling blk.2.attn_k by 1.01 (a subtle attention bug) breaks it.
+    struct scaled_k : weight_source {
+        gguf_weights base;
+        explicit scaled_k(const gguf_file & f) : base(f) {}
+        torch::Tensor get(const std::string & n) override {
+            return n == "blk.2.attn_k.weight" ? base.get(n) * 1.01f : base.get(n);
+        }
+        torch::Tensor rows(const std::string & n, const torch::Tensor & ids) override { return base.rows(n, ids); }
+        bool has(const std::string & n) const override { return base.has(n); }
+    };
+    const gguf_file file(test::stories260k());
+    auto model = build_model(file);
+    const llama_reference reference(test::stories260k());
+    std::vector<int32_t> ids(128);
+    for (size_t i = 0; i < ids.size(); ++i) {
+        ids[i] = static_cast<int32_t>((i * 37 + 11) % 512);
+    }
+    std::vector<float> ref = reference.logits(ids);
+    const torch::Tensor theirs = torch::from_blob(ref.data(), {128, 512});
+    const torch::Tensor tokens = torch::tensor(std::vector<int64_t>(ids.begin(), ids.end())).view({1, -1});
+    torch::NoGradGuard no_grad;
+    gguf_weights exact(file);
+    scaled_k wrong(file);
+    const double bound = 1e-3 * theirs.abs().max().item<double>();
+    EXPECT_LE((model->forward(tokens, exact)[0] - theirs).abs().max().item<double>(), bound);
+    EXPECT_GT((model->forward(tokens, wrong)[0] - theirs).abs().max().item<double>(), bound);
+}

@@ -13,7 +13,7 @@ namespace {
 command add_check_parity(CLI::App & app) {
     auto * sub = app.add_subcommand(
         "check-parity", "Run a GGUF through Voodoo's LibTorch forward and through libllama; compare the logits");
-    sub->footer("Exit 0 when max|Δlogit| / max|logit| is within the bound for the file's weight types, 2 when not.\n"
+    sub->footer("Exit 0 when max|Δlogit| / max|logit| is within the bound for the file's weight types, 3 when it is not (1 on an error).\n"
                 "examples:\n  voodoo check-parity model.gguf\n"
                 "  voodoo check-parity model.gguf --text ../shared/data/text/tinystories/tinystories_val.txt --tokens 256\n"
                 "  voodoo check-parity model.gguf --json");
@@ -35,7 +35,7 @@ command add_check_parity(CLI::App & app) {
         } else {
             fmt::print("{}", parity_to_text(report));
         }
-        return report.within ? 0 : 2;
+        return report.within ? 0 : 3;
     }};
 }
 
