@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 packages=(
     cmake ninja-build g++ make git pkg-config
     libtorch-dev libopenblas0-pthread
-    nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev
+    nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev libssl-dev
     libgtest-dev libgmock-dev libbenchmark-dev
     gnuplot-nox nodejs npm
 )

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <thread>
 
 namespace voodoo {
 
@@ -46,5 +47,15 @@ std::vector<std::string> torch_blas_libraries() {
 }
 
 int torch_threads() { return torch::get_num_threads(); }
+
+}  // namespace voodoo
+
+namespace voodoo {
+
+int set_torch_threads(int n) {
+    const int threads = n > 0 ? n : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    torch::set_num_threads(threads);
+    return threads;
+}
 
 }  // namespace voodoo

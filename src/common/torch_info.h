@@ -21,3 +21,11 @@ std::vector<std::string> torch_blas_libraries();
 int torch_threads();
 
 }  // namespace voodoo
+
+namespace voodoo {
+
+/// Sets LibTorch's intra-op thread count to n, or to the number of cores when n ≤ 0 (Debian's
+/// LibTorch 1.13 starts with 1 thread). Returns the count set.
+int set_torch_threads(int n);
+
+}  // namespace voodoo

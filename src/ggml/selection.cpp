@@ -65,3 +65,34 @@ std::vector<ggml_type> menu_for(std::span<const ggml_type> types, int64_t ne0, b
 }
 
 }  // namespace voodoo
+
+namespace voodoo {
+
+ggml_type llama_type_fallback(ggml_type target, int64_t ne0) {
+    if (type_fits(target, ne0)) {
+        return target;
+    }
+    ggml_type fallback = target;
+    switch (target) {
+        case GGML_TYPE_IQ1_S:
+        case GGML_TYPE_IQ1_M:
+        case GGML_TYPE_IQ2_XXS:
+        case GGML_TYPE_IQ2_XS:
+        case GGML_TYPE_IQ2_S:
+        case GGML_TYPE_IQ3_XXS:
+        case GGML_TYPE_IQ3_S:
+        case GGML_TYPE_IQ4_XS: fallback = GGML_TYPE_IQ4_NL; break;
+        case GGML_TYPE_Q2_0:
+        case GGML_TYPE_Q2_K:
+        case GGML_TYPE_Q3_K:
+        case GGML_TYPE_TQ1_0:
+        case GGML_TYPE_TQ2_0: fallback = GGML_TYPE_Q4_0; break;
+        case GGML_TYPE_Q4_K: fallback = GGML_TYPE_Q5_0; break;
+        case GGML_TYPE_Q5_K: fallback = GGML_TYPE_Q5_1; break;
+        case GGML_TYPE_Q6_K: fallback = GGML_TYPE_Q8_0; break;
+        default: break;
+    }
+    return type_fits(fallback, ne0) ? fallback : GGML_TYPE_F16;
+}
+
+}  // namespace voodoo

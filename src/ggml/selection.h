@@ -26,3 +26,13 @@ const std::vector<ggml_type> & default_menu_types();
 std::vector<ggml_type> menu_for(std::span<const ggml_type> types, int64_t ne0, bool has_imatrix);
 
 }  // namespace voodoo
+
+namespace voodoo {
+
+/// The type llama-quantize really writes when `target` does not fit a tensor's ne0: llama.cpp's
+/// tensor_type_fallback (src/llama-quant.cpp): 256-block IQ types → IQ4_NL, Q2_K/Q3_K → Q4_0,
+/// Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, and F16 when the fallback does not fit either.
+/// Returns `target` when it fits.
+ggml_type llama_type_fallback(ggml_type target, int64_t ne0);
+
+}  // namespace voodoo

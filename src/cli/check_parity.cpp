@@ -1,0 +1,46 @@
+#include "cli/commands.h"
+#include "model/parity.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <memory>
+
+namespace voodoo::cli {
+
+namespace {
+
+command add_check_parity(CLI::App & app) {
+    auto * sub = app.add_subcommand(
+        "check-parity", "Run a GGUF through Voodoo's LibTorch forward and through libllama; compare the logits");
+    sub->footer("Exit 0 when max|Δlogit| / max|logit| is within the bound for the file's weight types, 2 when not.\n"
+                "examples:\n  voodoo check-parity model.gguf\n"
+                "  voodoo check-parity model.gguf --text ../shared/data/text/tinystories/tinystories_val.txt --tokens 256\n"
+                "  voodoo check-parity model.gguf --json");
+    struct options {
+        std::string path;
+        parity_options parity;
+        bool json = false;
+    };
+    auto o = std::make_shared<options>();
+    sub->add_option("file", o->path, "GGUF file")->required();
+    sub->add_option("--text", o->parity.text_path, "Tokenize this text file (default: fixed pseudo-random token ids)");
+    sub->add_option("--tokens", o->parity.n_tokens, "Positions to compare")->capture_default_str();
+    sub->add_option("--threads", o->parity.n_threads, "Threads for both runtimes (0 = all cores)")->capture_default_str();
+    sub->add_flag("--json", o->json, "Print the report as JSON");
+    return {sub, [o] {
+        const parity_report report = check_parity(o->path, o->parity);
+        if (o->json) {
+            fmt::print("{}\n", parity_to_json(report).dump(2));
+        } else {
+            fmt::print("{}", parity_to_text(report));
+        }
+        return report.within ? 0 : 2;
+    }};
+}
+
+}  // namespace
+
+VOODOO_COMMAND(check_parity, add_check_parity);
+
+}  // namespace voodoo::cli

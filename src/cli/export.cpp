@@ -1,0 +1,62 @@
+#include "cli/commands.h"
+#include "common/error.h"
+#include "export/export.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <memory>
+
+namespace voodoo::cli {
+
+namespace {
+
+command add_export(CLI::App & app) {
+    auto * sub = app.add_subcommand("export", "Write a recipe as a GGUF that stock llama.cpp runs");
+    sub->footer("examples:\n"
+                "  voodoo export --model model.gguf --recipe run/recipe.json --out model.Voodoo45.gguf\n"
+                "  voodoo export --model model.gguf --recipe run/recipe.json --out out/   # names it <model>.Voodoo<NN>.gguf");
+    struct options {
+        std::string model, recipe, out, cache;
+        int threads = 0;
+    };
+    auto o = std::make_shared<options>();
+    sub->add_option("--model", o->model, "Source GGUF (the one the recipe was made for)")->required();
+    sub->add_option("--recipe", o->recipe, "recipe.json from `voodoo train`")->required();
+    sub->add_option("--out", o->out, "Output GGUF, or an existing folder")->required();
+    sub->add_option("--cache", o->cache, "Candidate cache folder to take bytes from (optional)");
+    sub->add_option("--threads", o->threads, "Threads (0 = all cores)")->capture_default_str();
+    return {sub, [o] {
+        const gguf_file src(o->model);
+        const recipe r = recipe_load(o->recipe);
+        if (!r.imatrix.empty()) {
+            fail("recipe '{}' was made with imatrix '{}'; exporting with an imatrix needs `voodoo imatrix` support "
+                 "in export, which is not built yet",
+                 o->recipe, r.imatrix);
+        }
+        export_options opts;
+        opts.n_threads = o->threads;
+        std::unique_ptr<candidate_cache> cache;
+        if (!o->cache.empty()) {
+            cache = std::make_unique<candidate_cache>(o->cache);
+            opts.cache = cache.get();
+        }
+        opts.target = r.target;
+        std::string out = o->out;
+        if (std::filesystem::is_directory(out)) {
+            const double ratio = static_cast<double>(planned_file_bytes(src, r, opts)) /
+                                 static_cast<double>(q8_0_file_bytes(src, opts));
+            out = default_output_path(out, src, ratio);
+        }
+        const export_result res = export_gguf(src, r, out, opts);
+        fmt::print("wrote {}\n  {} bytes on disk, {} tensor bytes, {:.4f} BPW, {:.1f}% of the Q8_0 size\n", res.path,
+                   res.file_bytes, res.tensor_bytes, res.bpw, 100.0 * res.q8_0_ratio);
+        return 0;
+    }};
+}
+
+}  // namespace
+
+VOODOO_COMMAND(export, add_export);
+
+}  // namespace voodoo::cli

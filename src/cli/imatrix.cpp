@@ -1,0 +1,94 @@
+#include "cli/commands.h"
+#include "common/error.h"
+#include "common/file.h"
+#include "ggml/gguf.h"
+#include "imatrix/collect.h"
+#include "imatrix/imatrix.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <memory>
+
+namespace voodoo::cli {
+
+namespace {
+
+nlohmann::json summary_json(const imatrix & im) {
+    nlohmann::json entries = nlohmann::json::array();
+    for (const auto & [name, e] : im.entries) {
+        int64_t max_count = 0;
+        for (int64_t c : e.counts) {
+            max_count = std::max(max_count, c);
+        }
+        entries.push_back({{"name", name}, {"ne0", e.ne0()}, {"n_mat", e.n_mat()}, {"count", max_count}});
+    }
+    return {{"format", im.legacy ? "dat" : "gguf"}, {"datasets", im.datasets}, {"chunk_count", im.chunk_count},
+            {"chunk_size", im.chunk_size},          {"n_entries", im.entries.size()}, {"entries", entries}};
+}
+
+void print_summary(const imatrix & im) {
+    fmt::print("{} entries, {} chunks of {} tokens, datasets: {}\n", im.entries.size(), im.chunk_count, im.chunk_size,
+               fmt::join(im.datasets, ", "));
+    for (const auto & [name, e] : im.entries) {
+        fmt::print("  {:<28} {:>6} columns × {} matrices, {} tokens\n", name, e.ne0(), e.n_mat(),
+                   e.counts.empty() ? 0 : e.counts[0]);
+    }
+}
+
+command add_imatrix(CLI::App & app) {
+    auto * sub = app.add_subcommand(
+        "imatrix", "Collect the importance matrix (Σx² per input column of every matmul) in llama.cpp's GGUF format");
+    sub->footer("examples:\n"
+                "  voodoo imatrix --model model.gguf --data data/ --out imatrix.gguf\n"
+                "  voodoo imatrix --model model.gguf --data data/ --chunks 64 --out imatrix.gguf\n"
+                "  voodoo imatrix --model model.gguf --show imatrix.dat     (check one made by llama-imatrix)");
+    struct options {
+        imatrix_options collect;
+        std::string out;
+        std::string show;
+        bool json = false;
+    };
+    auto o = std::make_shared<options>();
+    sub->add_option("--model,-m", o->collect.model, "Source GGUF (F32/F16/BF16)")->required();
+    auto * data = sub->add_option("--data,-d", o->collect.data_dir, "A folder written by `voodoo data` (train split)");
+    auto * out = sub->add_option("--out,-o", o->out, "Output imatrix GGUF");
+    auto * show = sub->add_option("--show", o->show, "Read an imatrix (GGUF or legacy .dat), check it fits the model, list it");
+    sub->add_option("--chunks", o->collect.max_chunks, "Use the first N train chunks (0 = all)")->capture_default_str();
+    sub->add_option("--threads", o->collect.n_threads, "CPU threads (0 = all cores)")->capture_default_str();
+    sub->add_flag("--json", o->json, "Print the summary as JSON");
+    data->needs(out);
+    out->needs(data);
+    show->excludes(data);
+    return {sub, [o] {
+        if (o->show.empty() && o->collect.data_dir.empty()) {
+            fail("voodoo imatrix: give --data DIR --out FILE to collect, or --show FILE to check an imatrix");
+        }
+        imatrix im;
+        if (!o->show.empty()) {
+            im = read_imatrix(o->show);
+            require_imatrix_fits(im, gguf_file(o->collect.model), o->show);
+        } else {
+            if (same_file(o->out, o->collect.model)) {
+                fail("--out '{}' is the source model; choose another file", o->out);
+            }
+            im = collect_imatrix(o->collect);
+            write_imatrix_gguf(o->out, im);
+        }
+        if (o->json) {
+            fmt::print("{}\n", summary_json(im).dump(2));
+        } else {
+            print_summary(im);
+            if (!o->out.empty()) {
+                fmt::print("wrote {}\n", o->out);
+            }
+        }
+        return 0;
+    }};
+}
+
+}  // namespace
+
+VOODOO_COMMAND(imatrix, add_imatrix);
+
+}  // namespace voodoo::cli

@@ -1,0 +1,119 @@
+#include "cli/commands.h"
+#include "common/error.h"
+#include "data/dataset.h"
+#include "imatrix/imatrix.h"
+#include "train/trainer.h"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <csignal>
+#include <memory>
+
+namespace voodoo::cli {
+
+namespace {
+
+std::atomic<bool> g_interrupted{false};
+
+void on_sigint(int) { g_interrupted = true; }
+
+command add_train(CLI::App & app) {
+    auto * sub = app.add_subcommand("train", "Learn each tensor's type under an exact byte budget; writes a recipe");
+    sub->footer("examples:\n"
+                "  voodoo train --model m.gguf --data data/ --target-size 300KB --out run/\n"
+                "  voodoo train --model m.gguf --data data/ --imatrix m.imatrix.gguf --ratio 0.45 --out run/\n"
+                "  voodoo train --model m.gguf --data data/ --target-bpw 4.5 --menu Q4_K,Q5_K,Q6_K,Q8_0 --out run/\n"
+                "  voodoo train ... --out run/ --resume      # continue after Ctrl-C\n"
+                "Then: voodoo export --model m.gguf --recipe run/recipe.json --out out/");
+    struct options {
+        std::string model, data, out, imatrix, teacher, menu, cache, target_size;
+        std::vector<std::string> menu_for;
+        double target_bpw = 0, ratio = 0;
+        train_options t;
+    };
+    auto o = std::make_shared<options>();
+    sub->add_option("--model", o->model, "Source GGUF (F32/F16/BF16, or any type as the teacher sees it)")->required();
+    sub->add_option("--data", o->data, "Folder written by `voodoo data`")->required();
+    sub->add_option("--out", o->out, "Run directory (journal, log.jsonl, recipe.json)")->required();
+    auto * bpw = sub->add_option("--target-bpw", o->target_bpw, "Budget in bits per weight over every tensor (llama-quantize's BPW)");
+    auto * size = sub->add_option("--target-size", o->target_size, "Budget as the output file's size on disk: bytes, KB, MiB, GiB …");
+    auto * ratio = sub->add_option("--ratio", o->ratio, "Budget as a fraction of the all-Q8_0 file (0.45 → Voodoo45)");
+    bpw->excludes(size)->excludes(ratio);
+    size->excludes(ratio);
+    sub->add_option("--imatrix", o->imatrix, "Importance matrix (GGUF or legacy .dat) from `voodoo imatrix` or llama-imatrix");
+    sub->add_option("--teacher", o->teacher, "Teacher GGUF (default: the model itself)");
+    sub->add_option("--menu", o->menu, "Candidate types, comma-separated (default: IQ1_S … Q8_0, F16, BF16)");
+    sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES', e.g. 'attn_.*=Q4_K,Q5_K,Q6_K' (repeatable)");
+    sub->add_option("--cache", o->cache, "Candidate cache folder (default: RUN/candidates)");
+    sub->add_option("--steps", o->t.steps, "Optimizer steps")->capture_default_str();
+    sub->add_option("--batch", o->t.batch, "Sequences per micro-batch")->capture_default_str();
+    sub->add_option("--accum", o->t.accum, "Micro-batches per step (gradient accumulation)")->capture_default_str();
+    sub->add_option("--seq", o->t.seq, "Tokens per sequence (0 = the data's chunk length)")->capture_default_str();
+    sub->add_option("--lr", o->t.lr, "Peak learning rate of the gates (AdamW, cosine)")->capture_default_str();
+    sub->add_option("--tau0", o->t.tau0, "Start temperature")->capture_default_str();
+    sub->add_option("--tau1", o->t.tau1, "End temperature")->capture_default_str();
+    sub->add_option("--lambda-kl", o->t.lambda_kl, "Weight of KL(teacher ‖ student)")->capture_default_str();
+    sub->add_option("--lambda-size", o->t.lambda_size, "Weight of the size penalty")->capture_default_str();
+    sub->add_option("--size-tol", o->t.size_tol, "Dead zone of the size penalty (relative)")->capture_default_str();
+    sub->add_option("--st-gumbel-fraction", o->t.st_gumbel_fraction, "Last fraction of steps with straight-through Gumbel")
+        ->capture_default_str();
+    sub->add_option("--journal-every", o->t.journal_every, "Steps between journals")->capture_default_str();
+    sub->add_flag("--resume", o->t.resume, "Continue the run in --out from its journal");
+    sub->add_option("--seed", o->t.seed, "Seed (data order, Gumbel noise)")->capture_default_str();
+    sub->add_option("--threads", o->t.threads, "Threads (0 = all cores)")->capture_default_str();
+    return {sub, [o, bpw, size, ratio] {
+        train_options t = o->t;
+        if (bpw->count()) {
+            t.goal = {target_kind::bpw, o->target_bpw};
+        } else if (size->count()) {
+            t.goal = {target_kind::size, parse_size(o->target_size, "--target-size")};
+        } else if (ratio->count()) {
+            t.goal = {target_kind::ratio, o->ratio};
+        } else {
+            fail("give one target: --target-bpw, --target-size or --ratio");
+        }
+        if (!o->menu.empty()) {
+            t.menu.types = parse_menu(o->menu, "--menu");
+        }
+        for (const auto & spec : o->menu_for) {
+            t.menu.per_role.push_back(parse_menu_for(spec));
+        }
+        t.run_dir = o->out;
+        t.cache_dir = o->cache;
+        const gguf_file src(o->model);
+        const token_data data(o->data);
+        std::unique_ptr<gguf_file> teacher;
+        if (!o->teacher.empty()) {
+            teacher = std::make_unique<gguf_file>(o->teacher);
+        }
+        importance_map importance;
+        if (!o->imatrix.empty()) {
+            const imatrix im = read_imatrix(o->imatrix);
+            require_imatrix_fits(im, src, o->imatrix);
+            for (const auto & [name, entry] : im.entries) {
+                importance[name] = imatrix_column_importance(im, name);
+            }
+            t.menu.has_imatrix = true;
+            t.imatrix_path = o->imatrix;
+        }
+        std::signal(SIGINT, on_sigint);
+        t.should_stop = [](int) { return g_interrupted.load(); };
+        const train_result r = train_gates(src, teacher ? *teacher : src, data.train(),
+                                           o->imatrix.empty() ? nullptr : &importance, t);
+        if (!r.finished) {
+            fmt::print(stderr, "interrupted after step {}: journal written to {}/journal.pt; continue with --resume\n",
+                       r.steps_done, o->out);
+            return 130;
+        }
+        fmt::print("{}", r.summary);
+        fmt::print("wrote {0}/recipe.json and {0}/recipe.tensor-types.txt in {1:.1f} s\n", o->out, r.seconds);
+        return 0;
+    }};
+}
+
+}  // namespace
+
+VOODOO_COMMAND(train, add_train);
+
+}  // namespace voodoo::cli

@@ -1,0 +1,238 @@
+#include "imatrix/collect.h"
+
+#include "common/error.h"
+#include "common/progress.h"
+#include "data/dataset.h"
+#include "ggml/log.h"
+#include "ggml/quant.h"
+#include "ggml/runtime.h"
+
+#include <ggml-backend.h>
+#include <llama.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <memory>
+
+namespace voodoo {
+
+namespace {
+
+// The weight's GGUF name from a graph node's src0 name ("CUDA0#blk.0.attn_k.weight#0" → "blk.0.attn_k.weight"),
+// as llama-imatrix's filter_tensor_name.
+std::string weight_name(const char * name) {
+    const char * p = std::strchr(name, '#');
+    if (!p) {
+        return name;
+    }
+    ++p;
+    const char * q = std::strchr(p, '#');
+    return q ? std::string(p, static_cast<size_t>(q - p)) : std::string(p);
+}
+
+struct collector {
+    imatrix im;
+    std::string error;              // set on the first bad activation; the callback then stops the graph
+    std::vector<uint8_t> src1;      // activations copied from the backend
+    std::vector<uint8_t> ids;       // expert ids of a MUL_MAT_ID
+
+    bool wanted(const ggml_tensor * t) const {
+        if (t->op == GGML_OP_MUL_MAT_ID) {
+            return true;
+        }
+        if (t->op != GGML_OP_MUL_MAT) {
+            return false;
+        }
+        const ggml_tensor * src1 = t->src[1];
+        if (src1->ne[1] < 16 || src1->type != GGML_TYPE_F32) {
+            return false;
+        }
+        const std::string name = weight_name(t->src[0]->name);
+        return name.starts_with("blk.") || name == "output.weight";
+    }
+
+    bool fail_with(std::string why) {
+        if (error.empty()) {
+            error = std::move(why);
+        }
+        return false;
+    }
+
+    bool collect(ggml_tensor * t) {
+        const ggml_tensor * src0 = t->src[0];
+        const ggml_tensor * x = t->src[1];
+        const std::string name = weight_name(src0->name);
+        if (x->nb[0] != ggml_element_size(x)) {
+            return fail_with(fmt::format("activations of '{}' are not contiguous in a row", name));
+        }
+        src1.resize(ggml_nbytes(x));
+        ggml_backend_tensor_get(x, src1.data(), 0, src1.size());
+        const auto * data = reinterpret_cast<const char *>(src1.data());
+        const int64_t ne0 = x->ne[0];
+        imatrix_entry & e = im.entries[name];
+        if (t->op == GGML_OP_MUL_MAT_ID) {
+            // ids: [n_expert_used, n_tokens] i32 (not contiguous); x: [ne0, n_expert_used or 1, n_tokens]
+            const ggml_tensor * id_t = t->src[2];
+            const int64_t n_as = src0->ne[2];
+            ids.resize(ggml_nbytes(id_t));
+            ggml_backend_tensor_get(id_t, ids.data(), 0, ids.size());
+            if (e.in_sum2.empty()) {
+                e.in_sum2.assign(static_cast<size_t>(ne0 * n_as), 0.0f);
+                e.counts.assign(static_cast<size_t>(n_as), 0);
+            } else if (e.in_sum2.size() != static_cast<size_t>(ne0 * n_as)) {
+                return fail_with(fmt::format("'{}' changed size between calls ({} vs {})", name, e.in_sum2.size(),
+                                             ne0 * n_as));
+            }
+            for (int64_t idx = 0; idx < id_t->ne[0]; ++idx) {
+                for (int64_t row = 0; row < x->ne[2]; ++row) {
+                    int32_t ex;
+                    std::memcpy(&ex, ids.data() + row * id_t->nb[1] + idx * id_t->nb[0], sizeof ex);
+                    if (ex < 0 || ex >= n_as) {
+                        return fail_with(fmt::format("'{}': expert id {} outside [0, {})", name, ex, n_as));
+                    }
+                    const auto * xr = reinterpret_cast<const float *>(data + (idx % x->ne[1]) * x->nb[1] +
+                                                                      row * x->nb[2]);
+                    float * acc = e.in_sum2.data() + ex * ne0;
+                    ++e.counts[static_cast<size_t>(ex)];
+                    for (int64_t j = 0; j < ne0; ++j) {
+                        acc[j] += xr[j] * xr[j];
+                    }
+                }
+            }
+        } else {
+            const int64_t n_mat = src0->ne[2] * src0->ne[3];
+            if (e.in_sum2.empty()) {
+                e.in_sum2.assign(static_cast<size_t>(ne0 * n_mat), 0.0f);
+                e.counts.assign(1, 0);
+            } else if (e.in_sum2.size() != static_cast<size_t>(ne0 * n_mat)) {
+                return fail_with(fmt::format("'{}' changed size between calls ({} vs {})", name, e.in_sum2.size(),
+                                             ne0 * n_mat));
+            }
+            for (int64_t i3 = 0; i3 < x->ne[3]; ++i3) {
+                for (int64_t i2 = 0; i2 < x->ne[2]; ++i2) {
+                    // 3-D activations against a 2-D weight are flattened onto its one matrix.
+                    const int64_t mat = (i3 % src0->ne[3]) * src0->ne[2] + (i2 % src0->ne[2]);
+                    float * acc = e.in_sum2.data() + mat * ne0;
+                    for (int64_t row = 0; row < x->ne[1]; ++row) {
+                        const auto * xr =
+                            reinterpret_cast<const float *>(data + row * x->nb[1] + i2 * x->nb[2] + i3 * x->nb[3]);
+                        for (int64_t j = 0; j < ne0; ++j) {
+                            acc[j] += xr[j] * xr[j];
+                        }
+                    }
+                }
+            }
+            for (int64_t & c : e.counts) {
+                c += ggml_nrows(x) / n_mat;
+            }
+        }
+        for (float v : e.in_sum2) {
+            if (!std::isfinite(v)) {
+                return fail_with(fmt::format("non-finite activations reached '{}'; the model or its input is broken",
+                                             name));
+            }
+        }
+        return true;
+    }
+};
+
+// ggml_backend_sched_eval_callback: asked first whether we want a node, then called with it computed.
+bool eval_callback(ggml_tensor * t, bool ask, void * user_data) {
+    auto * c = static_cast<collector *>(user_data);
+    if (ask) {
+        return c->wanted(t);
+    }
+    return c->collect(t);
+}
+
+struct model_deleter {
+    void operator()(llama_model * m) const { llama_model_free(m); }
+};
+struct context_deleter {
+    void operator()(llama_context * c) const { llama_free(c); }
+};
+
+}  // namespace
+
+imatrix collect_imatrix(const imatrix_options & o) {
+    const token_data data(o.data_dir);
+    data.require_vocab_of(o.model);
+    const token_file & train = data.train();
+    if (train.ctx() < 16) {
+        fail("'{}' has chunks of {} tokens; the imatrix needs at least 16 (llama-imatrix skips smaller batches): "
+             "run `voodoo data` with a larger --ctx",
+             o.data_dir, train.ctx());
+    }
+    const int64_t n_chunks = o.max_chunks > 0 ? std::min(o.max_chunks, train.n_chunks()) : train.n_chunks();
+    if (n_chunks == 0) {
+        fail("'{}' has no train chunks; run `voodoo data` on more text", o.data_dir);
+    }
+
+    llama_runtime_init();
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = 0;
+    std::unique_ptr<llama_model, model_deleter> model;
+    {
+        ggml_log_capture capture;
+        model.reset(llama_model_load_from_file(o.model.c_str(), mp));
+        if (!model) {
+            fail("libllama could not load '{}' ({})", o.model, capture.text());
+        }
+    }
+    collector c;
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = static_cast<uint32_t>(train.ctx());
+    cp.n_batch = static_cast<uint32_t>(train.ctx());
+    cp.n_ubatch = static_cast<uint32_t>(train.ctx());
+    cp.n_seq_max = 1;
+    cp.n_threads = cp.n_threads_batch = resolve_threads(o.n_threads);
+    cp.cb_eval = eval_callback;
+    cp.cb_eval_user_data = &c;
+    cp.no_perf = true;
+    std::unique_ptr<llama_context, context_deleter> ctx;
+    {
+        ggml_log_capture capture;
+        ctx.reset(llama_init_from_model(model.get(), cp));
+        if (!ctx) {
+            fail("libllama could not create a context of {} tokens for '{}' ({})", train.ctx(), o.model,
+                 capture.text());
+        }
+    }
+
+    llama_batch batch = llama_batch_init(static_cast<int32_t>(train.ctx()), 0, 1);
+    const auto start = std::chrono::steady_clock::now();
+    {
+        progress bar("imatrix", n_chunks, "chunks");
+        for (int64_t i = 0; i < n_chunks; ++i) {
+            llama_memory_clear(llama_get_memory(ctx.get()), true);
+            const auto tokens = train.chunk(i);
+            batch.n_tokens = static_cast<int32_t>(tokens.size());
+            for (int32_t k = 0; k < batch.n_tokens; ++k) {
+                batch.token[k] = tokens[static_cast<size_t>(k)];
+                batch.pos[k] = k;
+                batch.n_seq_id[k] = 1;
+                batch.seq_id[k][0] = 0;
+                batch.logits[k] = true;  // every position: the output head sees every token, as in llama-imatrix
+            }
+            const int32_t rc = llama_decode(ctx.get(), batch);
+            if (!c.error.empty() || rc != 0) {
+                llama_batch_free(batch);
+                fail("imatrix of '{}', chunk {}: {}", o.model, i,
+                     c.error.empty() ? fmt::format("llama_decode returned {}", rc) : c.error);
+            }
+            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            bar.add(1, fmt::format("{:.0f} tok/s", static_cast<double>((i + 1) * train.ctx()) / std::max(s, 1e-9)));
+        }
+    }
+    llama_batch_free(batch);
+    if (c.im.entries.empty()) {
+        fail("no matmul of '{}' was seen; libllama computed no weight named blk.* or output.weight", o.model);
+    }
+    c.im.chunk_size = train.ctx();
+    c.im.chunk_count = n_chunks;
+    c.im.datasets = data.sources();
+    return std::move(c.im);
+}
+
+}  // namespace voodoo

@@ -1,0 +1,102 @@
+#include "model/blocks.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace voodoo {
+
+torch::Tensor linear(forward_context & ctx, const std::string & name, const torch::Tensor & x) {
+    if (ctx.observer && *ctx.observer) {
+        (*ctx.observer)(name, x);
+    }
+    const torch::Tensor w = ctx.w.get(name).to(x.device(), ctx.dtype);
+    torch::Tensor y = torch::matmul(x, w.t());
+    const std::string stem = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+    if (ctx.w.has(stem + ".bias")) {
+        y = y + ctx.w.get(stem + ".bias").to(x.device(), ctx.dtype);
+    }
+    return y;
+}
+
+torch::Tensor rms_norm(forward_context & ctx, const std::string & name, const torch::Tensor & x, float eps) {
+    const torch::Tensor xf = x.to(torch::kFloat);
+    const torch::Tensor w = ctx.w.get(name).to(x.device(), torch::kFloat);
+    return (xf * torch::rsqrt(xf.square().mean(-1, true) + eps) * w).to(ctx.dtype);
+}
+
+rope_tables make_rope_tables(forward_context & ctx, const model_hparams & hp, int64_t n_pos, torch::Device device) {
+    const int64_t n_pairs = hp.n_rot / 2;
+    std::vector<float> ff(static_cast<size_t>(n_pairs), 1.0f);
+    if (hp.has_rope_freqs) {
+        const torch::Tensor f = ctx.w.get("rope_freqs.weight").to(torch::kCPU, torch::kFloat).contiguous();
+        std::copy(f.data_ptr<float>(), f.data_ptr<float>() + n_pairs, ff.begin());
+    }
+    // Same f32 arithmetic as ggml_rope_cache_init / rope_yarn with ext_factor = 0.
+    const float theta_scale = std::pow(hp.rope_freq_base, -2.0f / static_cast<float>(hp.n_rot));
+    torch::Tensor cos = torch::empty({n_pos, n_pairs}, torch::kFloat);
+    torch::Tensor sin = torch::empty({n_pos, n_pairs}, torch::kFloat);
+    float * c = cos.data_ptr<float>();
+    float * s = sin.data_ptr<float>();
+    for (int64_t p = 0; p < n_pos; ++p) {
+        float theta = static_cast<float>(p);
+        for (int64_t i = 0; i < n_pairs; ++i) {
+            const float angle = hp.rope_freq_scale * (theta / ff[i]);
+            c[p * n_pairs + i] = std::cos(angle) * hp.rope_attn_factor;
+            s[p * n_pairs + i] = std::sin(angle) * hp.rope_attn_factor;
+            theta *= theta_scale;
+        }
+    }
+    return {cos.to(device), sin.to(device)};
+}
+
+torch::Tensor apply_rope(const torch::Tensor & x, const rope_tables & tables, const model_hparams & hp) {
+    using torch::indexing::Slice;
+    const int64_t n_rot = hp.n_rot;
+    const int64_t T = x.size(1);
+    const torch::Tensor xf = x.to(torch::kFloat);
+    const torch::Tensor rot = xf.index({"...", Slice(0, n_rot)});
+    // cos, sin: [T, n_rot/2] → [1, T, 1, n_rot/2] against [B, T, H, n_rot/2]
+    const torch::Tensor cos = tables.cos.index({Slice(0, T)}).view({1, T, 1, n_rot / 2});
+    const torch::Tensor sin = tables.sin.index({Slice(0, T)}).view({1, T, 1, n_rot / 2});
+    torch::Tensor out;
+    if (hp.rope == rope_type_norm) {
+        const torch::Tensor pairs = rot.unflatten(-1, {n_rot / 2, 2});
+        const torch::Tensor x0 = pairs.select(-1, 0);
+        const torch::Tensor x1 = pairs.select(-1, 1);
+        out = torch::stack({x0 * cos - x1 * sin, x0 * sin + x1 * cos}, -1).flatten(-2);
+    } else {
+        const torch::Tensor x0 = rot.index({"...", Slice(0, n_rot / 2)});
+        const torch::Tensor x1 = rot.index({"...", Slice(n_rot / 2, n_rot)});
+        out = torch::cat({x0 * cos - x1 * sin, x0 * sin + x1 * cos}, -1);
+    }
+    if (n_rot < x.size(-1)) {
+        out = torch::cat({out, xf.index({"...", Slice(n_rot, torch::indexing::None)})}, -1);
+    }
+    return out.to(x.scalar_type());
+}
+
+torch::Tensor causal_attention(const torch::Tensor & q, const torch::Tensor & k, const torch::Tensor & v,
+                               float kq_scale) {
+    const int64_t B = q.size(0), T = q.size(1), n_head = q.size(2), d_k = q.size(3);
+    const int64_t n_head_kv = k.size(2), d_v = v.size(3);
+    const int64_t group = n_head / n_head_kv;
+    // [B, n_head_kv, group, T, d]: query head h = g · group + j reads KV head g.
+    const torch::Tensor qh = q.permute({0, 2, 1, 3}).reshape({B, n_head_kv, group, T, d_k});
+    const torch::Tensor kh = k.permute({0, 2, 1, 3}).unsqueeze(2);
+    const torch::Tensor vh = v.permute({0, 2, 1, 3}).unsqueeze(2);
+    torch::Tensor scores = torch::matmul(qh, kh.transpose(-1, -2)).to(torch::kFloat) * kq_scale;
+    const torch::Tensor future = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+    scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+    const torch::Tensor probs = torch::softmax(scores, -1).to(v.scalar_type());
+    const torch::Tensor out = torch::matmul(probs, vh);  // [B, n_head_kv, group, T, d_v]
+    return out.reshape({B, n_head, T, d_v}).permute({0, 2, 1, 3}).reshape({B, T, n_head * d_v});
+}
+
+torch::Tensor swiglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x) {
+    const torch::Tensor gate = linear(ctx, prefix + ".ffn_gate.weight", x);
+    const torch::Tensor up = linear(ctx, prefix + ".ffn_up.weight", x);
+    return linear(ctx, prefix + ".ffn_down.weight", torch::silu(gate) * up);
+}
+
+}  // namespace voodoo

@@ -1,0 +1,58 @@
+// The blocks every llama-like architecture is built of, once: the weight matmul (with its observer),
+// RMSNorm, rotary embedding in llama.cpp's NORM and NEOX pairings, causal grouped-query attention and
+// the SwiGLU MLP. Each follows the ggml op llama.cpp's graph uses (named in its comment) so that the
+// numbers agree with libllama's.
+#pragma once
+
+#include "model/hparams.h"
+#include "model/weights.h"
+
+#include <functional>
+#include <string>
+
+namespace voodoo {
+
+/// Called before every matmul with a weight, the output head included, with the weight's GGUF name and
+/// the matmul's input [..., ne0] in the compute dtype (e.g. the imatrix cross-check sums x² per column).
+using matmul_observer = std::function<void(const std::string & weight_name, const torch::Tensor & input)>;
+
+/// What the blocks of one forward share.
+struct forward_context {
+    weight_source & w;
+    torch::ScalarType dtype;            // compute dtype: kFloat or kBFloat16
+    const matmul_observer * observer;   // nullptr: nobody watches
+};
+
+/// y = x · Wᵀ (+ bias): x [..., ne0], weight `name` [ne1, ne0] → [..., ne1] in the compute dtype. The bias is
+/// "<name without .weight>.bias" when the model has it. Every matmul with a weight goes through here.
+torch::Tensor linear(forward_context & ctx, const std::string & name, const torch::Tensor & x);
+
+/// RMSNorm as ggml_rms_norm then ggml_mul: x / sqrt(mean(x²) + eps) · w, computed in f32, returned in the
+/// compute dtype. x [..., n], weight `name` [n].
+torch::Tensor rms_norm(forward_context & ctx, const std::string & name, const torch::Tensor & x, float eps);
+
+/// cos and sin of every position and rotated pair, [n_pos, n_rot/2] f32 each, as ggml_rope_ext computes them
+/// without YaRN (ext_factor 0): θ = p · freq_scale · base^(−2i/n_rot) / ff_i (the power taken as ggml does, by
+/// repeated f32 multiplication), both scaled by attn_factor. ff: `rope_freqs.weight` when hp.has_rope_freqs.
+struct rope_tables {
+    torch::Tensor cos;
+    torch::Tensor sin;
+};
+rope_tables make_rope_tables(forward_context & ctx, const model_hparams & hp, int64_t n_pos, torch::Device device);
+
+/// Rotates the first hp.n_rot values of every head of x [B, T, n_heads, head_dim] (position t = index in T),
+/// in llama.cpp's pairing hp.rope: NORM rotates (x[2i], x[2i+1]), NEOX rotates (x[i], x[i + n_rot/2]).
+/// Computed in f32, returned in x's dtype.
+torch::Tensor apply_rope(const torch::Tensor & x, const rope_tables & tables, const model_hparams & hp);
+
+/// Causal softmax attention with grouped-query heads: q [B, T, n_head, d_k], k [B, T, n_head_kv, d_k],
+/// v [B, T, n_head_kv, d_v] → [B, T, n_head · d_v]. Query head h reads KV head h / (n_head / n_head_kv),
+/// as ggml_mul_mat broadcasts. Scores are scaled by kq_scale and soft-maxed in f32 (llama.cpp's KQ precision).
+torch::Tensor causal_attention(const torch::Tensor & q, const torch::Tensor & k, const torch::Tensor & v,
+                               float kq_scale);
+
+/// SwiGLU MLP (llama.cpp's LLM_FFN_SILU + LLM_FFN_PAR): down(silu(gate(x)) · up(x)) with the tensors
+/// "<prefix>.ffn_gate.weight", "<prefix>.ffn_up.weight", "<prefix>.ffn_down.weight".
+torch::Tensor swiglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x);
+
+}  // namespace voodoo

@@ -1,0 +1,184 @@
+#include "model/fixture.h"
+
+#include "common/error.h"
+#include "common/file.h"
+#include "common/progress.h"
+#include "ggml/gguf.h"
+#include "ggml/quant.h"
+#include "ggml/types.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <llama.h>
+
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+namespace voodoo {
+
+namespace {
+
+uint64_t splitmix64(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/// mean + std · N(0, 1) for every element, by Box–Muller on a counter-based hash: element i depends only
+/// on (key, i), so the tensor is the same whatever the thread split.
+std::vector<float> gaussian(int64_t n, uint64_t key, float mean, float std) {
+    std::vector<float> out(static_cast<size_t>(n));
+    const int n_threads = resolve_threads(0);
+    const int64_t chunk = (n + n_threads - 1) / n_threads;
+    std::vector<std::thread> threads;
+    for (int t = 0; t < n_threads; ++t) {
+        const int64_t i0 = t * chunk, i1 = std::min(n, i0 + chunk);
+        if (i0 >= i1) {
+            break;
+        }
+        threads.emplace_back([&, i0, i1] {
+            for (int64_t i = i0; i < i1; ++i) {
+                const uint64_t h = splitmix64(key ^ splitmix64(static_cast<uint64_t>(i)));
+                const double u1 = (static_cast<double>(h >> 40) + 0.5) / 16777216.0;          // (0, 1)
+                const double u2 = static_cast<double>(h & 0xffffff) / 16777216.0;             // [0, 1)
+                const double z = std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2);
+                out[static_cast<size_t>(i)] = mean + std * static_cast<float>(z);
+            }
+        });
+    }
+    for (std::thread & th : threads) {
+        th.join();
+    }
+    return out;
+}
+
+/// FNV-1a of a name: the same on every platform, unlike std::hash.
+uint64_t fnv1a(const std::string & s) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (const char c : s) {
+        h = (h ^ static_cast<uint8_t>(c)) * 0x100000001b3ull;
+    }
+    return h;
+}
+
+struct planned_tensor {
+    std::string name;
+    std::vector<int64_t> ne;
+    ggml_type type;
+    bool norm;
+};
+
+}  // namespace
+
+std::vector<std::string> fixture_architectures() { return {"llama"}; }
+
+void write_fixture(const fixture_spec & s, const std::string & out_path) {
+    if (s.arch != "llama") {
+        fail("fixture: architecture '{}' cannot be written; supported: {}", s.arch,
+             fmt::join(fixture_architectures(), ", "));
+    }
+    if (s.weight_type != GGML_TYPE_F32 && s.weight_type != GGML_TYPE_F16 && s.weight_type != GGML_TYPE_BF16) {
+        fail("fixture: weight type {} is not F32, F16 or BF16", type_name(s.weight_type));
+    }
+    for (const auto & [value, field] : {std::pair{s.n_embd, "n_embd"}, {s.n_layer, "n_layer"}, {s.n_head, "n_head"},
+                                        {s.n_head_kv, "n_head_kv"}, {s.head_dim, "head_dim"}, {s.n_ff, "n_ff"},
+                                        {s.n_ctx_train, "n_ctx_train"}}) {
+        if (value <= 0) {
+            fail("fixture: {} must be positive, got {}", field, value);
+        }
+    }
+    if (s.n_head % s.n_head_kv != 0) {
+        fail("fixture: n_head {} is not a multiple of n_head_kv {}", s.n_head, s.n_head_kv);
+    }
+    if (s.head_dim % 2 != 0) {
+        fail("fixture: head_dim {} must be even (rope rotates pairs)", s.head_dim);
+    }
+    if (same_file(out_path, s.vocab_path)) {
+        fail("fixture: the output '{}' is the vocab file; choose another path", out_path);
+    }
+    const gguf_file vocab(s.vocab_path);
+    const int64_t tokens_id = vocab.find_key("tokenizer.ggml.tokens");
+    if (tokens_id < 0 || gguf_get_kv_type(vocab.ctx(), tokens_id) != GGUF_TYPE_ARRAY) {
+        fail("fixture: '{}' has no 'tokenizer.ggml.tokens' array; use a ggml-vocab-*.gguf", s.vocab_path);
+    }
+    const int64_t n_vocab = static_cast<int64_t>(gguf_get_arr_n(vocab.ctx(), tokens_id));
+
+    gguf_writer out(out_path, vocab.alignment());
+    gguf_context * ctx = out.ctx();
+    const std::string a = s.arch;
+    auto key = [&](const char * suffix) { return a + "." + suffix; };
+    gguf_set_val_str(ctx, "general.architecture", a.c_str());
+    gguf_set_val_str(ctx, "general.name", fmt::format("voodoo-fixture-{}-{}x{}", a, s.n_layer, s.n_embd).c_str());
+    const uint32_t ftype = s.weight_type == GGML_TYPE_F32   ? LLAMA_FTYPE_ALL_F32
+                           : s.weight_type == GGML_TYPE_F16 ? LLAMA_FTYPE_MOSTLY_F16
+                                                            : LLAMA_FTYPE_MOSTLY_BF16;
+    gguf_set_val_u32(ctx, "general.file_type", ftype);
+    gguf_set_val_u32(ctx, key("context_length").c_str(), static_cast<uint32_t>(s.n_ctx_train));
+    gguf_set_val_u32(ctx, key("embedding_length").c_str(), static_cast<uint32_t>(s.n_embd));
+    gguf_set_val_u32(ctx, key("block_count").c_str(), static_cast<uint32_t>(s.n_layer));
+    gguf_set_val_u32(ctx, key("feed_forward_length").c_str(), static_cast<uint32_t>(s.n_ff));
+    gguf_set_val_u32(ctx, key("attention.head_count").c_str(), static_cast<uint32_t>(s.n_head));
+    gguf_set_val_u32(ctx, key("attention.head_count_kv").c_str(), static_cast<uint32_t>(s.n_head_kv));
+    gguf_set_val_u32(ctx, key("attention.key_length").c_str(), static_cast<uint32_t>(s.head_dim));
+    gguf_set_val_u32(ctx, key("attention.value_length").c_str(), static_cast<uint32_t>(s.head_dim));
+    gguf_set_val_u32(ctx, key("rope.dimension_count").c_str(), static_cast<uint32_t>(s.head_dim));
+    gguf_set_val_f32(ctx, key("rope.freq_base").c_str(), s.rope_freq_base);
+    gguf_set_val_f32(ctx, key("attention.layer_norm_rms_epsilon").c_str(), s.rms_eps);
+    gguf_set_val_u32(ctx, key("vocab_size").c_str(), static_cast<uint32_t>(n_vocab));
+    {
+        // Only the tokenizer of the vocab file: its other keys describe the model it came from.
+        gguf_context * tok = gguf_init_empty();
+        gguf_set_kv(tok, vocab.ctx());
+        for (int64_t i = 0; i < vocab.n_kv(); ++i) {
+            const std::string k = gguf_get_key(vocab.ctx(), i);
+            if (!k.starts_with("tokenizer.")) {
+                gguf_remove_key(tok, k.c_str());
+            }
+        }
+        gguf_set_kv(ctx, tok);
+        gguf_free(tok);
+    }
+
+    std::vector<planned_tensor> plan;
+    const ggml_type wt = s.weight_type;
+    const int64_t n_q = s.n_head * s.head_dim, n_kv = s.n_head_kv * s.head_dim;
+    plan.push_back({"token_embd.weight", {s.n_embd, n_vocab}, wt, false});
+    plan.push_back({"output_norm.weight", {s.n_embd}, GGML_TYPE_F32, true});
+    if (!s.tied_output) {
+        plan.push_back({"output.weight", {s.n_embd, n_vocab}, wt, false});
+    }
+    for (int64_t il = 0; il < s.n_layer; ++il) {
+        auto blk = [il](const char * n) { return fmt::format("blk.{}.{}", il, n); };
+        plan.push_back({blk("attn_norm.weight"), {s.n_embd}, GGML_TYPE_F32, true});
+        plan.push_back({blk("attn_q.weight"), {s.n_embd, n_q}, wt, false});
+        plan.push_back({blk("attn_k.weight"), {s.n_embd, n_kv}, wt, false});
+        plan.push_back({blk("attn_v.weight"), {s.n_embd, n_kv}, wt, false});
+        plan.push_back({blk("attn_output.weight"), {n_q, s.n_embd}, wt, false});
+        plan.push_back({blk("ffn_norm.weight"), {s.n_embd}, GGML_TYPE_F32, true});
+        plan.push_back({blk("ffn_gate.weight"), {s.n_embd, s.n_ff}, wt, false});
+        plan.push_back({blk("ffn_up.weight"), {s.n_embd, s.n_ff}, wt, false});
+        plan.push_back({blk("ffn_down.weight"), {s.n_ff, s.n_embd}, wt, false});
+    }
+    for (const planned_tensor & t : plan) {
+        out.add_tensor(t.name, t.type, t.ne);
+    }
+    out.begin_data();
+    progress bar("fixture", static_cast<int64_t>(plan.size()), "tensors");
+    for (const planned_tensor & t : plan) {
+        const int64_t n = n_elements(t.ne);
+        const uint64_t tensor_key = splitmix64(s.seed ^ fnv1a(t.name));
+        const std::vector<float> values = t.norm ? gaussian(n, tensor_key, 1.0f, 0.1f)
+                                                 : gaussian(n, tensor_key, 0.0f, 1.0f / std::sqrt(float(t.ne[0])));
+        if (t.type == GGML_TYPE_F32) {
+            out.write_tensor(t.name, {reinterpret_cast<const uint8_t *>(values.data()), values.size() * sizeof(float)});
+        } else {
+            out.write_tensor(t.name, quantize(t.type, values, t.ne[0], {}, 0, t.name));
+        }
+        bar.add(1, t.name);
+    }
+    out.commit();
+}
+
+}  // namespace voodoo

@@ -1,0 +1,178 @@
+#include "model/hparams.h"
+
+#include "common/error.h"
+#include "ggml/gguf.h"
+
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <vector>
+
+namespace voodoo {
+
+const char * rope_type_name(rope_type type) {
+    switch (type) {
+        case rope_type_norm: return "norm";
+        case rope_type_neox: return "neox";
+    }
+    return "?";
+}
+
+metadata_reader::metadata_reader(const gguf_file & file, std::string arch) : file_(file), arch_(std::move(arch)) {}
+
+std::string metadata_reader::key(std::string_view suffix) const { return arch_ + "." + std::string(suffix); }
+
+int64_t metadata_reader::required_positive(std::string_view suffix, std::string_view what) const {
+    const std::string k = key(suffix);
+    const std::optional<int64_t> v = file_.get_int(k);
+    if (!v) {
+        fail("'{}': missing metadata key '{}' ({}); a {} GGUF from convert_hf_to_gguf.py has it", file_.path(), k,
+             what, arch_);
+    }
+    if (*v <= 0) {
+        fail("'{}': metadata key '{}' ({}) is {}, expected a positive integer", file_.path(), k, what, *v);
+    }
+    return *v;
+}
+
+int64_t metadata_reader::optional_positive(std::string_view suffix, int64_t fallback) const {
+    const std::string k = key(suffix);
+    const std::optional<int64_t> v = file_.get_int(k);
+    if (!v) {
+        return fallback;
+    }
+    if (*v <= 0) {
+        fail("'{}': metadata key '{}' is {}, expected a positive integer", file_.path(), k, *v);
+    }
+    return *v;
+}
+
+float metadata_reader::optional_float(std::string_view suffix, float fallback) const {
+    const std::string k = key(suffix);
+    const std::optional<double> v = file_.get_float(k);
+    if (!v) {
+        return fallback;
+    }
+    if (!std::isfinite(*v)) {
+        fail("'{}': metadata key '{}' is {}, expected a finite number", file_.path(), k, *v);
+    }
+    return static_cast<float>(*v);
+}
+
+float metadata_reader::required_positive_float(std::string_view suffix, std::string_view what) const {
+    const std::string k = key(suffix);
+    const std::optional<double> v = file_.get_float(k);
+    if (!v) {
+        fail("'{}': missing metadata key '{}' ({}); a {} GGUF from convert_hf_to_gguf.py has it", file_.path(), k,
+             what, arch_);
+    }
+    if (!std::isfinite(*v) || *v <= 0) {
+        fail("'{}': metadata key '{}' ({}) is {}, expected a positive number", file_.path(), k, what, *v);
+    }
+    return static_cast<float>(*v);
+}
+
+void expect_tensor_shape(const gguf_file & file, const std::string & name, std::initializer_list<int64_t> ne,
+                         std::string_view why) {
+    const std::vector<int64_t> want(ne);
+    const gguf_tensor * t = file.find_tensor(name);
+    if (!t) {
+        fail("'{}': missing tensor '{}' (expected shape [{}] from {})", file.path(), name, fmt::join(want, ", "), why);
+    }
+    const std::vector<int64_t> have(t->shape().begin(), t->shape().end());
+    if (have != want) {
+        fail("'{}': tensor '{}' has shape [{}] but the metadata says [{}] ({}); the file is inconsistent", file.path(),
+             name, fmt::join(have, ", "), fmt::join(want, ", "), why);
+    }
+}
+
+model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope) {
+    model_hparams hp;
+    hp.arch = file.architecture();
+    const metadata_reader md(file, hp.arch);
+    hp.rope = rope;
+
+    hp.n_ctx_train = md.required_positive("context_length", "the training context");
+    hp.n_embd = md.required_positive("embedding_length", "the model width n_embd");
+    hp.n_layer = md.required_positive("block_count", "the number of layers");
+    hp.n_ff = md.required_positive("feed_forward_length", "the FFN width n_ff");
+    hp.n_head = md.required_positive("attention.head_count", "the number of attention heads");
+    hp.n_head_kv = md.optional_positive("attention.head_count_kv", hp.n_head);
+    if (hp.n_head % hp.n_head_kv != 0) {
+        fail("'{}': '{}' = {} is not a multiple of '{}' = {}: grouped-query attention needs whole groups",
+             file.path(), md.key("attention.head_count"), hp.n_head, md.key("attention.head_count_kv"), hp.n_head_kv);
+    }
+    const bool explicit_k = file.find_key(md.key("attention.key_length")) >= 0;
+    const bool explicit_v = file.find_key(md.key("attention.value_length")) >= 0;
+    if ((!explicit_k || !explicit_v) && hp.n_embd % hp.n_head != 0) {
+        fail("'{}': '{}' = {} is not divisible by '{}' = {}, and '{}' does not give the head size", file.path(),
+             md.key("embedding_length"), hp.n_embd, md.key("attention.head_count"), hp.n_head,
+             md.key(explicit_k ? "attention.value_length" : "attention.key_length"));
+    }
+    hp.n_embd_head_k = md.optional_positive("attention.key_length", hp.n_embd / hp.n_head);
+    hp.n_embd_head_v = md.optional_positive("attention.value_length", hp.n_embd / hp.n_head);
+    hp.n_rot = md.optional_positive("rope.dimension_count", hp.n_embd_head_k);
+    if (hp.n_rot % 2 != 0 || hp.n_rot > hp.n_embd_head_k) {
+        fail("'{}': '{}' = {} must be even and at most the head size {}", file.path(), md.key("rope.dimension_count"),
+             hp.n_rot, hp.n_embd_head_k);
+    }
+    hp.norm_rms_eps = md.required_positive_float("attention.layer_norm_rms_epsilon", "the RMSNorm epsilon");
+
+    if (const std::optional<int64_t> n_expert = file.get_int(md.key("expert_count")); n_expert && *n_expert > 0) {
+        fail("'{}': '{}' = {}: mixture-of-experts models are not supported yet (dense models only)", file.path(),
+             md.key("expert_count"), *n_expert);
+    }
+
+    // Rope: llama.cpp's defaults (freq_base 10000, scaling "linear" with factor 1).
+    hp.rope_freq_base = md.optional_float("rope.freq_base", 10000.0f);
+    if (hp.rope_freq_base <= 0.0f) {
+        fail("'{}': metadata key '{}' is {}, expected a positive number", file.path(), md.key("rope.freq_base"),
+             hp.rope_freq_base);
+    }
+    const std::string scaling = file.get_string(md.key("rope.scaling.type")).value_or("linear");
+    if (scaling == "yarn" || scaling == "longrope") {
+        fail("'{}': '{}' = '{}' is not supported yet; supported rope scaling types: none, linear", file.path(),
+             md.key("rope.scaling.type"), scaling);
+    }
+    if (scaling != "none" && scaling != "linear") {
+        fail("'{}': unknown rope scaling type '{}' in '{}'; llama.cpp knows none, linear, yarn, longrope", file.path(),
+             scaling, md.key("rope.scaling.type"));
+    }
+    float factor = md.optional_float("rope.scaling.factor", 0.0f);
+    if (factor == 0.0f) {
+        factor = md.optional_float("rope.scale_linear", 0.0f);
+    }
+    if (factor < 0.0f) {
+        fail("'{}': metadata key '{}' is {}, expected a positive number", file.path(), md.key("rope.scaling.factor"),
+             factor);
+    }
+    hp.rope_freq_scale = (scaling == "none" || factor == 0.0f) ? 1.0f : 1.0f / factor;
+    hp.rope_attn_factor = md.optional_float("rope.scaling.attn_factor", 1.0f);
+    hp.has_rope_freqs = file.find_tensor("rope_freqs.weight") != nullptr;
+
+    hp.kq_scale = 1.0f / std::sqrt(static_cast<float>(hp.n_embd_head_k));
+
+    // The vocabulary: token_embd's rows, which must agree with the tokenizer (llama.cpp sizes token_embd
+    // by the tokenizer's token count).
+    const gguf_tensor & embd = file.tensor("token_embd.weight");
+    if (embd.n_dims != 2 || embd.ne[0] != hp.n_embd) {
+        fail("'{}': tensor 'token_embd.weight' has shape [{}] but '{}' = {} says it is [{}, n_vocab]", file.path(),
+             fmt::join(embd.shape(), ", "), md.key("embedding_length"), hp.n_embd, hp.n_embd);
+    }
+    hp.n_vocab = embd.ne[1];
+    if (const int64_t id = file.find_key("tokenizer.ggml.tokens"); id >= 0 && gguf_get_kv_type(file.ctx(), id) == GGUF_TYPE_ARRAY) {
+        const int64_t n_tokens = static_cast<int64_t>(gguf_get_arr_n(file.ctx(), id));
+        if (n_tokens != hp.n_vocab) {
+            fail("'{}': 'tokenizer.ggml.tokens' has {} tokens but tensor 'token_embd.weight' has {} rows", file.path(),
+                 n_tokens, hp.n_vocab);
+        }
+    }
+    if (const std::optional<int64_t> v = file.get_int(md.key("vocab_size")); v && *v != hp.n_vocab) {
+        fail("'{}': metadata key '{}' = {} but tensor 'token_embd.weight' has {} rows", file.path(),
+             md.key("vocab_size"), *v, hp.n_vocab);
+    }
+    hp.tied_output = file.find_tensor("output.weight") == nullptr;
+    return hp;
+}
+
+}  // namespace voodoo

@@ -1,0 +1,89 @@
+// A model's hyper-parameters, read from its GGUF metadata with llama.cpp's key names and defaults
+// (src/llama-model.cpp, llama_model_base::load_hparams), validated so that a bad file is a
+// voodoo::error naming the key, never a wrong forward.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+#include <string_view>
+
+namespace voodoo {
+
+class gguf_file;
+
+/// How rotary embedding pairs the values of a head (ggml's GGML_ROPE_TYPE_*).
+enum rope_type {
+    rope_type_norm,  // adjacent pairs (x[2i], x[2i+1]): llama.cpp's LLAMA_ROPE_TYPE_NORM (llama, mistral)
+    rope_type_neox,  // halves (x[i], x[i + n_rot/2]): LLAMA_ROPE_TYPE_NEOX (qwen2/3, phi3, gemma, …)
+};
+
+/// "norm" or "neox".
+const char * rope_type_name(rope_type type);
+
+/// What a forward needs to know of a decoder-only transformer. Plain data.
+struct model_hparams {
+    std::string arch;               // general.architecture, e.g. "llama"
+    int64_t n_vocab = 0;            // rows of token_embd.weight
+    int64_t n_ctx_train = 0;        // <arch>.context_length
+    int64_t n_embd = 0;             // <arch>.embedding_length
+    int64_t n_layer = 0;            // <arch>.block_count
+    int64_t n_head = 0;             // <arch>.attention.head_count
+    int64_t n_head_kv = 0;          // <arch>.attention.head_count_kv (default n_head)
+    int64_t n_embd_head_k = 0;      // <arch>.attention.key_length (default n_embd / n_head)
+    int64_t n_embd_head_v = 0;      // <arch>.attention.value_length (default n_embd / n_head)
+    int64_t n_rot = 0;              // <arch>.rope.dimension_count (default n_embd_head_k)
+    int64_t n_ff = 0;               // <arch>.feed_forward_length
+    float norm_rms_eps = 0.0f;      // <arch>.attention.layer_norm_rms_epsilon
+    rope_type rope = rope_type_norm;
+    float rope_freq_base = 10000.0f;  // <arch>.rope.freq_base (llama.cpp's default 10000)
+    float rope_freq_scale = 1.0f;     // 1 / <arch>.rope.scaling.factor for "linear" scaling, else 1
+    float rope_attn_factor = 1.0f;    // <arch>.rope.scaling.attn_factor: multiplies cos and sin
+    bool has_rope_freqs = false;      // rope_freqs.weight present (Llama 3.1 frequency factors)
+    float kq_scale = 0.0f;            // attention logits scale: <arch>.attention.scale or 1/sqrt(n_embd_head_k)
+    bool tied_output = false;         // no output.weight: the head reuses token_embd.weight
+
+    int64_t n_embd_q() const { return n_embd_head_k * n_head; }
+    int64_t n_embd_k_gqa() const { return n_embd_head_k * n_head_kv; }
+    int64_t n_embd_v_gqa() const { return n_embd_head_v * n_head_kv; }
+};
+
+/// Reads `<arch>.*` keys of a GGUF with the checks llama.cpp makes (and the asserts it would abort on),
+/// naming the file and key in every error.
+class metadata_reader {
+public:
+    metadata_reader(const gguf_file & file, std::string arch);
+
+    const gguf_file & file() const { return file_; }
+    /// "<arch>.<suffix>".
+    std::string key(std::string_view suffix) const;
+    /// A positive integer; throws voodoo::error naming the key (and `what` it means) when absent,
+    /// not an integer (a per-layer array included) or not positive.
+    int64_t required_positive(std::string_view suffix, std::string_view what) const;
+    /// Like required_positive, `fallback` when absent.
+    int64_t optional_positive(std::string_view suffix, int64_t fallback) const;
+    /// A finite float; `fallback` when absent. Throws when present but not a number or not finite.
+    float optional_float(std::string_view suffix, float fallback) const;
+    /// A finite float > 0; throws naming the key when absent.
+    float required_positive_float(std::string_view suffix, std::string_view what) const;
+
+private:
+    const gguf_file & file_;
+    std::string arch_;
+};
+
+/// The hyper-parameters every llama-like architecture shares (llama, mistral, qwen2/3, …): sizes,
+/// heads, head dims, rms eps, rope base and scaling, attention scale, vocab and tied output, for
+/// the rope pairing `rope` (llama.cpp's llama_model_rope_type of the architecture).
+/// Rope scaling types other than "none" and "linear" (yarn, longrope) are refused with an error naming
+/// `<arch>.rope.scaling.type`; unknown ones too. Throws voodoo::error naming the key on anything missing
+/// or inconsistent (n_embd not divisible by n_head without explicit key_length, n_head not a multiple of
+/// n_head_kv, n_rot odd or larger than the head, vocab size disagreeing with the tokenizer).
+model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope);
+
+/// Checks that tensor `name` exists with exactly the ggml shape `ne` (ne0 first). Throws voodoo::error
+/// naming the file, the tensor, its shape, the expected shape and `why` (the keys it follows from).
+void expect_tensor_shape(const gguf_file & file, const std::string & name, std::initializer_list<int64_t> ne,
+                         std::string_view why);
+
+}  // namespace voodoo

@@ -1,0 +1,47 @@
+// A causal language model built straight from a GGUF: its hyper-parameters and a forward that asks a
+// weight_source for every tensor by its GGUF name, so the same model serves as teacher (the file's own
+// weights) and student (gated mixtures of quantized candidates).
+#pragma once
+
+#include "model/blocks.h"
+#include "model/hparams.h"
+#include "model/weights.h"
+
+#include <memory>
+
+namespace voodoo {
+
+class causal_lm {
+public:
+    virtual ~causal_lm() = default;
+
+    /// tokens [B, T] int64 (ids < n_vocab; every sequence starts at position 0) → logits [B, T, n_vocab] f32,
+    /// on tokens' device. Holds no autograd state of its own: gradients flow only into what `w` returns.
+    /// Throws voodoo::error when tokens is not [B, T] int64 or an id is out of range.
+    virtual torch::Tensor forward(const torch::Tensor & tokens, weight_source & w) = 0;
+
+    const model_hparams & hparams() const { return hp_; }
+
+    /// Compute dtype of activations and weights inside the forward: torch::kFloat (default) or
+    /// torch::kBFloat16 (norms, rope and softmax stay f32). Throws voodoo::error for other dtypes.
+    void set_compute_dtype(torch::ScalarType dtype);
+    torch::ScalarType compute_dtype() const { return dtype_; }
+
+    /// Called before every weight matmul (see matmul_observer); an empty function removes it.
+    void set_observer(matmul_observer observer) { observer_ = std::move(observer); }
+
+protected:
+    explicit causal_lm(model_hparams hp) : hp_(std::move(hp)) {}
+
+    forward_context context(weight_source & w) const { return {w, dtype_, observer_ ? &observer_ : nullptr}; }
+    /// Throws voodoo::error unless tokens is [B, T] int64 with T ≥ 1.
+    void check_tokens(const torch::Tensor & tokens) const;
+
+    model_hparams hp_;
+
+private:
+    torch::ScalarType dtype_ = torch::kFloat;
+    matmul_observer observer_;
+};
+
+}  // namespace voodoo

@@ -1,0 +1,309 @@
+#include "train/budget.h"
+
+#include "common/error.h"
+#include "ggml/selection.h"
+#include "ggml/types.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <regex>
+#include <set>
+
+namespace voodoo {
+
+std::vector<ggml_type> parse_menu(const std::string & list, const std::string & flag) {
+    std::vector<ggml_type> types;
+    size_t start = 0;
+    while (start <= list.size()) {
+        const size_t end = std::min(list.find(',', start), list.size());
+        std::string name = list.substr(start, end - start);
+        name.erase(std::remove_if(name.begin(), name.end(), [](unsigned char c) { return std::isspace(c); }),
+                   name.end());
+        if (!name.empty()) {
+            const ggml_type t = parse_type(name, flag);
+            if (std::find(types.begin(), types.end(), t) == types.end()) {
+                types.push_back(t);
+            }
+        }
+        start = end + 1;
+    }
+    if (types.empty()) {
+        fail("{}: empty menu; give comma-separated ggml types, e.g. Q4_K,Q5_K,Q6_K", flag);
+    }
+    std::stable_sort(types.begin(), types.end(),
+                     [](ggml_type a, ggml_type b) { return type_info_of(a).bpw < type_info_of(b).bpw; });
+    return types;
+}
+
+std::pair<std::string, std::vector<ggml_type>> parse_menu_for(const std::string & spec) {
+    const size_t eq = spec.rfind('=');
+    if (eq == std::string::npos || eq == 0) {
+        fail("--menu-for '{}': expected PATTERN=TYPES, e.g. 'attn_.*=Q4_K,Q5_K,Q6_K'", spec);
+    }
+    const std::string pattern = spec.substr(0, eq);
+    try {
+        std::regex check(pattern);
+    } catch (const std::regex_error & e) {
+        fail("--menu-for '{}': '{}' is not a valid regular expression ({})", spec, pattern, e.what());
+    }
+    return {pattern, parse_menu(spec.substr(eq + 1), "--menu-for '" + spec + "'")};
+}
+
+std::vector<tensor_menu> build_menus(const gguf_file & file, const menu_options & opts) {
+    const std::vector<ggml_type> & base = opts.types.empty() ? default_menu_types() : opts.types;
+    std::vector<std::pair<std::regex, const std::vector<ggml_type> *>> roles;
+    for (const auto & [pattern, types] : opts.per_role) {
+        roles.emplace_back(std::regex(pattern), &types);
+    }
+    // Only types the user named must fit somewhere; the default menu covers every shape.
+    std::set<ggml_type> asked(opts.types.begin(), opts.types.end()), used;
+    for (const auto & [pattern, types] : opts.per_role) {
+        asked.insert(types.begin(), types.end());
+    }
+    std::vector<tensor_menu> menus;
+    for (const gguf_tensor & t : file.tensors()) {
+        if (!tensor_is_selectable(t.name, t.n_dims)) {
+            continue;
+        }
+        const std::vector<ggml_type> * types = &base;
+        for (const auto & [re, role_types] : roles) {
+            if (std::regex_search(t.name, re)) {
+                types = role_types;
+                break;
+            }
+        }
+        tensor_menu m{&t, menu_for(*types, t.ne[0], opts.has_imatrix), false};
+        if (m.types.empty()) {
+            continue;
+        }
+        std::stable_sort(m.types.begin(), m.types.end(),
+                         [](ggml_type a, ggml_type b) { return type_info_of(a).bpw < type_info_of(b).bpw; });
+        m.float_only = std::none_of(m.types.begin(), m.types.end(),
+                                    [](ggml_type ty) { return type_info_of(ty).is_quantized; });
+        used.insert(m.types.begin(), m.types.end());
+        menus.push_back(std::move(m));
+    }
+    for (ggml_type t : asked) {
+        if (!used.count(t)) {
+            const bool imatrix = type_info_of(t).needs_imatrix && !opts.has_imatrix;
+            fail("menu type {} fits no tensor of '{}'{}; remove it from --menu/--menu-for", type_name(t), file.path(),
+                 imatrix ? " (it needs an imatrix: pass --imatrix)"
+                         : fmt::format(" (its block of {} divides no tensor's row length)",
+                                       ggml_get_type_traits(t)->blck_size));
+        }
+    }
+    return menus;
+}
+
+std::string target::str() const {
+    switch (kind) {
+        case target_kind::bpw: return fmt::format("bpw={}", value);
+        case target_kind::size: return fmt::format("size={}", static_cast<int64_t>(value));
+        case target_kind::ratio: return fmt::format("ratio={}", value);
+    }
+    return "";
+}
+
+double parse_size(const std::string & s, const std::string & flag) {
+    static const std::regex re(R"(^\s*([0-9]+(\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$)", std::regex::icase);
+    std::smatch m;
+    if (!std::regex_match(s, m, re)) {
+        fail("{} '{}': expected a size such as 304352, 300KB, 512MiB or 4.5GiB", flag, s);
+    }
+    double v = std::stod(m[1].str());
+    std::string unit = m[3].str();
+    std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char c) { return std::toupper(c); });
+    if (!unit.empty() && unit != "B") {
+        const double base = unit.size() == 3 ? 1024.0 : 1000.0;  // "KIB" vs "KB"
+        const int power = std::string("KMGT").find(unit[0]) + 1;
+        v *= std::pow(base, power);
+    }
+    return std::floor(v);
+}
+
+double budget::total(const std::vector<int> & choice) const {
+    double sum = fixed;
+    for (size_t t = 0; t < cost.size(); ++t) {
+        sum += cost[t][static_cast<size_t>(choice[t])];
+    }
+    return sum;
+}
+
+double budget::in_target_unit(double bytes) const {
+    switch (goal.kind) {
+        case target_kind::bpw: return 8.0 * bytes / static_cast<double>(n_weights);
+        case target_kind::size: return bytes;
+        case target_kind::ratio: return bytes / q8_0_bytes;
+    }
+    return bytes;
+}
+
+budget make_budget(const gguf_file & file, const std::vector<tensor_menu> & menus, const target & goal,
+                   const export_options & opts) {
+    budget b;
+    b.goal = goal;
+    b.n_weights = 0;
+    for (const gguf_tensor & t : file.tensors()) {
+        b.n_weights += t.n_elements();
+    }
+    const bool file_mode = goal.kind != target_kind::bpw;
+    const size_t align = file.alignment();
+    auto cost_of = [&](ggml_type type, const gguf_tensor & t) {
+        const size_t n = tensor_bytes(type, t.shape(), t.name);
+        return static_cast<double>(file_mode ? GGML_PAD(n, align) : n);
+    };
+
+    // The fixed part: for the file, the exact size of the file with every tensor at its cheapest type
+    // minus the chosen tensors' costs (the header does not depend on the types).
+    recipe cheapest = recipe_from_model(file);
+    std::map<std::string, ggml_type> first_type;
+    for (const tensor_menu & m : menus) {
+        first_type[m.tensor->name] = m.types.front();
+    }
+    for (recipe_tensor & rt : cheapest.tensors) {
+        if (auto it = first_type.find(rt.name); it != first_type.end()) {
+            rt.type = it->second;
+            rt.bytes = tensor_bytes(rt.type, rt.shape, rt.name);
+        }
+    }
+    double chosen_cheapest = 0;
+    b.cost.reserve(menus.size());
+    for (const tensor_menu & m : menus) {
+        std::vector<double> c;
+        for (ggml_type type : m.types) {
+            c.push_back(cost_of(type, *m.tensor));
+        }
+        chosen_cheapest += c.front();
+        b.cost.push_back(std::move(c));
+    }
+    if (file_mode) {
+        b.fixed = static_cast<double>(planned_file_bytes(file, cheapest, opts)) - chosen_cheapest;
+    } else {
+        b.fixed = 0;
+        for (const gguf_tensor & t : file.tensors()) {
+            if (!first_type.count(t.name)) {
+                b.fixed += static_cast<double>(t.n_bytes);
+            }
+        }
+    }
+    b.min_total = b.fixed;
+    b.max_total = b.fixed;
+    for (const auto & c : b.cost) {
+        b.min_total += *std::min_element(c.begin(), c.end());
+        b.max_total += *std::max_element(c.begin(), c.end());
+    }
+    switch (goal.kind) {
+        case target_kind::bpw: b.limit = std::floor(goal.value * static_cast<double>(b.n_weights) / 8.0); break;
+        case target_kind::size: b.limit = goal.value; break;
+        case target_kind::ratio:
+            b.q8_0_bytes = static_cast<double>(q8_0_file_bytes(file, opts));
+            b.limit = std::floor(goal.value * b.q8_0_bytes);
+            break;
+    }
+    if (b.limit < b.min_total || b.limit > b.max_total) {
+        const char * unit = goal.kind == target_kind::bpw ? " BPW" : goal.kind == target_kind::size ? " bytes" : "";
+        fail("target {} is outside what the menus can reach for '{}': from {:.6g}{} (every tensor at its cheapest "
+             "type) to {:.6g}{} (every tensor at its dearest)",
+             goal.str(), file.path(), b.in_target_unit(b.min_total), unit, b.in_target_unit(b.max_total), unit);
+    }
+    return b;
+}
+
+std::vector<int> finalize_choice(const budget & b, const std::vector<std::vector<double>> & probs,
+                                 const std::vector<std::vector<double>> & est_loss) {
+    const size_t n = b.cost.size();
+    if (b.limit < b.min_total) {
+        fail("no choice fits the budget of {:.0f} bytes (the smallest is {:.0f})", b.limit, b.min_total);
+    }
+    std::vector<int> choice(n);
+    for (size_t t = 0; t < n; ++t) {
+        choice[t] = static_cast<int>(std::max_element(probs[t].begin(), probs[t].end()) - probs[t].begin());
+    }
+    double total = b.total(choice);
+    // Repair: cheapest loss per byte saved, until the total fits.
+    while (total > b.limit) {
+        double best = std::numeric_limits<double>::infinity();
+        size_t bt = 0;
+        int bk = -1;
+        for (size_t t = 0; t < n; ++t) {
+            const int cur = choice[t];
+            for (size_t k = 0; k < b.cost[t].size(); ++k) {
+                const double saved = b.cost[t][static_cast<size_t>(cur)] - b.cost[t][k];
+                if (saved <= 0) {
+                    continue;
+                }
+                const double score = (est_loss[t][k] - est_loss[t][static_cast<size_t>(cur)]) / saved;
+                if (score < best) {
+                    best = score;
+                    bt = t;
+                    bk = static_cast<int>(k);
+                }
+            }
+        }
+        if (bk < 0) {
+            fail("no downgrade is left but the total of {:.0f} bytes exceeds the budget of {:.0f}", total, b.limit);
+        }
+        total += b.cost[bt][static_cast<size_t>(bk)] - b.cost[bt][static_cast<size_t>(choice[bt])];
+        choice[bt] = bk;
+    }
+    // Spend what is left: most estimated gain per byte, never crossing the limit.
+    for (;;) {
+        double best = 0;
+        size_t bt = 0;
+        int bk = -1;
+        for (size_t t = 0; t < n; ++t) {
+            const int cur = choice[t];
+            for (size_t k = 0; k < b.cost[t].size(); ++k) {
+                const double extra = b.cost[t][k] - b.cost[t][static_cast<size_t>(cur)];
+                if (extra <= 0 || total + extra > b.limit) {
+                    continue;
+                }
+                const double gain = est_loss[t][static_cast<size_t>(cur)] - est_loss[t][k];
+                if (gain > 0 && gain / extra > best) {
+                    best = gain / extra;
+                    bt = t;
+                    bk = static_cast<int>(k);
+                }
+            }
+        }
+        if (bk < 0) {
+            break;
+        }
+        total += b.cost[bt][static_cast<size_t>(bk)] - b.cost[bt][static_cast<size_t>(choice[bt])];
+        choice[bt] = bk;
+    }
+    return choice;
+}
+
+recipe recipe_from_choice(const gguf_file & file, const std::vector<tensor_menu> & menus,
+                          const std::vector<int> & choice, const std::vector<std::vector<double>> & probs,
+                          const target & goal) {
+    recipe r = recipe_from_model(file);
+    r.target = goal.str();
+    std::map<std::string, size_t> index;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        index[menus[i].tensor->name] = i;
+    }
+    for (recipe_tensor & rt : r.tensors) {
+        const auto it = index.find(rt.name);
+        if (it == index.end()) {
+            continue;
+        }
+        const tensor_menu & m = menus[it->second];
+        rt.type = m.types[static_cast<size_t>(choice[it->second])];
+        rt.bytes = tensor_bytes(rt.type, rt.shape, rt.name);
+        if (!probs.empty()) {
+            for (size_t k = 0; k < m.types.size(); ++k) {
+                rt.probs[type_name(m.types[k])] = probs[it->second][k];
+            }
+        }
+    }
+    return r;
+}
+
+}  // namespace voodoo

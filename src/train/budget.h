@@ -1,0 +1,94 @@
+// Menus, targets and the byte budget: what every selectable tensor may become, what each choice costs
+// in exact bytes, and the exact-budget finalize (DESIGN.md "The math").
+#pragma once
+
+#include "export/export.h"
+#include "ggml/gguf.h"
+
+#include <ggml.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace voodoo {
+
+struct menu_options {
+    std::vector<ggml_type> types;                                        // empty = default_menu_types()
+    std::vector<std::pair<std::string, std::vector<ggml_type>>> per_role; // regex on the tensor name → its menu
+    bool has_imatrix = false;
+};
+
+/// Parses "--menu Q4_K,Q5_K,Q6_K" (comma-separated ggml type names). Throws voodoo::error naming the flag.
+std::vector<ggml_type> parse_menu(const std::string & list, const std::string & flag);
+
+/// Parses "--menu-for 'attn_.*=Q4_K,Q5_K,Q6_K'". Throws voodoo::error naming the flag.
+std::pair<std::string, std::vector<ggml_type>> parse_menu_for(const std::string & spec);
+
+/// The menu of one selectable tensor.
+struct tensor_menu {
+    const gguf_tensor * tensor;
+    std::vector<ggml_type> types;   // by increasing bits per weight; never empty
+    bool float_only;                // no block type fits ne0: chooses among F16/BF16 (reported)
+};
+
+/// Every selectable tensor whose menu is not empty, in source order. A tensor's menu is the first
+/// --menu-for pattern that matches its name (std::regex_search), else the --menu, filtered by
+/// menu_for (block fits ne0; IQ1/IQ2/IQ3_XXS only with an imatrix). A tensor with an empty menu keeps
+/// its source type (counted as fixed bytes). Throws voodoo::error when a type the user named (--menu,
+/// --menu-for) fits no tensor of the model, naming the type.
+std::vector<tensor_menu> build_menus(const gguf_file & file, const menu_options & opts);
+
+enum class target_kind { bpw, size, ratio };
+
+struct target {
+    target_kind kind;
+    double value;            // bits per weight, bytes, or a fraction of the Q8_0 file
+    /// "bpw=4.5", "size=304352", "ratio=0.45": recorded in the recipe and the GGUF.
+    std::string str() const;
+};
+
+/// Parses a size: "304352", "300KB", "296.5KiB", "1.5GiB", "500MiB", "2GB" (B, KB/MB/GB powers of
+/// 1000, KiB/MiB/GiB powers of 1024). Throws voodoo::error naming the flag and the accepted forms.
+double parse_size(const std::string & s, const std::string & flag);
+
+/// Exact costs: cost[t][k] is what tensor t adds when it takes menu type k; `fixed` is the rest, so
+/// that for any one-hot choice fixed + Σ cost is exactly the quantity the target limits — the output
+/// file's bytes on disk (size and ratio targets: header and alignment padding included) or the tensor
+/// data bytes (bpw target: 8 · tensor bytes / weights, as llama-quantize prints BPW).
+struct budget {
+    target goal;
+    double limit;                             // bytes the total may not exceed
+    double fixed;                             // bytes that no choice changes
+    std::vector<std::vector<double>> cost;    // [tensor][menu type] bytes
+    int64_t n_weights;                        // every tensor's elements
+    double min_total;                         // all-cheapest
+    double max_total;                         // all-dearest
+
+    /// fixed + Σ_t cost[t][choice[t]].
+    double total(const std::vector<int> & choice) const;
+    /// A total in the target's unit: bpw, bytes, or fraction of Q8_0.
+    double in_target_unit(double total_bytes) const;
+    double q8_0_bytes = 0;                    // the all-Q8_0 file's bytes (ratio targets)
+};
+
+/// Builds the budget. Throws voodoo::error before any work when the target is outside the feasible
+/// range, giving the range in the target's unit.
+budget make_budget(const gguf_file & file, const std::vector<tensor_menu> & menus, const target & goal,
+                   const export_options & opts);
+
+/// The final choice: argmax of each tensor's probabilities, then an exact-budget repair. While the total
+/// exceeds the limit, take the downgrade with the least estimated loss increase per byte saved; then,
+/// while bytes are left, take the upgrade with the most estimated loss decrease per byte that still fits.
+/// est_loss[t][k] estimates the task loss with tensor t as type k (only differences within a tensor
+/// matter). The result never exceeds the limit. Throws voodoo::error when no choice fits (limit < min_total).
+std::vector<int> finalize_choice(const budget & b, const std::vector<std::vector<double>> & probs,
+                                 const std::vector<std::vector<double>> & est_loss);
+
+/// The recipe of a choice (menu index per tensor); tensors without a menu keep their source type.
+recipe recipe_from_choice(const gguf_file & file, const std::vector<tensor_menu> & menus,
+                          const std::vector<int> & choice, const std::vector<std::vector<double>> & probs,
+                          const target & goal);
+
+}  // namespace voodoo

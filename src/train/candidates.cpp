@@ -1,0 +1,138 @@
+#include "train/candidates.h"
+
+#include "common/error.h"
+#include "common/file.h"
+#include "ggml/quant.h"
+#include "ggml/types.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <cstring>
+#include <fstream>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+#ifndef VOODOO_LLAMA_COMMIT
+#define VOODOO_LLAMA_COMMIT "unknown"
+#endif
+
+namespace voodoo {
+
+std::vector<float> tensor_to_f32(const gguf_file & file, const gguf_tensor & t, int n_threads) {
+    return dequantize(t.type, file.data(t), t.ne[0], n_threads, t.name);
+}
+
+std::span<const float> importance_for(const importance_map * importance, const gguf_tensor & t) {
+    if (!importance) {
+        return {};
+    }
+    const auto it = importance->find(t.name);
+    if (it == importance->end()) {
+        return {};
+    }
+    const size_t want = static_cast<size_t>(t.ne[0] * t.ne[2]);
+    if (it->second.size() != want) {
+        fail("imatrix entry for tensor '{}' has {} values, the tensor {} needs {}: the imatrix was made for another model",
+             t.name, it->second.size(), shape_str(t.shape()), want);
+    }
+    return it->second;
+}
+
+std::vector<uint8_t> quantize_tensor(const gguf_file & file, const gguf_tensor & t, ggml_type type,
+                                     std::span<const float> importance, std::span<const float> f32, int n_threads) {
+    if (type == t.type) {
+        const auto src = file.data(t);
+        return {src.begin(), src.end()};
+    }
+    const size_t n_bytes = tensor_bytes(type, t.shape(), t.name);
+    std::vector<float> own;
+    if (f32.empty()) {
+        own = tensor_to_f32(file, t, n_threads);
+        f32 = own;
+    }
+    std::vector<uint8_t> out(n_bytes);
+    // Experts (ne2 > 1) are quantized one by one, each with its own slice of the importance,
+    // as llama_tensor_quantize_impl does.
+    const int64_t n_experts = t.ne[2] * t.ne[3];
+    const size_t weights_per_expert = static_cast<size_t>(t.ne[0] * t.ne[1]);
+    const size_t bytes_per_expert = n_bytes / static_cast<size_t>(n_experts);
+    for (int64_t e = 0; e < n_experts; ++e) {
+        std::span<const float> im;
+        if (!importance.empty()) {
+            im = importance.subspan(static_cast<size_t>((e % t.ne[2]) * t.ne[0]), static_cast<size_t>(t.ne[0]));
+        }
+        quantize_into(type, f32.subspan(e * weights_per_expert, weights_per_expert), t.ne[0],
+                      std::span<uint8_t>(out).subspan(e * bytes_per_expert, bytes_per_expert), im, n_threads, t.name);
+    }
+    return out;
+}
+
+candidate_cache::candidate_cache(std::string dir) : dir_(std::move(dir)) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir_, ec);
+    if (ec || !std::filesystem::is_directory(dir_)) {
+        fail("cannot create the candidate cache folder '{}': {}", dir_, ec ? ec.message() : "not a folder");
+    }
+}
+
+std::string candidate_cache::key(const gguf_file & file, const gguf_tensor & t, ggml_type type,
+                                 std::span<const float> importance) {
+    XXH3_state_t * state = XXH3_createState();
+    XXH3_128bits_reset(state);
+    const auto data = file.data(t);
+    XXH3_128bits_update(state, data.data(), data.size());
+    const int32_t types[2] = {static_cast<int32_t>(t.type), static_cast<int32_t>(type)};
+    XXH3_128bits_update(state, types, sizeof types);
+    XXH3_128bits_update(state, t.ne.data(), sizeof(int64_t) * t.ne.size());
+    const uint64_t n_importance = importance.size();
+    XXH3_128bits_update(state, &n_importance, sizeof n_importance);
+    XXH3_128bits_update(state, importance.data(), importance.size_bytes());
+    const char * commit = VOODOO_LLAMA_COMMIT;
+    XXH3_128bits_update(state, commit, std::strlen(commit));
+    const XXH128_hash_t h = XXH3_128bits_digest(state);
+    XXH3_freeState(state);
+    return fmt::format("{:016x}{:016x}", h.high64, h.low64);
+}
+
+std::string candidate_cache::path_of(const std::string & key) const {
+    return (std::filesystem::path(dir_) / key.substr(0, 2) / (key + ".bin")).string();
+}
+
+std::optional<std::vector<uint8_t>> candidate_cache::load(const std::string & key, size_t expected_bytes) const {
+    const std::string path = path_of(key);
+    std::error_code ec;
+    if (std::filesystem::file_size(path, ec) != expected_bytes || ec) {
+        return std::nullopt;
+    }
+    std::ifstream in(path, std::ios::binary);
+    std::vector<uint8_t> bytes(expected_bytes);
+    if (!in.read(reinterpret_cast<char *>(bytes.data()), static_cast<std::streamsize>(expected_bytes))) {
+        return std::nullopt;
+    }
+    return bytes;
+}
+
+void candidate_cache::store(const std::string & key, std::span<const uint8_t> bytes) const {
+    const std::string path = path_of(key);
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+    write_file_atomic(path, bytes);
+}
+
+std::vector<uint8_t> candidate_bytes(const gguf_file & file, const gguf_tensor & t, ggml_type type,
+                                     std::span<const float> importance, const candidate_cache * cache,
+                                     std::span<const float> f32, int n_threads) {
+    if (!cache || type == t.type) {
+        return quantize_tensor(file, t, type, importance, f32, n_threads);
+    }
+    const std::string k = candidate_cache::key(file, t, type, importance);
+    if (auto hit = cache->load(k, tensor_bytes(type, t.shape(), t.name))) {
+        return std::move(*hit);
+    }
+    auto bytes = quantize_tensor(file, t, type, importance, f32, n_threads);
+    cache->store(k, bytes);
+    return bytes;
+}
+
+}  // namespace voodoo

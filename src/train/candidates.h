@@ -1,0 +1,68 @@
+// Candidates: the exact bytes of every (tensor, type) pair of the menus, made by ggml_quantize_chunk
+// as llama-quantize makes them (exactness contract, items 1 and 3), kept in a content-addressed cache.
+#pragma once
+
+#include "ggml/gguf.h"
+
+#include <ggml.h>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace voodoo {
+
+/// Per-tensor importance, as llama-quantize hands it to ggml_quantize_chunk: for each tensor name,
+/// ne0 · n_experts values, in_sum2 / counts of llama.cpp's imatrix (tools/quantize/quantize.cpp load_imatrix).
+using importance_map = std::unordered_map<std::string, std::vector<float>>;
+
+/// The tensor's weights as f32 (F32 copied; F16, BF16 and quantized types through ggml's to_float,
+/// as llama-quantize's llama_tensor_dequantize_impl does). [n_rows, ne0] row-major.
+std::vector<float> tensor_to_f32(const gguf_file & file, const gguf_tensor & t, int n_threads = 0);
+
+/// The importance of tensor t in `importance`, or empty when none is given or the map has no entry.
+/// Throws voodoo::error naming the tensor when the entry's length is not ne0 · ne2 (an imatrix made for
+/// another model), as llama-quantize does.
+std::span<const float> importance_for(const importance_map * importance, const gguf_tensor & t);
+
+/// The exact bytes tensor t takes as `type`: the source bytes when type is the source type (llama-quantize
+/// copies them), else ggml_quantize_chunk of its f32 weights with the tensor's importance, expert by expert
+/// for 3-D tensors. `f32` may pass tensor_to_f32(file, t) when the caller already has it.
+/// Throws voodoo::error naming the tensor when the type does not fit ne0 or needs an importance matrix.
+std::vector<uint8_t> quantize_tensor(const gguf_file & file, const gguf_tensor & t, ggml_type type,
+                                     std::span<const float> importance, std::span<const float> f32 = {},
+                                     int n_threads = 0);
+
+/// A content-addressed store of candidate bytes on disk: one file per key, where the key is the
+/// xxh3-128 hash of (source tensor bytes, source type, shape, target type, the tensor's importance
+/// values, llama.cpp commit). A changed model, imatrix or llama.cpp never reads a stale entry.
+class candidate_cache {
+public:
+    /// Creates the folder when missing. Throws voodoo::error when it cannot.
+    explicit candidate_cache(std::string dir);
+
+    /// The hex key of one candidate.
+    static std::string key(const gguf_file & file, const gguf_tensor & t, ggml_type type,
+                           std::span<const float> importance);
+
+    /// The cached bytes, or nullopt. An entry of the wrong size is ignored (and rebuilt by the caller).
+    std::optional<std::vector<uint8_t>> load(const std::string & key, size_t expected_bytes) const;
+    /// Stores bytes atomically.
+    void store(const std::string & key, std::span<const uint8_t> bytes) const;
+
+    const std::string & dir() const { return dir_; }
+
+private:
+    std::string path_of(const std::string & key) const;
+    std::string dir_;
+};
+
+/// quantize_tensor through the cache: load when present, else quantize and store. cache may be null.
+std::vector<uint8_t> candidate_bytes(const gguf_file & file, const gguf_tensor & t, ggml_type type,
+                                     std::span<const float> importance, const candidate_cache * cache,
+                                     std::span<const float> f32 = {}, int n_threads = 0);
+
+}  // namespace voodoo

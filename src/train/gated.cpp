@@ -1,0 +1,192 @@
+#include "train/gated.h"
+
+#include "common/error.h"
+#include "ggml/quant.h"
+#include "ggml/types.h"
+
+#include <cstring>
+#include <random>
+
+namespace voodoo {
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+gated_tensor * from_handle(AutogradContext * ctx) {
+    return reinterpret_cast<gated_tensor *>(ctx->saved_data["t"].toInt());
+}
+
+int64_t rows_of(const gated_tensor & t) { return t.tensor->n_rows(); }
+
+// One candidate as f32 [rows, ne0], into `buf` (reused between candidates).
+void dequantize_candidate(const gated_tensor & t, size_t k, std::vector<float> & buf) {
+    buf.resize(static_cast<size_t>(t.tensor->n_elements()));
+    dequantize_into(t.types[k], t.bytes[k], t.tensor->ne[0], buf, t.n_threads, t.tensor->name);
+}
+
+// Rows ids of one candidate, into buf [n, ne0].
+void dequantize_rows(const gated_tensor & t, size_t k, const int64_t * ids, int64_t n, std::vector<float> & buf) {
+    const int64_t ne0 = t.tensor->ne[0];
+    const size_t row = ggml_row_size(t.types[k], ne0);
+    buf.resize(static_cast<size_t>(n * ne0));
+    for (int64_t i = 0; i < n; ++i) {
+        dequantize_into(t.types[k], std::span<const uint8_t>(t.bytes[k]).subspan(ids[i] * row, row), ne0,
+                        std::span<float>(buf).subspan(i * ne0, ne0), 1, t.tensor->name);
+    }
+}
+
+std::vector<double> probs_of(const torch::Tensor & p) {
+    const torch::Tensor c = p.detach().to(torch::kDouble).contiguous().cpu();
+    return {c.data_ptr<double>(), c.data_ptr<double>() + c.numel()};
+}
+
+class mixture_fn : public torch::autograd::Function<mixture_fn> {
+public:
+    static torch::Tensor forward(AutogradContext * ctx, const torch::Tensor & p, int64_t handle) {
+        auto & t = *reinterpret_cast<gated_tensor *>(handle);
+        ctx->saved_data["t"] = handle;
+        const auto w = probs_of(p);
+        torch::Tensor out = torch::zeros({rows_of(t), t.tensor->ne[0]}, torch::kFloat);
+        std::vector<float> buf;
+        for (size_t k = 0; k < t.types.size(); ++k) {
+            if (w[k] == 0.0) {
+                continue;  // hard one-hot: the other candidates add nothing
+            }
+            dequantize_candidate(t, k, buf);
+            out.add_(torch::from_blob(buf.data(), out.sizes(), torch::kFloat), w[k]);
+        }
+        return out;
+    }
+
+    static tensor_list backward(AutogradContext * ctx, tensor_list grads) {
+        auto & t = *from_handle(ctx);
+        const torch::Tensor g = grads[0].to(torch::kFloat).contiguous().view(-1);
+        auto grad_p = torch::empty({static_cast<int64_t>(t.types.size())}, torch::kDouble);
+        std::vector<float> buf;
+        for (size_t k = 0; k < t.types.size(); ++k) {
+            dequantize_candidate(t, k, buf);
+            grad_p[static_cast<int64_t>(k)] =
+                torch::dot(g, torch::from_blob(buf.data(), {g.numel()}, torch::kFloat)).item<double>();
+        }
+        t.grad_p = t.grad_p.defined() ? t.grad_p + grad_p : grad_p;
+        return {grad_p.to(torch::kFloat), torch::Tensor()};
+    }
+};
+
+class mixture_rows_fn : public torch::autograd::Function<mixture_rows_fn> {
+public:
+    static torch::Tensor forward(AutogradContext * ctx, const torch::Tensor & p, const torch::Tensor & ids,
+                                 int64_t handle) {
+        auto & t = *reinterpret_cast<gated_tensor *>(handle);
+        ctx->saved_data["t"] = handle;
+        const torch::Tensor id = ids.to(torch::kLong).contiguous().cpu();
+        ctx->save_for_backward({id});
+        const int64_t n = id.numel();
+        for (int64_t i = 0; i < n; ++i) {
+            const int64_t v = id.data_ptr<int64_t>()[i];
+            if (v < 0 || v >= rows_of(t)) {
+                fail("tensor '{}': row {} is out of range (the tensor has {} rows)", t.tensor->name, v, rows_of(t));
+            }
+        }
+        const auto w = probs_of(p);
+        torch::Tensor out = torch::zeros({n, t.tensor->ne[0]}, torch::kFloat);
+        std::vector<float> buf;
+        for (size_t k = 0; k < t.types.size(); ++k) {
+            if (w[k] == 0.0) {
+                continue;
+            }
+            dequantize_rows(t, k, id.data_ptr<int64_t>(), n, buf);
+            out.add_(torch::from_blob(buf.data(), out.sizes(), torch::kFloat), w[k]);
+        }
+        return out;
+    }
+
+    static tensor_list backward(AutogradContext * ctx, tensor_list grads) {
+        auto & t = *from_handle(ctx);
+        const torch::Tensor id = ctx->get_saved_variables()[0];
+        const torch::Tensor g = grads[0].to(torch::kFloat).contiguous().view(-1);
+        auto grad_p = torch::empty({static_cast<int64_t>(t.types.size())}, torch::kDouble);
+        std::vector<float> buf;
+        for (size_t k = 0; k < t.types.size(); ++k) {
+            dequantize_rows(t, k, id.data_ptr<int64_t>(), id.numel(), buf);
+            grad_p[static_cast<int64_t>(k)] =
+                torch::dot(g, torch::from_blob(buf.data(), {g.numel()}, torch::kFloat)).item<double>();
+        }
+        t.grad_p = t.grad_p.defined() ? t.grad_p + grad_p : grad_p;
+        return {grad_p.to(torch::kFloat), torch::Tensor(), torch::Tensor()};
+    }
+};
+
+}  // namespace
+
+torch::Tensor gated_mixture(const torch::Tensor & p, gated_tensor & t) {
+    return mixture_fn::apply(p, reinterpret_cast<int64_t>(&t));
+}
+
+torch::Tensor gated_mixture_rows(const torch::Tensor & p, const torch::Tensor & ids, gated_tensor & t) {
+    return mixture_rows_fn::apply(p, ids, reinterpret_cast<int64_t>(&t));
+}
+
+gated_weights::gated_weights(weight_source & dense, std::vector<gated_tensor> & tensors)
+    : dense_(dense), tensors_(tensors) {
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+        index_[tensors_[i].tensor->name] = i;
+    }
+}
+
+void gated_weights::set_straight_through(bool on, uint64_t seed) {
+    straight_through_ = on;
+    noise_seed_ = seed;
+    noise_calls_ = 0;
+}
+
+torch::Tensor gated_weights::probs(size_t i) const {
+    return torch::softmax(tensors_[i].gate / tau_, 0);
+}
+
+torch::Tensor gated_weights::forward_probs(size_t i) {
+    torch::Tensor soft = probs(i);
+    if (!straight_through_) {
+        return soft;
+    }
+    // Gumbel(0, 1) noise from a generator seeded per call: reproducible, so a resumed run sees the same noise.
+    std::mt19937_64 rng(noise_seed_ * 0x9E3779B97F4A7C15ull + noise_calls_++);
+    std::uniform_real_distribution<double> u(1e-12, 1.0);
+    const int64_t k = soft.numel();
+    auto noise = torch::empty({k}, torch::kFloat);
+    for (int64_t j = 0; j < k; ++j) {
+        noise[j] = static_cast<float>(-std::log(-std::log(u(rng))));
+    }
+    const auto pick = (tensors_[i].gate.detach() / tau_ + noise).argmax();
+    auto hard = torch::zeros_like(soft);
+    hard[pick] = 1.0f;
+    return hard - soft.detach() + soft;
+}
+
+torch::Tensor gated_weights::get(const std::string & name) {
+    const auto it = index_.find(name);
+    if (it == index_.end()) {
+        return dense_.get(name);
+    }
+    gated_tensor & t = tensors_[it->second];
+    torch::Tensor w = gated_mixture(forward_probs(it->second), t);
+    std::vector<int64_t> shape;
+    for (int d = t.tensor->n_dims - 1; d >= 0; --d) {
+        shape.push_back(t.tensor->ne[static_cast<size_t>(d)]);
+    }
+    return w.view(shape);
+}
+
+torch::Tensor gated_weights::rows(const std::string & name, const torch::Tensor & ids) {
+    const auto it = index_.find(name);
+    if (it == index_.end()) {
+        return dense_.rows(name, ids);
+    }
+    return gated_mixture_rows(forward_probs(it->second), ids.reshape({-1}), tensors_[it->second]);
+}
+
+bool gated_weights::has(const std::string & name) const { return index_.count(name) > 0 || dense_.has(name); }
+
+}  // namespace voodoo

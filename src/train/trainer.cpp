@@ -1,0 +1,423 @@
+#include "train/trainer.h"
+
+#include "common/error.h"
+#include "common/file.h"
+#include "common/progress.h"
+#include "data/token_file.h"
+#include "data/vocab.h"
+#include "ggml/quant.h"
+#include "ggml/types.h"
+#include "model/gguf_weights.h"
+#include "model/registry.h"
+#include "train/gated.h"
+
+#include <torch/torch.h>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace voodoo {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+// Chunk order of one epoch: a permutation fixed by (seed, epoch), so a resumed run reads the same data.
+std::vector<int64_t> epoch_order(int64_t n, uint64_t seed, int64_t epoch) {
+    std::vector<int64_t> order(static_cast<size_t>(n));
+    std::iota(order.begin(), order.end(), 0);
+    std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(epoch));
+    std::shuffle(order.begin(), order.end(), rng);
+    return order;
+}
+
+// What decides the result of a run: a journal of another configuration is refused on --resume.
+std::string fingerprint(const gguf_file & src, const std::vector<tensor_menu> & menus, const train_options & o,
+                        uint64_t data_hash) {
+    nlohmann::json j = {{"target", o.goal.str()}, {"steps", o.steps}, {"batch", o.batch}, {"accum", o.accum},
+                        {"seq", o.seq}, {"lr", o.lr}, {"lr_final", o.lr_final}, {"wd", o.weight_decay},
+                        {"tau0", o.tau0}, {"tau1", o.tau1}, {"lambda_kl", o.lambda_kl},
+                        {"lambda_size", o.lambda_size}, {"tol", o.size_tol}, {"st", o.st_gumbel_fraction},
+                        {"seed", o.seed}, {"data", data_hash}, {"model", src.tensors().size()}};
+    for (const tensor_menu & m : menus) {
+        std::string types;
+        for (ggml_type t : m.types) {
+            types += type_name(t) + ",";
+        }
+        j["menus"][m.tensor->name] = types;
+    }
+    const std::string s = j.dump();
+    return fmt::format("{:016x}", XXH3_64bits(s.data(), s.size()));
+}
+
+// Every candidate's bytes, built in parallel on all cores, through the cache.
+std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vector<tensor_menu> & menus,
+                                           const importance_map * importance, const candidate_cache & cache,
+                                           int threads) {
+    std::vector<gated_tensor> out(menus.size());
+    std::vector<std::pair<size_t, size_t>> jobs;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        out[i].tensor = menus[i].tensor;
+        out[i].types = menus[i].types;
+        out[i].bytes.resize(menus[i].types.size());
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            jobs.emplace_back(i, k);
+        }
+    }
+    progress bar("candidates", static_cast<int64_t>(jobs.size()), "cand");
+    std::atomic<size_t> next{0};
+    std::exception_ptr failure;
+    std::mutex failure_mutex;
+    auto work = [&] {
+        for (size_t j; (j = next++) < jobs.size();) {
+            const auto [i, k] = jobs[j];
+            try {
+                const gguf_tensor & t = *menus[i].tensor;
+                out[i].bytes[k] = candidate_bytes(src, t, menus[i].types[k], importance_for(importance, t), &cache, {}, 1);
+            } catch (...) {
+                std::lock_guard<std::mutex> lock(failure_mutex);
+                failure = std::current_exception();
+                next = jobs.size();
+            }
+            bar.add(1);
+        }
+    };
+    std::vector<std::thread> pool;
+    for (int t = 0; t < resolve_threads(threads); ++t) {
+        pool.emplace_back(work);
+    }
+    for (auto & t : pool) {
+        t.join();
+    }
+    bar.finish();
+    if (failure) {
+        std::rethrow_exception(failure);
+    }
+    return out;
+}
+
+double cosine_lr(const train_options & o, int step) {
+    const double x = o.steps > 1 ? static_cast<double>(step) / (o.steps - 1) : 1.0;
+    const double lo = o.lr * o.lr_final;
+    return lo + 0.5 * (o.lr - lo) * (1.0 + std::cos(M_PI * x));
+}
+
+double temperature(const train_options & o, int step) {
+    const double x = o.steps > 1 ? static_cast<double>(step) / (o.steps - 1) : 1.0;
+    return o.tau0 * std::pow(o.tau1 / o.tau0, x);
+}
+
+struct journal_state {
+    int step = 0;
+    std::vector<torch::Tensor> gates;
+    std::vector<torch::Tensor> ema;
+};
+
+void save_journal(const std::string & path, const std::string & fp, int step, const std::vector<gated_tensor> & g,
+                  const std::vector<torch::Tensor> & ema, torch::optim::Optimizer & opt) {
+    torch::serialize::OutputArchive a;
+    a.write("fingerprint", c10::IValue(fp));
+    a.write("step", torch::tensor(static_cast<int64_t>(step)));
+    for (size_t i = 0; i < g.size(); ++i) {
+        a.write(fmt::format("gate.{}", i), g[i].gate.detach());
+        a.write(fmt::format("ema.{}", i), ema[i]);
+    }
+    torch::serialize::OutputArchive o;
+    opt.save(o);
+    a.write("optimizer", o);
+    const std::string tmp = path + ".tmp";
+    a.save_to(tmp);
+    fs::rename(tmp, path);
+}
+
+int load_journal(const std::string & path, const std::string & fp, std::vector<gated_tensor> & g,
+                 std::vector<torch::Tensor> & ema, torch::optim::Optimizer & opt) {
+    torch::serialize::InputArchive a;
+    try {
+        a.load_from(path);
+    } catch (const c10::Error & e) {
+        fail("journal '{}' cannot be read: {}; start without --resume", path, e.what_without_backtrace());
+    }
+    c10::IValue v;
+    a.read("fingerprint", v);
+    if (v.toStringRef() != fp) {
+        fail("journal '{}' belongs to a run with other options, menus or data; resume with the same command, "
+             "or start a new run directory",
+             path);
+    }
+    torch::Tensor step;
+    a.read("step", step);
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < g.size(); ++i) {
+        torch::Tensor gate;
+        a.read(fmt::format("gate.{}", i), gate);
+        g[i].gate.copy_(gate);
+        a.read(fmt::format("ema.{}", i), ema[i]);
+    }
+    torch::serialize::InputArchive o;
+    a.read("optimizer", o);
+    opt.load(o);
+    return static_cast<int>(step.item<int64_t>());
+}
+
+std::string family_of(const std::string & name) {
+    if (name.rfind("blk.", 0) == 0) {
+        const size_t dot = name.find('.', 4);
+        return name.substr(dot + 1);
+    }
+    return name;
+}
+
+std::string summary_table(const recipe & r, const budget & b, double total) {
+    struct family {
+        int64_t weights = 0;
+        size_t bytes = 0, source_bytes = 0;
+        std::map<std::string, int> types;
+    };
+    std::map<std::string, family> fam;
+    for (const recipe_tensor & t : r.tensors) {
+        family & f = fam[family_of(t.name)];
+        f.weights += n_elements(t.shape);
+        f.bytes += t.bytes;
+        f.source_bytes += tensor_bytes(t.source_type, t.shape, t.name);
+        ++f.types[type_name(t.type)];
+    }
+    std::string out = fmt::format("  {:<22} {:>10} {:>12} {:>7}  {}\n", "tensor family", "weights", "bytes", "bpw",
+                                  "types (tensors)");
+    for (const auto & [name, f] : fam) {
+        std::string types;
+        for (const auto & [t, n] : f.types) {
+            types += fmt::format("{}{}×{}", types.empty() ? "" : ", ", n, t);
+        }
+        out += fmt::format("  {:<22} {:>10} {:>12} {:>7.3f}  {}\n", name, f.weights, f.bytes,
+                           8.0 * static_cast<double>(f.bytes) / static_cast<double>(f.weights), types);
+    }
+    const char * unit = b.goal.kind == target_kind::bpw ? "tensor bytes" : "file bytes";
+    out += fmt::format("  total {:.0f} {} of a budget of {:.0f} ({}: {:.5g} vs target {:.5g})\n", total, unit,
+                       b.limit, b.goal.kind == target_kind::bpw ? "BPW" : b.goal.kind == target_kind::size ? "bytes" : "Q8_0 ratio",
+                       b.in_target_unit(total), b.goal.value);
+    return out;
+}
+
+}  // namespace
+
+train_result train_gates(const gguf_file & src, const gguf_file & teacher, const token_file & train,
+                         const importance_map * importance, const train_options & o) {
+    const auto t_start = std::chrono::steady_clock::now();
+    if (o.steps < 1 || o.batch < 1 || o.accum < 1) {
+        fail("--steps, --batch and --accum must be at least 1 (got {}, {}, {})", o.steps, o.batch, o.accum);
+    }
+    if (!(o.tau0 > 0 && o.tau1 > 0)) {
+        fail("--tau0 and --tau1 must be positive (got {}, {})", o.tau0, o.tau1);
+    }
+    if (o.st_gumbel_fraction < 0 || o.st_gumbel_fraction > 1) {
+        fail("--st-gumbel-fraction must be in [0, 1] (got {})", o.st_gumbel_fraction);
+    }
+    train.require_vocab(vocab_hash(src), src.path());
+    const int64_t seq = o.seq > 0 ? o.seq : train.ctx();
+    if (seq < 2 || seq > train.ctx()) {
+        fail("--seq {} must be between 2 and the token file's chunk length {} ('{}')", seq, train.ctx(), train.path());
+    }
+    for (const gguf_tensor & t : src.tensors()) {
+        const gguf_tensor * tt = teacher.find_tensor(t.name);
+        if (!tt || tt->ne != t.ne) {
+            fail("teacher '{}' does not match '{}' at tensor '{}': the teacher must be the same model", teacher.path(),
+                 src.path(), t.name);
+        }
+    }
+
+    // Everything that can be refused is refused before any work.
+    const std::vector<tensor_menu> menus = build_menus(src, o.menu);
+    export_options eopts;
+    eopts.target = o.goal.str();
+    const budget b = make_budget(src, menus, o.goal, eopts);
+
+    fs::create_directories(o.run_dir);
+    const std::string journal_path = (fs::path(o.run_dir) / "journal.pt").string();
+    const std::string log_path = (fs::path(o.run_dir) / "log.jsonl").string();
+    if (!o.resume && fs::exists(journal_path)) {
+        fail("run directory '{}' already holds a journal: pass --resume to continue it, or choose another --out",
+             o.run_dir);
+    }
+    if (o.resume && !fs::exists(journal_path)) {
+        fail("--resume: no journal in '{}' (journal.pt); start without --resume", o.run_dir);
+    }
+
+    const int n_threads = resolve_threads(o.threads);
+    torch::set_num_threads(n_threads);
+    const candidate_cache cache(o.cache_dir.empty() ? (fs::path(o.run_dir) / "candidates").string() : o.cache_dir);
+    std::vector<gated_tensor> gated = build_candidates(src, menus, importance, cache, n_threads);
+
+    std::unique_ptr<causal_lm> model = build_model(src);
+    gguf_weights dense(src);
+    gguf_weights teacher_weights(teacher);
+    std::vector<torch::Tensor> params;
+    std::vector<torch::Tensor> ema;
+    std::vector<torch::Tensor> costs;
+    for (size_t i = 0; i < gated.size(); ++i) {
+        gated[i].gate = torch::zeros({static_cast<int64_t>(gated[i].types.size())}, torch::kFloat).requires_grad_(true);
+        gated[i].n_threads = 1;
+        params.push_back(gated[i].gate);
+        ema.push_back(torch::zeros({static_cast<int64_t>(gated[i].types.size())}, torch::kDouble));
+        costs.push_back(torch::tensor(b.cost[i], torch::kDouble));
+    }
+    gated_weights student(dense, gated);
+    torch::optim::AdamW opt(params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
+
+    const uint64_t data_hash = XXH3_64bits(train.tokens().data(), train.tokens().size_bytes());
+    const std::string fp = fingerprint(src, menus, o, data_hash);
+    int step = 0;
+    if (o.resume) {
+        step = load_journal(journal_path, fp, gated, ema, opt);
+        // Keep the log of the steps the journal holds; later lines are redone.
+        std::ifstream in(log_path);
+        std::string kept;
+        for (std::string line; std::getline(in, line);) {
+            if (!line.empty() && nlohmann::json::parse(line).value("step", 0) < step) {
+                kept += line + "\n";
+            }
+        }
+        write_file_atomic(log_path, kept);
+    } else {
+        write_file_atomic(log_path, std::string());
+    }
+    std::ofstream log(log_path, std::ios::app);
+
+    const int64_t n_chunks = train.n_chunks();
+    const int64_t per_step = static_cast<int64_t>(o.batch) * o.accum;
+    auto batch_tokens = [&](int s, int micro) {
+        auto tokens = torch::empty({o.batch, seq}, torch::kLong);
+        for (int j = 0; j < o.batch; ++j) {
+            const int64_t idx = static_cast<int64_t>(s) * per_step + static_cast<int64_t>(micro) * o.batch + j;
+            const int64_t chunk = epoch_order(n_chunks, o.seed, idx / n_chunks)[static_cast<size_t>(idx % n_chunks)];
+            const auto c = train.chunk(chunk);
+            for (int64_t p = 0; p < seq; ++p) {
+                tokens[j][p] = static_cast<int64_t>(c[static_cast<size_t>(p)]);
+            }
+        }
+        return tokens;
+    };
+
+    const int st_from = o.steps - static_cast<int>(std::lround(o.st_gumbel_fraction * o.steps));
+    progress bar("train", o.steps, "steps");
+    bar.add(step);
+    bool stopped = false;
+    for (; step < o.steps; ++step) {
+        const auto t0 = std::chrono::steady_clock::now();
+        const double tau = temperature(o, step);
+        const double lr = cosine_lr(o, step);
+        for (auto & group : opt.param_groups()) {
+            static_cast<torch::optim::AdamWOptions &>(group.options()).lr(lr);
+        }
+        student.set_temperature(tau);
+        student.set_straight_through(step >= st_from, o.seed * 1000003ull + static_cast<uint64_t>(step));
+        opt.zero_grad();
+        for (auto & g : gated) {
+            g.grad_p = torch::Tensor();
+        }
+        double ce_sum = 0, kl_sum = 0, size_term = 0, bytes = 0;
+        for (int micro = 0; micro < o.accum; ++micro) {
+            const torch::Tensor tokens = batch_tokens(step, micro);
+            torch::Tensor t_logp;
+            {
+                torch::NoGradGuard no_grad;
+                t_logp = torch::log_softmax(model->forward(tokens, teacher_weights), -1);
+            }
+            const torch::Tensor s_logp = torch::log_softmax(model->forward(tokens, student), -1);
+            const int64_t v = s_logp.size(-1);
+            const torch::Tensor ce = torch::nll_loss(s_logp.slice(1, 0, seq - 1).reshape({-1, v}),
+                                                     tokens.slice(1, 1, seq).reshape({-1}));
+            const torch::Tensor kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean();
+            torch::Tensor expected = torch::tensor(b.fixed, torch::kDouble);
+            for (size_t i = 0; i < gated.size(); ++i) {
+                expected = expected + torch::dot(student.probs(i).to(torch::kDouble), costs[i]);
+            }
+            const torch::Tensor rel = expected / b.limit - 1.0;
+            const torch::Tensor pen = torch::relu(rel.abs() - o.size_tol).pow(2);
+            const torch::Tensor loss = (ce + o.lambda_kl * kl + o.lambda_size * pen.to(torch::kFloat)) / o.accum;
+            loss.backward();
+            ce_sum += ce.item<double>() / o.accum;
+            kl_sum += kl.item<double>() / o.accum;
+            size_term = pen.item<double>();
+            bytes = expected.item<double>();
+        }
+        if (!std::isfinite(ce_sum) || !std::isfinite(kl_sum)) {
+            std::string culprit = "none found";
+            for (const auto & g : gated) {
+                if (!torch::isfinite(g.gate).all().item<bool>() ||
+                    (g.grad_p.defined() && !torch::isfinite(g.grad_p).all().item<bool>())) {
+                    culprit = g.tensor->name;
+                    break;
+                }
+            }
+            fail("step {}: the loss is not finite (CE {}, KL {}); first tensor with a non-finite gate or gradient: {}; "
+                 "the last good journal is kept in '{}'",
+                 step, ce_sum, kl_sum, culprit, o.run_dir);
+        }
+        opt.step();
+        for (size_t i = 0; i < gated.size(); ++i) {
+            if (gated[i].grad_p.defined()) {
+                ema[i] = 0.9 * ema[i] + 0.1 * gated[i].grad_p;
+            }
+        }
+        const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const nlohmann::json line = {{"step", step},        {"loss", ce_sum + o.lambda_kl * kl_sum + o.lambda_size * size_term},
+                                     {"ce", ce_sum},        {"kl", kl_sum},
+                                     {"size_term", size_term}, {"tau", tau},
+                                     {"bytes", bytes},      {"budget", b.limit},
+                                     {"lr", lr},            {"tokens_per_s", static_cast<double>(per_step * seq) / dt}};
+        log << line.dump() << "\n" << std::flush;
+        bar.add(1, fmt::format("KL {:.4f} size {:.4f}", kl_sum, bytes / b.limit));
+        const bool stop = o.should_stop && o.should_stop(step);
+        if ((step + 1) % o.journal_every == 0 || step + 1 == o.steps || stop) {
+            save_journal(journal_path, fp, step + 1, gated, ema, opt);
+        }
+        if (stop) {
+            ++step;
+            stopped = true;
+            break;
+        }
+    }
+    bar.finish();
+
+    train_result res;
+    res.finished = !stopped;
+    res.steps_done = step;
+    res.limit_bytes = b.limit;
+    std::vector<std::vector<double>> probs, est;
+    student.set_temperature(temperature(o, o.steps - 1));
+    for (size_t i = 0; i < gated.size(); ++i) {
+        const torch::Tensor p = student.probs(i).detach().to(torch::kDouble).contiguous();
+        probs.emplace_back(p.data_ptr<double>(), p.data_ptr<double>() + p.numel());
+        const torch::Tensor e = ema[i].contiguous();
+        est.emplace_back(e.data_ptr<double>(), e.data_ptr<double>() + e.numel());
+    }
+    const std::vector<int> choice = finalize_choice(b, probs, est);
+    res.final_recipe = recipe_from_choice(src, menus, choice, probs, o.goal);
+    res.final_recipe.imatrix = o.imatrix_path;
+    res.total_bytes = b.total(choice);
+    res.summary = summary_table(res.final_recipe, b, res.total_bytes);
+    if (res.finished) {
+        recipe_save(res.final_recipe, (fs::path(o.run_dir) / "recipe.json").string());
+        write_file_atomic((fs::path(o.run_dir) / "recipe.tensor-types.txt").string(),
+                          recipe_tensor_types(res.final_recipe));
+    }
+    res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+    return res;
+}
+
+}  // namespace voodoo

@@ -1,0 +1,62 @@
+// Gate training (`voodoo train`): learns, for every selectable tensor, which candidate it deserves,
+// under an exact byte budget, then finalizes a recipe (DESIGN.md "The math").
+#pragma once
+
+#include "export/recipe.h"
+#include "ggml/gguf.h"
+#include "train/budget.h"
+#include "train/candidates.h"
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace voodoo {
+
+class token_file;
+
+struct train_options {
+    target goal;
+    menu_options menu;
+    std::string run_dir;                // journal, log.jsonl, recipe.json, recipe.tensor-types.txt
+    std::string cache_dir;              // candidate cache ("" = <run_dir>/candidates)
+    std::string imatrix_path;           // recorded in the recipe ("" = none)
+    int steps = 300;                    // optimizer steps
+    int batch = 4;                      // sequences per micro-batch
+    int accum = 1;                      // micro-batches per optimizer step (gradients really accumulate)
+    int seq = 0;                        // tokens per sequence (0 = the token file's chunk length)
+    double lr = 0.05;                   // AdamW peak learning rate on the gate logits, cosine to lr · lr_final
+    double lr_final = 0.1;
+    double weight_decay = 0.0;
+    double tau0 = 1.0, tau1 = 0.01;     // p = softmax(g/τ), τ geometric from τ0 to τ1
+    double lambda_kl = 1.0;             // L = CE + λ_KL·KL(teacher‖student) + λ_size·relu(|B/B*−1| − tol)²
+    double lambda_size = 1000.0;
+    double size_tol = 0.005;
+    double st_gumbel_fraction = 0.0;    // last fraction of steps with straight-through Gumbel hardening
+    int journal_every = 50;             // steps between journals (and one at the end)
+    bool resume = false;                // continue from <run_dir>/journal.pt
+    uint64_t seed = 42;
+    int threads = 0;                    // 0 = every core
+    /// Asked after every step; true stops the run after writing a journal (Ctrl-C uses it too).
+    std::function<bool(int step)> should_stop;
+};
+
+struct train_result {
+    recipe final_recipe;
+    bool finished;                      // false when should_stop interrupted the run
+    int steps_done;
+    double total_bytes;                 // the budgeted quantity of the final recipe (file or tensor bytes)
+    double limit_bytes;
+    double seconds;
+    std::string summary;                // the table printed at the end
+};
+
+/// Trains the gates of `src` on `train` chunks with `teacher` as the distillation target (usually src
+/// itself) and writes the run directory. `importance` (optional) is the imatrix's per-tensor importance.
+/// Throws voodoo::error before any work for an impossible target, a menu type no tensor takes, a token
+/// file of another vocabulary, a journal of another run; during training, for a NaN/inf loss (naming the
+/// step and tensor; the last good journal is kept).
+train_result train_gates(const gguf_file & src, const gguf_file & teacher, const token_file & train,
+                         const importance_map * importance, const train_options & opts);
+
+}  // namespace voodoo

@@ -1,0 +1,40 @@
+// voodoo-fixture: writes a synthetic GGUF (random weights, real tokenizer) for tests, benchmarks and the
+// GPU machine. A test/bench tool, not part of the voodoo CLI.
+#include "common/error.h"
+#include "ggml/types.h"
+#include "model/fixture.h"
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+int main(int argc, char ** argv) {
+    CLI::App app{"voodoo-fixture: a synthetic GGUF of a given architecture and shape, random weights, real vocab"};
+    app.footer("example (Qwen3-0.6B dimensions on the llama architecture, qwen2 vocab):\n"
+               "  voodoo-fixture --vocab .deps/llama.cpp/models/ggml-vocab-qwen2.gguf --n-embd 1024 --n-layer 28 \\\n"
+               "      --n-head 16 --n-head-kv 8 --head-dim 128 --n-ff 3072 --type bf16 -o qwen3-0.6b-shape.gguf");
+    voodoo::fixture_spec s;
+    std::string out;
+    std::string type = "f32";
+    app.add_option("-o,--output", out, "Output GGUF")->required();
+    app.add_option("--vocab", s.vocab_path, "Vocab GGUF whose tokenizer.* keys are copied (ggml-vocab-*.gguf)")->required();
+    app.add_option("--arch", s.arch, "Architecture")->capture_default_str();
+    app.add_option("--n-embd", s.n_embd, "Model width")->capture_default_str();
+    app.add_option("--n-layer", s.n_layer, "Layers")->capture_default_str();
+    app.add_option("--n-head", s.n_head, "Attention heads")->capture_default_str();
+    app.add_option("--n-head-kv", s.n_head_kv, "KV heads")->capture_default_str();
+    app.add_option("--head-dim", s.head_dim, "Head size")->capture_default_str();
+    app.add_option("--n-ff", s.n_ff, "FFN width")->capture_default_str();
+    app.add_option("--type", type, "Type of the 2-D weights: f32, f16 or bf16")->capture_default_str();
+    app.add_option("--seed", s.seed, "Random seed")->capture_default_str();
+    app.add_flag("--tied", s.tied_output, "No output.weight: tie the head to token_embd");
+    CLI11_PARSE(app, argc, argv);
+    try {
+        s.weight_type = voodoo::parse_type(type, "--type");
+        voodoo::write_fixture(s, out);
+        fmt::print("wrote {}\n", out);
+    } catch (const voodoo::error & e) {
+        fmt::print(stderr, "error: {}\n", e.what());
+        return 1;
+    }
+    return 0;
+}

@@ -1,0 +1,206 @@
+#include "common/error.h"
+#include "train/budget.h"
+#include "ggml/types.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+using namespace voodoo;
+
+namespace {
+
+std::string error_of(const std::function<void()> & fn) {
+    try {
+        fn();
+    } catch (const error & e) {
+        return e.what();
+    }
+    return "";
+}
+
+std::vector<std::vector<double>> random_table(const budget & b, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<double> u(0.0, 1.0);
+    std::vector<std::vector<double>> v;
+    for (const auto & c : b.cost) {
+        std::vector<double> row;
+        for (size_t k = 0; k < c.size(); ++k) {
+            row.push_back(u(rng));
+        }
+        v.push_back(row);
+    }
+    return v;
+}
+
+// Estimated loss that falls with bytes, like quantization error does.
+std::vector<std::vector<double>> loss_falling_with_bytes(const budget & b, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<double> u(0.5, 2.0);
+    std::vector<std::vector<double>> v;
+    for (const auto & c : b.cost) {
+        const double sens = u(rng);
+        std::vector<double> row;
+        for (double bytes : c) {
+            row.push_back(sens * 1e4 / bytes);
+        }
+        v.push_back(row);
+    }
+    return v;
+}
+
+}  // namespace
+
+TEST(budget, sizes_parse_with_decimal_and_binary_units) {
+    EXPECT_EQ(parse_size("304352", "--target-size"), 304352);
+    EXPECT_EQ(parse_size("300KB", "--target-size"), 300000);
+    EXPECT_EQ(parse_size("1.5KiB", "--target-size"), 1536);
+    EXPECT_EQ(parse_size("2 MiB", "--target-size"), 2 * 1024 * 1024);
+    EXPECT_EQ(parse_size("4.5GiB", "--target-size"), std::floor(4.5 * 1024 * 1024 * 1024));
+    EXPECT_EQ(parse_size("1gb", "--target-size"), 1e9);
+    const std::string msg = error_of([] { parse_size("lots", "--target-size"); });
+    EXPECT_NE(msg.find("--target-size 'lots'"), std::string::npos) << msg;
+}
+
+TEST(budget, menus_parse_and_sort_by_bits_per_weight) {
+    EXPECT_EQ(parse_menu("Q8_0, q4_0,Q5_1", "--menu"),
+              (std::vector<ggml_type>{GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0}));
+    EXPECT_NE(error_of([] { parse_menu("Q4_0,Q4_K_M", "--menu"); }).find("Q4_K_M"), std::string::npos);
+    const auto role = parse_menu_for("attn_.*=Q4_0,Q8_0");
+    EXPECT_EQ(role.first, "attn_.*");
+    EXPECT_NE(error_of([] { parse_menu_for("Q4_0"); }).find("PATTERN=TYPES"), std::string::npos);
+    EXPECT_NE(error_of([] { parse_menu_for("attn_[=Q4_0"); }).find("regular expression"), std::string::npos);
+}
+
+TEST(budget, stories260k_menus_follow_block_sizes_and_roles) {
+    gguf_file f(test::stories260k());
+    const auto menus = build_menus(f, {});
+    EXPECT_EQ(menus.size(), 37u);
+    int float_only = 0;
+    for (const auto & m : menus) {
+        float_only += m.float_only;
+        if (m.tensor->name == "blk.0.ffn_down.weight") {
+            EXPECT_EQ(m.types, (std::vector<ggml_type>{GGML_TYPE_F16, GGML_TYPE_BF16}));
+        }
+    }
+    EXPECT_EQ(float_only, 5);
+
+    menu_options roles;
+    roles.types = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, GGML_TYPE_F16};
+    roles.per_role = {parse_menu_for("attn_.*=Q5_0,Q5_1")};
+    for (const auto & m : build_menus(f, roles)) {
+        if (m.tensor->name.find("attn_") != std::string::npos) {
+            EXPECT_EQ(m.types, (std::vector<ggml_type>{GGML_TYPE_Q5_0, GGML_TYPE_Q5_1})) << m.tensor->name;
+        }
+    }
+}
+
+TEST(budget, a_menu_type_no_tensor_can_take_is_refused) {
+    gguf_file f(test::stories260k());
+    menu_options k;
+    k.types = {GGML_TYPE_Q4_K, GGML_TYPE_Q8_0};
+    const std::string msg = error_of([&] { build_menus(f, k); });
+    EXPECT_NE(msg.find("q4_K fits no tensor"), std::string::npos) << msg;
+    menu_options iq;
+    iq.types = {GGML_TYPE_IQ2_XXS, GGML_TYPE_Q8_0};
+    EXPECT_NE(error_of([&] { build_menus(f, iq); }).find("imatrix"), std::string::npos);
+}
+
+TEST(budget, an_impossible_target_is_refused_with_the_feasible_range) {
+    gguf_file f(test::stories260k());
+    const auto menus = build_menus(f, {});
+    const std::string low = error_of([&] { make_budget(f, menus, {target_kind::size, 1000}, {}); });
+    EXPECT_NE(low.find("size=1000"), std::string::npos) << low;
+    EXPECT_NE(low.find("from "), std::string::npos) << low;
+    EXPECT_NE(error_of([&] { make_budget(f, menus, {target_kind::bpw, 40}, {}); }).find("BPW"), std::string::npos);
+    EXPECT_NE(error_of([&] { make_budget(f, menus, {target_kind::ratio, 0.05}, {}); }).find("ratio=0.05"),
+              std::string::npos);
+}
+
+TEST(budget, the_all_cheapest_total_is_the_exported_file_size) {
+    gguf_file f(test::stories260k());
+    const auto menus = build_menus(f, {});
+    const budget b = make_budget(f, menus, {target_kind::size, 400000}, {});
+    std::vector<int> cheapest(menus.size(), 0), dearest;
+    for (const auto & m : menus) {
+        dearest.push_back(static_cast<int>(m.types.size()) - 1);
+    }
+    EXPECT_EQ(b.total(cheapest), b.min_total);
+    EXPECT_EQ(b.total(dearest), b.max_total);
+    const target goal{target_kind::size, 400000};
+    EXPECT_EQ(static_cast<double>(planned_file_bytes(f, recipe_from_choice(f, menus, cheapest, {}, goal), {})),
+              b.min_total);
+    EXPECT_EQ(static_cast<double>(planned_file_bytes(f, recipe_from_choice(f, menus, dearest, {}, goal), {})),
+              b.max_total);
+}
+
+TEST(budget, finalized_recipes_never_exceed_the_target_across_the_feasible_range) {
+    voodoo::test::temp_dir dir;
+    gguf_file f(test::stories260k());
+    const auto menus = build_menus(f, {});
+    const budget range = make_budget(f, menus, {target_kind::size, 400000}, {});
+    int checked = 0;
+    for (int i = 0; i <= 10; ++i) {
+        for (target_kind kind : {target_kind::size, target_kind::bpw, target_kind::ratio}) {
+            const double bytes = range.min_total + (range.max_total - range.min_total) * i / 10.0;
+            target goal{kind, 0};
+            if (kind == target_kind::size) {
+                goal.value = std::floor(bytes);
+            } else if (kind == target_kind::bpw) {
+                goal.value = 8.0 * (bytes - range.fixed) / static_cast<double>(range.n_weights) + 0.2;
+            } else {
+                goal.value = bytes / static_cast<double>(q8_0_file_bytes(f, {}));
+            }
+            budget b;
+            try {
+                b = make_budget(f, menus, goal, {});
+            } catch (const error &) {
+                continue;  // a bpw point past the range's edge
+            }
+            SCOPED_TRACE(goal.str());
+            ++checked;
+            const auto probs = random_table(b, 100 + i);
+            const auto choice = finalize_choice(b, probs, loss_falling_with_bytes(b, 200 + i));
+            const double total = b.total(choice);
+            EXPECT_LE(total, b.limit);
+            const recipe r = recipe_from_choice(f, menus, choice, probs, goal);
+            if (kind == target_kind::bpw) {
+                size_t tensor_bytes_total = 0;
+                for (const auto & t : f.tensors()) {
+                    const auto it = std::find_if(r.tensors.begin(), r.tensors.end(),
+                                                 [&](const recipe_tensor & rt) { return rt.name == t.name; });
+                    tensor_bytes_total += it == r.tensors.end() ? t.n_bytes : it->bytes;
+                }
+                EXPECT_EQ(static_cast<double>(tensor_bytes_total), total);
+                EXPECT_LE(8.0 * tensor_bytes_total / static_cast<double>(b.n_weights), goal.value);
+            } else {
+                EXPECT_EQ(static_cast<double>(planned_file_bytes(f, r, {})), total);
+            }
+            if (i == 5 && kind == target_kind::size) {
+                const auto out = dir.file("final.gguf");
+                EXPECT_EQ(static_cast<double>(export_gguf(f, r, out, {}).file_bytes), total);
+            }
+        }
+    }
+    EXPECT_GE(checked, 30);
+}
+
+TEST(budget, repair_downgrades_the_cheapest_loss_per_byte_first_then_spends_the_rest) {
+    budget b;
+    b.goal = {target_kind::size, 0};
+    b.fixed = 100;
+    b.n_weights = 1;
+    b.cost = {{10, 20, 40}, {10, 20, 40}};
+    b.min_total = 120;
+    b.max_total = 180;
+    b.limit = 150;
+    const std::vector<std::vector<double>> probs = {{0, 0, 1}, {0, 0, 1}};  // argmax: both dearest = 180
+    // Tensor 0 loses little when downgraded, tensor 1 a lot.
+    const std::vector<std::vector<double>> loss = {{1.0, 0.2, 0.0}, {50.0, 10.0, 0.0}};
+    const auto choice = finalize_choice(b, probs, loss);
+    EXPECT_EQ(choice, (std::vector<int>{0, 2}));  // 100 + 10 + 40 = 150: tensor 0 gives its bytes
+    EXPECT_EQ(b.total(choice), 150);
+    b.limit = 165;  // 15 left after repair cannot buy tensor 0's next step (10 → 20 fits)
+    EXPECT_EQ(finalize_choice(b, probs, loss), (std::vector<int>{1, 2}));
+}
