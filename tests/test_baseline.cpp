@@ -1,7 +1,7 @@
 // `voodoo baseline`: stock recipes through llama_model_quantize, the imatrix passed through, refusals.
 #include "common/error.h"
 #include "eval/baseline.h"
-#include "eval/imatrix_file.h"
+#include "imatrix/imatrix.h"
 #include "ggml/gguf.h"
 #include "ggml/runtime.h"
 #include "ggml/types.h"
@@ -114,10 +114,9 @@ TEST(baseline, iq2_and_q2_k_s_recipes_without_an_imatrix_are_refused) {
 TEST(baseline, the_imatrix_reaches_llama_model_quantize_with_llama_quantizes_metadata) {
     voodoo::test::temp_dir dir;
     const std::string im = write_imatrix(dir);
-    const voodoo::quantize_imatrix q = voodoo::read_quantize_imatrix(im);
-    EXPECT_EQ(q.data.size(), 36u);  // output + 7 weights × 5 blocks
-    EXPECT_FLOAT_EQ(q.data.at("blk.0.attn_q.weight")[32], 1.5f);  // sums / count
-    EXPECT_EQ(q.chunk_count, 10);
+    const voodoo::imatrix q = voodoo::read_imatrix(im);
+    EXPECT_EQ(q.entries.size(), 36u);  // output + 7 weights × 5 blocks
+    EXPECT_FLOAT_EQ(voodoo::imatrix_column_importance(q, "blk.0.attn_q.weight")[32], 1.5f);  // sums / count
 
     const std::string with = dir.file("with.gguf");
     const voodoo::baseline_result r = voodoo::make_baseline(options(im), "IQ2_XXS", with);
@@ -141,13 +140,27 @@ TEST(baseline, the_imatrix_reaches_llama_model_quantize_with_llama_quantizes_met
     EXPECT_FALSE(std::equal(a.data(ta).begin(), a.data(ta).end(), b.data(tb).begin()));
 }
 
-TEST(baseline, a_legacy_or_broken_imatrix_is_an_error_naming_it) {
+TEST(baseline, a_broken_imatrix_is_an_error_naming_it_and_nothing_is_written) {
     voodoo::test::temp_dir dir;
     const std::string dat = dir.file("imatrix.dat");
     std::ofstream(dat, std::ios::binary) << std::string("\x02\x00\x00\x00xxxx", 8);
     const std::string msg = error_of([&] { voodoo::make_baseline(options(dat), "IQ2_XXS", dir.file("x.gguf")); });
     EXPECT_NE(msg.find(dat), std::string::npos) << msg;
-    EXPECT_NE(msg.find("legacy .dat"), std::string::npos) << msg;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("x.gguf")));
+}
+
+TEST(baseline, an_imatrix_of_another_model_is_refused) {
+    voodoo::test::temp_dir dir;
+    voodoo::imatrix im;
+    im.entries["blk.0.attn_q.weight"] = {std::vector<float>(128, 1.0f), {10}};  // stories260K's rows are 64 wide
+    im.datasets = {"x.txt"};
+    im.chunk_count = 1;
+    im.chunk_size = 64;
+    const std::string path = dir.file("other.gguf");
+    voodoo::write_imatrix_gguf(path, im);
+    const std::string msg = error_of([&] { voodoo::make_baseline(options(path), "IQ2_XXS", dir.file("x.gguf")); });
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("blk.0.attn_q.weight"), std::string::npos) << msg;
 }
 
 TEST(baseline, never_writes_over_the_source) {

@@ -3,11 +3,11 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "common/progress.h"
-#include "eval/imatrix_file.h"
 #include "ggml/gguf.h"
 #include "ggml/log.h"
 #include "ggml/runtime.h"
 #include "ggml/types.h"
+#include "imatrix/imatrix.h"
 
 #include <fmt/format.h>
 
@@ -84,7 +84,8 @@ namespace {
 
 /// The imatrix in the form llama_model_quantize takes, kept alive with its strings.
 struct imatrix_params {
-    quantize_imatrix im;
+    std::vector<std::string> names;
+    std::vector<std::vector<float>> values;
     std::vector<llama_model_imatrix_data> entries;
     std::vector<llama_model_kv_override> kv;
 };
@@ -101,25 +102,31 @@ void set_kv_int(llama_model_kv_override & o, const char * key, int64_t value) {
     o.val_i64 = value;
 }
 
-/// As llama-quantize's main: the entries, a null terminator, and the quantize.imatrix.* metadata.
-std::unique_ptr<imatrix_params> load_imatrix_params(const std::string & path) {
+/// As llama-quantize's main: per weight the column importance (load_imatrix's arithmetic), a null
+/// terminator, and the quantize.imatrix.* metadata it records in the output.
+std::unique_ptr<imatrix_params> load_imatrix_params(const std::string & path, const gguf_file & source) {
+    const imatrix im = read_imatrix(path);
+    require_imatrix_fits(im, source, "--imatrix " + path);
     auto p = std::make_unique<imatrix_params>();
-    p->im = read_quantize_imatrix(path);
-    for (const auto & [name, values] : p->im.data) {
-        p->entries.push_back({name.c_str(), values.data(), values.size()});
+    for (const auto & [name, entry] : im.entries) {
+        p->names.push_back(name);
+        p->values.push_back(imatrix_column_importance(im, name));
+    }
+    for (size_t i = 0; i < p->names.size(); ++i) {
+        p->entries.push_back({p->names[i].c_str(), p->values[i].data(), p->values[i].size()});
     }
     p->entries.push_back({nullptr, nullptr, 0});
     llama_model_kv_override o{};
     set_kv_str(o, "quantize.imatrix.file", path);
     p->kv.push_back(o);
-    if (!p->im.datasets.empty()) {
-        set_kv_str(o, "quantize.imatrix.dataset", p->im.datasets[0]);
+    if (!im.datasets.empty()) {
+        set_kv_str(o, "quantize.imatrix.dataset", im.datasets[0]);
         p->kv.push_back(o);
     }
-    set_kv_int(o, "quantize.imatrix.entries_count", static_cast<int64_t>(p->im.data.size()));
+    set_kv_int(o, "quantize.imatrix.entries_count", static_cast<int64_t>(im.entries.size()));
     p->kv.push_back(o);
-    if (p->im.chunk_count > 0) {
-        set_kv_int(o, "quantize.imatrix.chunks_count", p->im.chunk_count);
+    if (im.chunk_count > 0) {
+        set_kv_int(o, "quantize.imatrix.chunks_count", im.chunk_count);
         p->kv.push_back(o);
     }
     p->kv.emplace_back();
@@ -168,11 +175,13 @@ baseline_result quantize_one(const baseline_options & opt, const recipe & r, con
     return res;
 }
 
-void check_source(const baseline_options & opt) {
-    const gguf_file src(opt.source);  // a bad source is our error, never an abort inside llama.cpp
-    if (src.tensors().empty()) {
+/// A bad source is our error, never an abort inside llama.cpp.
+std::unique_ptr<gguf_file> open_source(const baseline_options & opt) {
+    auto src = std::make_unique<gguf_file>(opt.source);
+    if (src->tensors().empty()) {
         fail("'{}' has no tensors: give the full-precision model GGUF", opt.source);
     }
+    return src;
 }
 
 void check_imatrix_given(const recipe & r, const baseline_options & opt) {
@@ -188,9 +197,9 @@ void check_imatrix_given(const recipe & r, const baseline_options & opt) {
 baseline_result make_baseline(const baseline_options & opt, const std::string & recipe_name, const std::string & out) {
     const recipe & r = recipe_by_name(recipe_name);
     check_imatrix_given(r, opt);
-    check_source(opt);
+    const auto src = open_source(opt);
     llama_runtime_init();
-    const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix);
+    const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix, *src);
     return quantize_one(opt, r, im.get(), out);
 }
 
@@ -211,10 +220,10 @@ std::vector<baseline_result> make_baselines(const baseline_options & opt, const 
         rs.push_back(&recipe_by_name(name));
         check_imatrix_given(*rs.back(), opt);
     }
-    check_source(opt);
+    const auto src = open_source(opt);
     std::filesystem::create_directories(out_dir);
     llama_runtime_init();
-    const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix);
+    const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix, *src);
     const std::string stem = std::filesystem::path(opt.source).stem().string();
 
     std::vector<baseline_result> results;

@@ -32,7 +32,7 @@ bool recipe_needs_imatrix(const recipe & r);
 
 struct baseline_options {
     std::string source;             // F32/F16/BF16 GGUF
-    std::string imatrix;            // llama.cpp GGUF imatrix, or empty
+    std::string imatrix;            // llama.cpp imatrix (GGUF or legacy .dat, src/imatrix), or empty
     int n_threads = 0;              // 0 = every core
 };
 
@@ -55,7 +55,8 @@ struct baseline_result {
 /// metadata llama-quantize adds) when given. The output is written under a temporary name beside
 /// `out` and renamed when complete, then checked by opening it with gguf_file.
 /// Throws voodoo::error: unknown recipe; a recipe that needs an imatrix without one ("pass --imatrix");
-/// `out` is the source; an unreadable source or imatrix; llama.cpp's refusal, with its reason.
+/// `out` is the source; an unreadable source or imatrix, or an imatrix of another model
+/// (require_imatrix_fits); llama.cpp's refusal, with its reason.
 baseline_result make_baseline(const baseline_options & opt, const std::string & recipe_name, const std::string & out);
 
 /// The recipes `--recipes all-that-fit` makes: every standard recipe, less those needing an imatrix

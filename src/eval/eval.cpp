@@ -2,13 +2,13 @@
 
 #include "common/error.h"
 #include "common/progress.h"
+#include "data/vocab.h"
 #include "ggml/gguf.h"
 #include "ggml/log.h"
 #include "ggml/runtime.h"
 #include "ggml/types.h"
 
 #include <llama.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cmath>
@@ -42,7 +42,7 @@ struct model_identity {
     std::string architecture;
     std::string tokenizer_model;        // tokenizer.ggml.model ("llama", "gpt2", …)
     int64_t n_vocab = 0;                // length of tokenizer.ggml.tokens
-    uint64_t tokens_hash = 0;           // XXH3 of every token string, each followed by a NUL
+    uint64_t vocab_hash = 0;            // data/vocab.h vocab_hash: tokens, types, merges, BOS/EOS
 };
 
 model_identity identity_of(const gguf_file & f) {
@@ -55,18 +55,11 @@ model_identity identity_of(const gguf_file & f) {
         fail("'{}' has no vocabulary (tokenizer.ggml.tokens): eval needs a model GGUF with its tokenizer", f.path());
     }
     id.n_vocab = static_cast<int64_t>(gguf_get_arr_n(f.ctx(), key));
-    XXH3_state_t * state = XXH3_createState();
-    XXH3_64bits_reset(state);
-    for (int64_t i = 0; i < id.n_vocab; ++i) {
-        const char * s = gguf_get_arr_str(f.ctx(), key, static_cast<size_t>(i));
-        XXH3_64bits_update(state, s, std::strlen(s) + 1);
-    }
-    id.tokens_hash = XXH3_64bits_digest(state);
-    XXH3_freeState(state);
+    id.vocab_hash = vocab_hash(f);
     return id;
 }
 
-/// Throws when `other` is not a file of the reference's model: same architecture, vocabulary and
+/// Throws when `other` is not a file of the reference's model: same architecture, vocabulary (vocab_hash) and
 /// tensor names and shapes (types may differ: that is the point).
 void check_same_model(const gguf_file & ref, const model_identity & ref_id, const gguf_file & other) {
     const model_identity id = identity_of(other);
@@ -76,10 +69,10 @@ void check_same_model(const gguf_file & ref, const model_identity & ref_id, cons
              ref_id.architecture, hint);
     }
     if (id.n_vocab != ref_id.n_vocab || id.tokenizer_model != ref_id.tokenizer_model ||
-        id.tokens_hash != ref_id.tokens_hash) {
+        id.vocab_hash != ref_id.vocab_hash) {
         fail("'{}' has another vocabulary than the reference '{}' ({} '{}' tokens vs {} '{}' tokens{}): {}",
              other.path(), ref.path(), id.n_vocab, id.tokenizer_model, ref_id.n_vocab, ref_id.tokenizer_model,
-             id.n_vocab == ref_id.n_vocab ? ", different token strings" : "", hint);
+             id.n_vocab == ref_id.n_vocab ? ", other tokens, types or merges" : "", hint);
     }
     if (other.tensors().size() != ref.tensors().size()) {
         fail("'{}' has {} tensors but the reference '{}' has {}: {}", other.path(), other.tensors().size(),
@@ -321,6 +314,11 @@ eval_result run_eval(const eval_options & opt, const std::vector<std::string> & 
 
     llama_runtime_init();
     model_ptr ref_model = load_model(opt.reference);
+    if (const int32_t n_ctx_train = llama_model_n_ctx_train(ref_model.get());
+        !ref_file.get_int(ctx_key) && n_ctx_train > 0 && opt.n_ctx > n_ctx_train) {
+        fail("--ctx {} is larger than the context '{}' was trained on ({} in libllama): use --ctx {} or less",
+             opt.n_ctx, opt.reference, n_ctx_train, n_ctx_train);
+    }
     const llama_vocab * vocab = llama_model_get_vocab(ref_model.get());
     if (llama_vocab_get_add_eos(vocab)) {
         fail("the vocabulary of '{}' appends EOS to every text; llama-perplexity refuses such models and so do we",

@@ -64,7 +64,7 @@ struct eval_result {
 /// ln(PPL ratio) with the covariance of the two NLLs.
 ///
 /// Errors (voodoo::error, naming the file or flag): a file is not a readable GGUF; a file's
-/// architecture, vocabulary (token count, tokenizer model, token list hash) or tensor names/shapes
+/// architecture, vocabulary (token count, tokenizer model, data/vocab.h vocab_hash) or tensor names/shapes
 /// differ from the reference's; --ctx exceeds `<arch>.context_length` or is below 8; the text is
 /// shorter than 2 · n_ctx tokens; more than half of the text's tokens are <unk> or byte-fallback tokens
 /// (text the vocabulary does not cover); libllama cannot load a model or decode.

@@ -72,6 +72,32 @@ std::string gp_quote(const std::string & s) {
     return out + "'";
 }
 
+/// The longest prefix common to every file name that ends with '-' or '_' ("stories260K-"), or "".
+std::string common_label_prefix(const std::vector<eval_file_result> & files) {
+    if (files.size() < 2) {
+        return {};
+    }
+    std::string prefix = files[0].name;
+    for (const eval_file_result & f : files) {
+        size_t n = 0;
+        while (n < prefix.size() && n < f.name.size() && prefix[n] == f.name[n]) {
+            ++n;
+        }
+        prefix.resize(n);
+    }
+    const size_t cut = prefix.find_last_of("-_");
+    return cut == std::string::npos ? std::string() : prefix.substr(0, cut + 1);
+}
+
+/// A file's name without the common prefix and the .gguf extension: "Q4_K_M".
+std::string short_label(const std::string & name, const std::string & prefix) {
+    std::string s = name.substr(prefix.size());
+    if (s.size() > 5 && s.compare(s.size() - 5, 5, ".gguf") == 0) {
+        s.resize(s.size() - 5);
+    }
+    return s;
+}
+
 }  // namespace
 
 std::string eval_to_markdown(const eval_result & r) {
@@ -143,10 +169,28 @@ void eval_plot(const eval_result & r, const std::string & png_path) {
     const std::string points = (tmp_dir / "points.dat").string();
     const std::string front_dat = (tmp_dir / "front.dat").string();
     const std::string png = (tmp_dir / "plot.png").string();
+    // Files with the same size and KLD (recipes that fell back to the same types) share one point and
+    // label; labels alternate above and below their point so that neighbours stay readable.
+    const std::string prefix = common_label_prefix(r.files);
     {
         std::ofstream p(points), fr(front_dat);
-        for (const eval_file_result & f : r.files) {
-            p << fmt::format("{:.6f} {:.9g} \"{}\"\n", static_cast<double>(f.file_bytes) / k_mib, f.kld_mean, f.name);
+        std::vector<std::string> labels(r.files.size());
+        std::vector<bool> merged(r.files.size(), false);
+        for (size_t a = 0; a < order.size(); ++a) {
+            const eval_file_result & f = r.files[order[a]];
+            if (merged[order[a]]) {
+                continue;
+            }
+            std::string label = short_label(f.name, prefix);
+            for (size_t b = a + 1; b < order.size(); ++b) {
+                const eval_file_result & g = r.files[order[b]];
+                if (g.file_bytes == f.file_bytes && g.kld_mean == f.kld_mean) {
+                    label += " = " + short_label(g.name, prefix);
+                    merged[order[b]] = true;
+                }
+            }
+            p << fmt::format("{:.6f} {:.9g} \"{}\" {}\n", static_cast<double>(f.file_bytes) / k_mib, f.kld_mean,
+                             label, a % 2 == 0 ? 1 : -1);
         }
         for (size_t i : front) {
             fr << fmt::format("{:.6f} {:.9g}\n", static_cast<double>(r.files[i].file_bytes) / k_mib, r.files[i].kld_mean);
@@ -156,17 +200,19 @@ void eval_plot(const eval_result & r, const std::string & png_path) {
     script += "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) { set terminal pngcairo size 1200,800 font 'sans,10' } "
               "else { set terminal png size 1200,800 }\n";
     script += "set output " + gp_quote(png) + "\nset termoption noenhanced\n";
-    script += "set title " + gp_quote(fmt::format("mean KLD against {} vs file size ({}, ctx {}, {} chunks)",
+    script += "set title " + gp_quote(fmt::format("mean KLD against {} vs file size ({}, ctx {}, {} chunks){}",
                                                   r.ref.name, std::filesystem::path(r.text).filename().string(),
-                                                  r.n_ctx, r.n_chunks)) + "\n";
+                                                  r.n_ctx, r.n_chunks,
+                                                  prefix.empty() ? "" : "; files " + prefix + "*.gguf")) + "\n";
     script += "set xlabel 'file size (MiB)'\nset ylabel 'mean KLD (nats/token)'\nset grid\nset key top right\n";
     script += "set offsets graph 0.05, graph 0.15, graph 0.05, graph 0.05\n";
     if (log_y) {
-        script += "set logscale y\n";
+        script += "set logscale y\nset format y '%g'\n";
     }
     script += "plot " + gp_quote(front_dat) + " using 1:2 with lines lw 2 lc rgb '#cc4444' title 'Pareto front', \\\n";
     script += "     " + gp_quote(points) + " using 1:2 with points pt 7 ps 1.5 lc rgb '#2255aa' title 'files', \\\n";
-    script += "     " + gp_quote(points) + " using 1:2:3 with labels offset 1,0.6 left font ',9' notitle\n";
+    script += "     " + gp_quote(points) + " using 1:($4 > 0 ? $2 : 1/0):3 with labels offset 1,0.7 left font ',9' notitle, \\\n";
+    script += "     " + gp_quote(points) + " using 1:($4 < 0 ? $2 : 1/0):3 with labels offset 1,-0.7 left font ',9' notitle\n";
     const std::string script_path = (tmp_dir / "plot.gp").string();
     std::ofstream(script_path) << script;
 
