@@ -172,9 +172,9 @@ void eval_plot(const eval_result & r, const std::string & png_path) {
     // Files with the same size and KLD (recipes that fell back to the same types) share one point and
     // label; labels alternate above and below their point so that neighbours stay readable.
     const std::string prefix = common_label_prefix(r.files);
+    size_t n_labels = 0;
     {
         std::ofstream p(points), fr(front_dat);
-        std::vector<std::string> labels(r.files.size());
         std::vector<bool> merged(r.files.size(), false);
         for (size_t a = 0; a < order.size(); ++a) {
             const eval_file_result & f = r.files[order[a]];
@@ -189,8 +189,8 @@ void eval_plot(const eval_result & r, const std::string & png_path) {
                     merged[order[b]] = true;
                 }
             }
-            p << fmt::format("{:.6f} {:.9g} \"{}\" {}\n", static_cast<double>(f.file_bytes) / k_mib, f.kld_mean,
-                             label, a % 2 == 0 ? 1 : -1);
+            p << fmt::format("{:.6f} {:.9g} \"{}\"\n", static_cast<double>(f.file_bytes) / k_mib, f.kld_mean, label);
+            n_labels += 1;
         }
         for (size_t i : front) {
             fr << fmt::format("{:.6f} {:.9g}\n", static_cast<double>(r.files[i].file_bytes) / k_mib, r.files[i].kld_mean);
@@ -211,8 +211,12 @@ void eval_plot(const eval_result & r, const std::string & png_path) {
     }
     script += "plot " + gp_quote(front_dat) + " using 1:2 with lines lw 2 lc rgb '#cc4444' title 'Pareto front', \\\n";
     script += "     " + gp_quote(points) + " using 1:2 with points pt 7 ps 1.5 lc rgb '#2255aa' title 'files', \\\n";
-    script += "     " + gp_quote(points) + " using 1:($4 > 0 ? $2 : 1/0):3 with labels offset 1,0.7 left font ',9' notitle, \\\n";
-    script += "     " + gp_quote(points) + " using 1:($4 < 0 ? $2 : 1/0):3 with labels offset 1,-0.7 left font ',9' notitle\n";
+    // Even lines (every other point by size) labelled above, odd ones below.
+    script += "     " + gp_quote(points) + " every 2::0 using 1:2:3 with labels offset 1,0.7 left font ',9' notitle";
+    if (n_labels > 1) {
+        script += ", \\\n     " + gp_quote(points) + " every 2::1 using 1:2:3 with labels offset 1,-0.7 left font ',9' notitle";
+    }
+    script += "\n";
     const std::string script_path = (tmp_dir / "plot.gp").string();
     std::ofstream(script_path) << script;
 
