@@ -1,0 +1,91 @@
+#include "cli/commands.h"
+#include "common/error.h"
+#include "common/file.h"
+#include "eval/baseline.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <memory>
+
+namespace voodoo::cli {
+
+namespace {
+
+nlohmann::json result_json(const baseline_result & r) {
+    return {{"recipe", r.recipe},         {"path", r.path},           {"ok", r.ok},
+            {"error", r.error},           {"file_bytes", r.file_bytes}, {"tensor_bytes", r.tensor_bytes},
+            {"n_weights", r.n_weights},   {"bpw", r.bpw},             {"type_counts", r.type_counts},
+            {"same_types_as", r.same_types_as}};
+}
+
+command add_baseline(CLI::App & app) {
+    auto * sub = app.add_subcommand("baseline", "Make stock llama.cpp recipes (Q4_K_M, IQ2_M, …) with llama_model_quantize");
+    sub->footer("examples:\n"
+                "  voodoo baseline model-f16.gguf --recipe Q4_K_M --out model-Q4_K_M.gguf\n"
+                "  voodoo baseline model-f16.gguf --recipe IQ2_M --imatrix imatrix.gguf --out model-IQ2_M.gguf\n"
+                "  voodoo baseline model-f16.gguf --recipes all-that-fit --out-dir baselines\n"
+                "  voodoo baseline model-f16.gguf --recipes Q4_0,Q8_0 --out-dir baselines");
+    struct options {
+        baseline_options base;
+        std::string recipe;
+        std::string recipes;
+        std::string out;
+        std::string out_dir;
+    };
+    auto o = std::make_shared<options>();
+    sub->add_option("source", o->base.source, "Full-precision GGUF (F32/F16/BF16)")->required();
+    auto * one = sub->add_option("--recipe", o->recipe, "One llama-quantize recipe: Q4_K_M, Q8_0, IQ2_M, …");
+    auto * many = sub->add_option("--recipes", o->recipes, "'all-that-fit' or a comma-separated list (with --out-dir)");
+    one->excludes(many);
+    sub->add_option("--imatrix", o->base.imatrix, "llama.cpp GGUF imatrix (needed by IQ1/IQ2/IQ3_XXS and Q2_K_S)");
+    sub->add_option("--out", o->out, "Output GGUF (with --recipe)");
+    sub->add_option("--out-dir", o->out_dir, "Output folder (with --recipes): SOURCE_STEM-RECIPE.gguf, baselines.json");
+    sub->add_option("--threads", o->base.n_threads, "Quantization threads (default: every core)");
+    return {sub, [o] {
+        if (!o->recipe.empty()) {
+            if (o->out.empty()) {
+                fail("--recipe {} needs --out F.gguf", o->recipe);
+            }
+            const baseline_result r = make_baseline(o->base, o->recipe, o->out);
+            fmt::print("{}", baselines_to_markdown({r}));
+            return 0;
+        }
+        if (o->recipes.empty()) {
+            fail("give --recipe NAME --out F.gguf, or --recipes all-that-fit --out-dir DIR");
+        }
+        if (o->out_dir.empty()) {
+            fail("--recipes needs --out-dir DIR");
+        }
+        std::vector<std::string> names;
+        if (o->recipes == "all-that-fit") {
+            names = recipes_all_that_fit(!o->base.imatrix.empty());
+        } else {
+            for (size_t start = 0; start <= o->recipes.size();) {
+                const size_t comma = std::min(o->recipes.find(',', start), o->recipes.size());
+                if (comma > start) {
+                    names.push_back(o->recipes.substr(start, comma - start));
+                }
+                start = comma + 1;
+            }
+        }
+        const std::vector<baseline_result> results = make_baselines(o->base, names, o->out_dir);
+        fmt::print("{}", baselines_to_markdown(results));
+        nlohmann::json j = nlohmann::json::array();
+        for (const baseline_result & r : results) {
+            j.push_back(result_json(r));
+        }
+        const std::string json_path = (std::filesystem::path(o->out_dir) / "baselines.json").string();
+        write_file_atomic(json_path, j.dump(2) + "\n");
+        fmt::print("json: {}\n", json_path);
+        const bool all_ok = std::all_of(results.begin(), results.end(), [](const auto & r) { return r.ok; });
+        return all_ok ? 0 : 1;
+    }};
+}
+
+}  // namespace
+
+VOODOO_COMMAND(baseline, add_baseline);
+
+}  // namespace voodoo::cli

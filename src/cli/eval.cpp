@@ -1,0 +1,74 @@
+#include "cli/commands.h"
+#include "common/file.h"
+#include "eval/eval.h"
+#include "eval/report.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <memory>
+
+namespace voodoo::cli {
+
+namespace {
+
+command add_eval(CLI::App & app) {
+    auto * sub = app.add_subcommand(
+        "eval", "Perplexity and KL divergence of GGUFs against a reference, in libllama (llama-perplexity's conventions)");
+    sub->footer("examples:\n"
+                "  voodoo eval --reference model-f16.gguf --text wiki.test.raw model-Q4_K_M.gguf model-Q8_0.gguf\n"
+                "  voodoo eval --reference m.gguf --text t.txt --ctx 128 --chunks 20 --out-dir out q1.gguf q2.gguf\n"
+                "  voodoo eval --reference m.gguf --text t.txt --json r.json --plot r.png q.gguf");
+    struct options {
+        eval_options eval;
+        std::vector<std::string> files;
+        std::string json;
+        std::string plot;
+        std::string out_dir;
+    };
+    auto o = std::make_shared<options>();
+    sub->add_option("files", o->files, "GGUF files to score (made from the reference model)")->required();
+    sub->add_option("--reference", o->eval.reference, "Full-precision GGUF whose logits are the truth")->required();
+    sub->add_option("--text", o->eval.text, "UTF-8 text file to score")->required();
+    sub->add_option("--ctx", o->eval.n_ctx, "Tokens per chunk; the second half of each is scored")
+        ->capture_default_str();
+    sub->add_option("--chunks", o->eval.n_chunks, "Chunks to score (default: every whole chunk of the text)");
+    sub->add_option("--threads", o->eval.n_threads, "Threads (default: every core)");
+    sub->add_option("--json", o->json, "Write the results as JSON here (default with --out-dir: DIR/eval.json)");
+    sub->add_option("--plot", o->plot, "Draw mean KLD against file size as PNG here (default with --out-dir: DIR/eval.png)");
+    sub->add_option("--out-dir", o->out_dir, "Folder for eval.md, eval.json and eval.png");
+    return {sub, [o] {
+        if (!o->out_dir.empty()) {
+            std::filesystem::create_directories(o->out_dir);
+            const std::filesystem::path dir(o->out_dir);
+            if (o->json.empty()) {
+                o->json = (dir / "eval.json").string();
+            }
+            if (o->plot.empty()) {
+                o->plot = (dir / "eval.png").string();
+            }
+        }
+        const eval_result r = run_eval(o->eval, o->files);
+        const std::string table = eval_to_markdown(r);
+        fmt::print("{}", table);
+        if (!o->out_dir.empty()) {
+            write_file_atomic((std::filesystem::path(o->out_dir) / "eval.md").string(), table);
+        }
+        if (!o->json.empty()) {
+            write_file_atomic(o->json, eval_to_json(r).dump(2) + "\n");
+            fmt::print("json: {}\n", o->json);
+        }
+        if (!o->plot.empty()) {
+            eval_plot(r, o->plot);
+            fmt::print("plot: {}\n", o->plot);
+        }
+        return 0;
+    }};
+}
+
+}  // namespace
+
+VOODOO_COMMAND(eval, add_eval);
+
+}  // namespace voodoo::cli

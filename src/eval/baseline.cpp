@@ -1,0 +1,274 @@
+#include "eval/baseline.h"
+
+#include "common/error.h"
+#include "common/file.h"
+#include "common/progress.h"
+#include "ggml/gguf.h"
+#include "ggml/log.h"
+#include "ggml/runtime.h"
+#include "ggml/types.h"
+#include "imatrix/imatrix.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+
+namespace voodoo {
+
+const std::vector<recipe> & recipe_table() {
+    // Names and ftypes of llama-quantize's QUANT_OPTIONS; main types of llama_ftype_get_default_type.
+    static const std::vector<recipe> table = {
+        {"Q4_0", LLAMA_FTYPE_MOSTLY_Q4_0, GGML_TYPE_Q4_0, true},
+        {"Q4_1", LLAMA_FTYPE_MOSTLY_Q4_1, GGML_TYPE_Q4_1, true},
+        {"Q5_0", LLAMA_FTYPE_MOSTLY_Q5_0, GGML_TYPE_Q5_0, true},
+        {"Q5_1", LLAMA_FTYPE_MOSTLY_Q5_1, GGML_TYPE_Q5_1, true},
+        {"Q8_0", LLAMA_FTYPE_MOSTLY_Q8_0, GGML_TYPE_Q8_0, true},
+        {"Q2_K", LLAMA_FTYPE_MOSTLY_Q2_K, GGML_TYPE_Q2_K, true},
+        {"Q2_K_S", LLAMA_FTYPE_MOSTLY_Q2_K_S, GGML_TYPE_Q2_K, true},
+        {"Q3_K_S", LLAMA_FTYPE_MOSTLY_Q3_K_S, GGML_TYPE_Q3_K, true},
+        {"Q3_K_M", LLAMA_FTYPE_MOSTLY_Q3_K_M, GGML_TYPE_Q3_K, true},
+        {"Q3_K_L", LLAMA_FTYPE_MOSTLY_Q3_K_L, GGML_TYPE_Q3_K, true},
+        {"Q4_K_S", LLAMA_FTYPE_MOSTLY_Q4_K_S, GGML_TYPE_Q4_K, true},
+        {"Q4_K_M", LLAMA_FTYPE_MOSTLY_Q4_K_M, GGML_TYPE_Q4_K, true},
+        {"Q5_K_S", LLAMA_FTYPE_MOSTLY_Q5_K_S, GGML_TYPE_Q5_K, true},
+        {"Q5_K_M", LLAMA_FTYPE_MOSTLY_Q5_K_M, GGML_TYPE_Q5_K, true},
+        {"Q6_K", LLAMA_FTYPE_MOSTLY_Q6_K, GGML_TYPE_Q6_K, true},
+        {"IQ1_S", LLAMA_FTYPE_MOSTLY_IQ1_S, GGML_TYPE_IQ1_S, true},
+        {"IQ1_M", LLAMA_FTYPE_MOSTLY_IQ1_M, GGML_TYPE_IQ1_M, true},
+        {"IQ2_XXS", LLAMA_FTYPE_MOSTLY_IQ2_XXS, GGML_TYPE_IQ2_XXS, true},
+        {"IQ2_XS", LLAMA_FTYPE_MOSTLY_IQ2_XS, GGML_TYPE_IQ2_XS, true},
+        {"IQ2_S", LLAMA_FTYPE_MOSTLY_IQ2_S, GGML_TYPE_IQ2_XS, true},
+        {"IQ2_M", LLAMA_FTYPE_MOSTLY_IQ2_M, GGML_TYPE_IQ2_S, true},
+        {"IQ3_XXS", LLAMA_FTYPE_MOSTLY_IQ3_XXS, GGML_TYPE_IQ3_XXS, true},
+        {"IQ3_XS", LLAMA_FTYPE_MOSTLY_IQ3_XS, GGML_TYPE_IQ3_S, true},
+        {"IQ3_S", LLAMA_FTYPE_MOSTLY_IQ3_S, GGML_TYPE_IQ3_S, true},
+        {"IQ3_M", LLAMA_FTYPE_MOSTLY_IQ3_M, GGML_TYPE_IQ3_S, true},
+        {"IQ4_NL", LLAMA_FTYPE_MOSTLY_IQ4_NL, GGML_TYPE_IQ4_NL, true},
+        {"IQ4_XS", LLAMA_FTYPE_MOSTLY_IQ4_XS, GGML_TYPE_IQ4_XS, true},
+        {"F16", LLAMA_FTYPE_MOSTLY_F16, GGML_TYPE_F16, true},
+        {"BF16", LLAMA_FTYPE_MOSTLY_BF16, GGML_TYPE_BF16, true},
+        {"TQ1_0", LLAMA_FTYPE_MOSTLY_TQ1_0, GGML_TYPE_TQ1_0, false},
+        {"TQ2_0", LLAMA_FTYPE_MOSTLY_TQ2_0, GGML_TYPE_TQ2_0, false},
+        {"F32", LLAMA_FTYPE_ALL_F32, GGML_TYPE_F32, false},
+        {"Q3_K", LLAMA_FTYPE_MOSTLY_Q3_K_M, GGML_TYPE_Q3_K, false},
+        {"Q4_K", LLAMA_FTYPE_MOSTLY_Q4_K_M, GGML_TYPE_Q4_K, false},
+        {"Q5_K", LLAMA_FTYPE_MOSTLY_Q5_K_M, GGML_TYPE_Q5_K, false},
+    };
+    return table;
+}
+
+const recipe & recipe_by_name(std::string_view name) {
+    for (const recipe & r : recipe_table()) {
+        if (r.name.size() == name.size() &&
+            std::equal(name.begin(), name.end(), r.name.begin(),
+                       [](char a, char b) { return std::toupper(static_cast<unsigned char>(a)) == b; })) {
+            return r;
+        }
+    }
+    std::string names;
+    for (const recipe & r : recipe_table()) {
+        names += (names.empty() ? "" : ", ") + r.name;
+    }
+    fail("unknown recipe '{}': use one of {} (llama-quantize's names)", name, names);
+}
+
+bool recipe_needs_imatrix(const recipe & r) {
+    return r.ftype == LLAMA_FTYPE_MOSTLY_Q2_K_S || type_info_of(r.main_type).needs_imatrix;
+}
+
+namespace {
+
+/// The imatrix in the form llama_model_quantize takes, kept alive with its strings.
+struct imatrix_params {
+    std::vector<std::string> names;
+    std::vector<std::vector<float>> values;
+    std::vector<llama_model_imatrix_data> entries;
+    std::vector<llama_model_kv_override> kv;
+};
+
+void set_kv_str(llama_model_kv_override & o, const char * key, const std::string & value) {
+    o.tag = LLAMA_KV_OVERRIDE_TYPE_STR;
+    std::snprintf(o.key, sizeof o.key, "%s", key);
+    std::snprintf(o.val_str, sizeof o.val_str, "%s", value.c_str());
+}
+
+void set_kv_int(llama_model_kv_override & o, const char * key, int64_t value) {
+    o.tag = LLAMA_KV_OVERRIDE_TYPE_INT;
+    std::snprintf(o.key, sizeof o.key, "%s", key);
+    o.val_i64 = value;
+}
+
+/// As llama-quantize's main: per weight the column importance (load_imatrix's arithmetic), a null
+/// terminator, and the quantize.imatrix.* metadata it records in the output.
+std::unique_ptr<imatrix_params> load_imatrix_params(const std::string & path, const gguf_file & source) {
+    const imatrix im = read_imatrix(path);
+    require_imatrix_fits(im, source, "--imatrix " + path);
+    auto p = std::make_unique<imatrix_params>();
+    for (const auto & [name, entry] : im.entries) {
+        p->names.push_back(name);
+        p->values.push_back(imatrix_column_importance(im, name));
+    }
+    for (size_t i = 0; i < p->names.size(); ++i) {
+        p->entries.push_back({p->names[i].c_str(), p->values[i].data(), p->values[i].size()});
+    }
+    p->entries.push_back({nullptr, nullptr, 0});
+    llama_model_kv_override o{};
+    set_kv_str(o, "quantize.imatrix.file", path);
+    p->kv.push_back(o);
+    if (!im.datasets.empty()) {
+        set_kv_str(o, "quantize.imatrix.dataset", im.datasets[0]);
+        p->kv.push_back(o);
+    }
+    set_kv_int(o, "quantize.imatrix.entries_count", static_cast<int64_t>(im.entries.size()));
+    p->kv.push_back(o);
+    if (im.chunk_count > 0) {
+        set_kv_int(o, "quantize.imatrix.chunks_count", im.chunk_count);
+        p->kv.push_back(o);
+    }
+    p->kv.emplace_back();
+    p->kv.back().key[0] = 0;
+    return p;
+}
+
+baseline_result quantize_one(const baseline_options & opt, const recipe & r, const imatrix_params * im,
+                             const std::string & out) {
+    if (same_file(opt.source, out)) {
+        fail("--out '{}' is the source file: write the baseline elsewhere", out);
+    }
+    llama_model_quantize_params qp = llama_model_quantize_default_params();
+    qp.ftype = r.ftype;
+    qp.nthread = opt.n_threads;
+    if (im) {
+        qp.imatrix = im->entries.data();
+        qp.kv_overrides = im->kv.data();
+    }
+    // llama_model_quantize opens the path it is given and truncates it: give it the temporary file of
+    // an atomic_file, so the destination appears only complete (commit fsyncs and renames that inode).
+    atomic_file file(out);
+    {
+        ggml_log_capture capture;
+        if (llama_model_quantize(opt.source.c_str(), file.temp_path().c_str(), &qp) != 0) {
+            std::string why = capture.text();
+            fail("llama_model_quantize could not make {} from '{}'{}{}", r.name, opt.source, why.empty() ? "" : ": ",
+                 why);
+        }
+    }
+    file.commit();
+
+    baseline_result res;
+    res.recipe = r.name;
+    res.path = out;
+    const gguf_file made(out);
+    res.file_bytes = made.file_size();
+    for (const gguf_tensor & t : made.tensors()) {
+        res.tensor_bytes += t.n_bytes;
+        res.n_weights += t.n_elements();
+        res.type_counts[type_name(t.type)] += 1;
+        res.tensor_types.push_back(t.type);
+    }
+    res.bpw = res.n_weights > 0 ? 8.0 * static_cast<double>(res.tensor_bytes) / static_cast<double>(res.n_weights) : 0;
+    res.ok = true;
+    return res;
+}
+
+/// A bad source is our error, never an abort inside llama.cpp.
+std::unique_ptr<gguf_file> open_source(const baseline_options & opt) {
+    auto src = std::make_unique<gguf_file>(opt.source);
+    if (src->tensors().empty()) {
+        fail("'{}' has no tensors: give the full-precision model GGUF", opt.source);
+    }
+    return src;
+}
+
+void check_imatrix_given(const recipe & r, const baseline_options & opt) {
+    if (recipe_needs_imatrix(r) && opt.imatrix.empty()) {
+        fail("recipe {} needs an imatrix ({} tensors are quantized with one, as llama-quantize requires): pass "
+             "--imatrix I.gguf",
+             r.name, type_name(r.main_type));
+    }
+}
+
+}  // namespace
+
+baseline_result make_baseline(const baseline_options & opt, const std::string & recipe_name, const std::string & out) {
+    const recipe & r = recipe_by_name(recipe_name);
+    check_imatrix_given(r, opt);
+    const auto src = open_source(opt);
+    llama_runtime_init();
+    const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix, *src);
+    return quantize_one(opt, r, im.get(), out);
+}
+
+std::vector<std::string> recipes_all_that_fit(bool has_imatrix) {
+    std::vector<std::string> out;
+    for (const recipe & r : recipe_table()) {
+        if (r.standard && (has_imatrix || !recipe_needs_imatrix(r))) {
+            out.push_back(r.name);
+        }
+    }
+    return out;
+}
+
+std::vector<baseline_result> make_baselines(const baseline_options & opt, const std::vector<std::string> & recipes,
+                                            const std::string & out_dir) {
+    std::vector<const recipe *> rs;
+    for (const std::string & name : recipes) {
+        rs.push_back(&recipe_by_name(name));
+        check_imatrix_given(*rs.back(), opt);
+    }
+    const auto src = open_source(opt);
+    std::filesystem::create_directories(out_dir);
+    llama_runtime_init();
+    const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix, *src);
+    const std::string stem = std::filesystem::path(opt.source).stem().string();
+
+    std::vector<baseline_result> results;
+    progress bar("baseline", static_cast<int64_t>(rs.size()), "files");
+    for (const recipe * r : rs) {
+        const std::string out = (std::filesystem::path(out_dir) / (stem + "-" + r->name + ".gguf")).string();
+        baseline_result res;
+        try {
+            res = quantize_one(opt, *r, im.get(), out);
+        } catch (const error & e) {
+            res.recipe = r->name;
+            res.path = out;
+            res.error = e.what();
+        }
+        for (const baseline_result & earlier : results) {
+            if (res.ok && earlier.ok && earlier.tensor_types == res.tensor_types) {
+                res.same_types_as = earlier.recipe;
+                break;
+            }
+        }
+        results.push_back(std::move(res));
+        bar.add(1, r->name);
+    }
+    return results;
+}
+
+std::string baselines_to_markdown(const std::vector<baseline_result> & results) {
+    std::string out = "| recipe | file | bytes | MiB | BPW | tensor types |\n|---|---|---:|---:|---:|---|\n";
+    for (const baseline_result & r : results) {
+        if (!r.ok) {
+            out += fmt::format("| {} | not made | | | | {} |\n", r.recipe, r.error);
+            continue;
+        }
+        std::string types;
+        for (const auto & [name, n] : r.type_counts) {
+            types += fmt::format("{}{} {}", types.empty() ? "" : ", ", name, n);
+        }
+        if (!r.same_types_as.empty()) {
+            types += fmt::format(" (same types as {})", r.same_types_as);
+        }
+        out += fmt::format("| {} | {} | {} | {:.3f} | {:.3f} | {} |\n", r.recipe,
+                           std::filesystem::path(r.path).filename().string(), r.file_bytes,
+                           static_cast<double>(r.file_bytes) / (1024.0 * 1024.0), r.bpw, types);
+    }
+    return out;
+}
+
+}  // namespace voodoo

@@ -1,0 +1,77 @@
+// `voodoo baseline`: stock llama.cpp recipes (Q4_K_M, IQ2_M, …) made by llama_model_quantize, the
+// function llama-quantize calls, so the files are what llama-quantize would make.
+#pragma once
+
+#include <ggml.h>
+#include <llama.h>
+
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace voodoo {
+
+struct recipe {
+    std::string name;               // llama-quantize's name: "Q4_K_M"
+    llama_ftype ftype;
+    ggml_type main_type;            // the type most tensors get (llama-quant.cpp llama_ftype_get_default_type)
+    bool standard;                  // part of `--recipes all-that-fit` (not F32, the ternary types, aliases)
+};
+
+/// Every recipe `voodoo baseline` knows, in llama-quantize's names (tools/quantize/quantize.cpp
+/// QUANT_OPTIONS) with its aliases Q3_K, Q4_K, Q5_K (→ the _M recipes).
+const std::vector<recipe> & recipe_table();
+
+/// Case-insensitive look-up. Throws voodoo::error listing the known names.
+const recipe & recipe_by_name(std::string_view name);
+
+/// True when llama-quantize refuses the recipe without an imatrix: its main type is of the
+/// IQ1/IQ2/IQ3_XXS family, or it is Q2_K_S (llama-quant.cpp tensor_requires_imatrix).
+bool recipe_needs_imatrix(const recipe & r);
+
+struct baseline_options {
+    std::string source;             // F32/F16/BF16 GGUF
+    std::string imatrix;            // llama.cpp imatrix (GGUF or legacy .dat, src/imatrix), or empty
+    int n_threads = 0;              // 0 = every core
+};
+
+struct baseline_result {
+    std::string recipe;
+    std::string path;
+    bool ok = false;
+    std::string error;              // why the file was not made (when !ok)
+    size_t file_bytes = 0;
+    size_t tensor_bytes = 0;
+    int64_t n_weights = 0;
+    double bpw = 0;                 // 8 · tensor bytes / weights over every tensor
+    std::map<std::string, int> type_counts;     // ggml type name → tensors of that type in the file
+    std::vector<ggml_type> tensor_types;        // per tensor, in file order
+    std::string same_types_as;      // an earlier recipe of the same run whose file has every tensor's type equal
+};
+
+/// Makes one baseline: llama_model_quantize(source → out) with the recipe's ftype, llama-quantize's
+/// default parameters, and the imatrix (as llama_model_imatrix_data, plus the quantize.imatrix.*
+/// metadata llama-quantize adds) when given. The output is written under a temporary name beside
+/// `out` and renamed when complete, then checked by opening it with gguf_file.
+/// Throws voodoo::error: unknown recipe; a recipe that needs an imatrix without one ("pass --imatrix");
+/// `out` is the source; an unreadable source or imatrix, or an imatrix of another model
+/// (require_imatrix_fits); llama.cpp's refusal, with its reason.
+baseline_result make_baseline(const baseline_options & opt, const std::string & recipe_name, const std::string & out);
+
+/// The recipes `--recipes all-that-fit` makes: every standard recipe, less those needing an imatrix
+/// when none is given. Recipes whose main type fits no tensor of the model are kept: llama.cpp falls
+/// back per tensor (Q4_K → Q5_0, Q6_K → Q8_0, IQ* → IQ4_NL, then F16), and those files are what a user
+/// of llama-quantize gets.
+std::vector<std::string> recipes_all_that_fit(bool has_imatrix);
+
+/// Makes each recipe as `<out_dir>/<source stem>-<RECIPE>.gguf`. A recipe llama.cpp fails on is
+/// reported (ok = false, error) and the others are still made; same_types_as marks duplicates.
+/// Throws voodoo::error for bad options (unknown recipe, missing imatrix, unwritable folder).
+std::vector<baseline_result> make_baselines(const baseline_options & opt, const std::vector<std::string> & recipes,
+                                            const std::string & out_dir);
+
+/// The results as a markdown table: recipe, file, size (bytes and MiB), BPW, tensor types.
+std::string baselines_to_markdown(const std::vector<baseline_result> & results);
+
+}  // namespace voodoo

@@ -1,0 +1,467 @@
+#include "eval/eval.h"
+
+#include "common/error.h"
+#include "common/progress.h"
+#include "data/vocab.h"
+#include "ggml/gguf.h"
+#include "ggml/log.h"
+#include "ggml/runtime.h"
+#include "ggml/types.h"
+
+#include <llama.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <sstream>
+#include <thread>
+
+namespace voodoo {
+
+namespace {
+
+constexpr int k_min_ctx = 16;
+// More uncovered tokens than this and the text is not in a script the vocab covers.
+constexpr double k_max_uncovered = 0.5;
+
+struct model_deleter {
+    void operator()(llama_model * m) const { llama_model_free(m); }
+};
+struct context_deleter {
+    void operator()(llama_context * c) const { llama_free(c); }
+};
+using model_ptr = std::unique_ptr<llama_model, model_deleter>;
+using context_ptr = std::unique_ptr<llama_context, context_deleter>;
+
+/// What must agree between two files of one model.
+struct model_identity {
+    std::string architecture;
+    std::string tokenizer_model;        // tokenizer.ggml.model ("llama", "gpt2", …)
+    int64_t n_vocab = 0;                // length of tokenizer.ggml.tokens
+    uint64_t vocab_hash = 0;            // data/vocab.h vocab_hash: tokens, types, merges, BOS/EOS
+};
+
+model_identity identity_of(const gguf_file & f) {
+    model_identity id;
+    id.architecture = f.architecture();
+    id.tokenizer_model = f.get_string("tokenizer.ggml.model").value_or("");
+    const int64_t key = f.find_key("tokenizer.ggml.tokens");
+    if (key < 0 || gguf_get_kv_type(f.ctx(), key) != GGUF_TYPE_ARRAY ||
+        gguf_get_arr_type(f.ctx(), key) != GGUF_TYPE_STRING) {
+        fail("'{}' has no vocabulary (tokenizer.ggml.tokens): eval needs a model GGUF with its tokenizer", f.path());
+    }
+    id.n_vocab = static_cast<int64_t>(gguf_get_arr_n(f.ctx(), key));
+    id.vocab_hash = vocab_hash(f);
+    return id;
+}
+
+/// Throws when `other` is not a file of the reference's model: same architecture, vocabulary (vocab_hash) and
+/// tensor names and shapes (types may differ: that is the point).
+void check_same_model(const gguf_file & ref, const model_identity & ref_id, const gguf_file & other) {
+    const model_identity id = identity_of(other);
+    const std::string hint = "pass only files made from the reference model";
+    if (id.architecture != ref_id.architecture) {
+        fail("'{}' is a '{}' model but the reference '{}' is '{}': {}", other.path(), id.architecture, ref.path(),
+             ref_id.architecture, hint);
+    }
+    if (id.n_vocab != ref_id.n_vocab || id.tokenizer_model != ref_id.tokenizer_model ||
+        id.vocab_hash != ref_id.vocab_hash) {
+        fail("'{}' has another vocabulary than the reference '{}' ({} '{}' tokens vs {} '{}' tokens{}): {}",
+             other.path(), ref.path(), id.n_vocab, id.tokenizer_model, ref_id.n_vocab, ref_id.tokenizer_model,
+             id.n_vocab == ref_id.n_vocab ? ", other tokens, types or merges" : "", hint);
+    }
+    if (other.tensors().size() != ref.tensors().size()) {
+        fail("'{}' has {} tensors but the reference '{}' has {}: {}", other.path(), other.tensors().size(),
+             ref.path(), ref.tensors().size(), hint);
+    }
+    for (const gguf_tensor & t : ref.tensors()) {
+        const gguf_tensor * o = other.find_tensor(t.name);
+        if (!o) {
+            fail("'{}' has no tensor '{}' that the reference '{}' has: {}", other.path(), t.name, ref.path(), hint);
+        }
+        if (o->ne != t.ne) {
+            fail("tensor '{}' is {} in '{}' but {} in the reference '{}': {}", t.name, shape_str(o->shape()),
+                 other.path(), shape_str(t.shape()), ref.path(), hint);
+        }
+    }
+}
+
+/// The text as llama-perplexity's -f reads it: the whole file, one trailing newline dropped.
+std::string read_text(const std::string & path) {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) {
+        fail("cannot open the text '{}': {}", path, std::strerror(errno));
+    }
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    std::string text = ss.str();
+    if (!text.empty() && text.back() == '\n') {
+        text.pop_back();
+    }
+    if (text.empty()) {
+        fail("the text '{}' is empty: give a UTF-8 text file in the model's language", path);
+    }
+    return text;
+}
+
+std::vector<llama_token> tokenize(const llama_vocab * vocab, const std::string & text, const std::string & path) {
+    if (text.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max())) {
+        fail("the text '{}' is {} bytes; libllama tokenizes at most 2 GiB at once: cut it", path, text.size());
+    }
+    const int32_t len = static_cast<int32_t>(text.size());
+    // add_special: BOS as the vocab wants it; parse_special false: "<s>" in the text is text.
+    int32_t n = llama_tokenize(vocab, text.data(), len, nullptr, 0, true, false);
+    if (n == std::numeric_limits<int32_t>::min()) {
+        fail("the text '{}' tokenizes to more than 2^31 tokens: cut it", path);
+    }
+    std::vector<llama_token> tokens(static_cast<size_t>(n < 0 ? -n : n));
+    n = llama_tokenize(vocab, text.data(), len, tokens.data(), static_cast<int32_t>(tokens.size()), true, false);
+    if (n < 0 || static_cast<size_t>(n) != tokens.size()) {
+        fail("libllama could not tokenize the text '{}'", path);
+    }
+    return tokens;
+}
+
+/// Runs fn(i) for i in [0, n) on up to n_threads threads, each thread a contiguous range.
+template <typename F>
+void parallel_for(int64_t n, int n_threads, F fn) {
+    const int64_t n_workers = std::max<int64_t>(1, std::min<int64_t>(n_threads, n));
+    if (n_workers == 1) {
+        for (int64_t i = 0; i < n; ++i) {
+            fn(i);
+        }
+        return;
+    }
+    std::vector<std::thread> workers;
+    workers.reserve(static_cast<size_t>(n_workers));
+    for (int64_t w = 0; w < n_workers; ++w) {
+        workers.emplace_back([=, &fn] {
+            for (int64_t i = n * w / n_workers; i < n * (w + 1) / n_workers; ++i) {
+                fn(i);
+            }
+        });
+    }
+    for (auto & t : workers) {
+        t.join();
+    }
+}
+
+/// log Σ exp(logits) in double, and the argmax (first of equals, as llama-perplexity).
+struct row_softmax {
+    double log_sum_exp;
+    int32_t argmax;
+};
+
+row_softmax softmax_of(const float * logits, int32_t n_vocab) {
+    int32_t imax = 0;
+    for (int32_t i = 1; i < n_vocab; ++i) {
+        if (logits[i] > logits[imax]) {
+            imax = i;
+        }
+    }
+    const double max = logits[imax];
+    double sum = 0;
+    for (int32_t i = 0; i < n_vocab; ++i) {
+        sum += std::exp(static_cast<double>(logits[i]) - max);
+    }
+    return {max + std::log(sum), imax};
+}
+
+/// The per-token numbers of one file, and the sums llama-perplexity keeps.
+struct file_accumulator {
+    double sum_nll = 0, sum_nll2 = 0;
+    double sum_nll_ref = 0, sum_nll_ref2 = 0, sum_nll_nll_ref = 0;
+    double sum_kld = 0, sum_kld2 = 0;
+    int64_t n_same_top = 0;
+    int64_t count = 0;
+    std::vector<double> kld;        // every scored token's KLD, for the percentiles
+};
+
+/// llama-perplexity's mean_and_uncertainty: the mean and the standard error of the mean (0 for ≤ 10 values).
+std::pair<double, double> mean_and_stderr(double sum, double sum2, int64_t count) {
+    if (count < 1) {
+        return {0.0, 0.0};
+    }
+    const double f = sum / static_cast<double>(count);
+    const double var = sum2 / static_cast<double>(count) - f * f;
+    return {f, var > 0 && count > 10 ? std::sqrt(var / static_cast<double>(count - 1)) : 0.0};
+}
+
+/// llama-perplexity's percentile of sorted values: linear interpolation between neighbours.
+double percentile(const std::vector<double> & sorted, double fraction) {
+    if (fraction <= 0) {
+        return sorted.front();
+    }
+    if (fraction >= 1) {
+        return sorted.back();
+    }
+    double p = fraction * static_cast<double>(sorted.size() - 1);
+    const size_t ip = static_cast<size_t>(p);
+    p -= static_cast<double>(ip);
+    return (1 - p) * sorted[ip] + p * sorted[std::min(ip + 1, sorted.size() - 1)];
+}
+
+void describe_file(eval_file_result & r, const gguf_file & f) {
+    r.path = f.path();
+    r.name = std::filesystem::path(f.path()).filename().string();
+    r.file_bytes = f.file_size();
+    for (const gguf_tensor & t : f.tensors()) {
+        r.tensor_bytes += t.n_bytes;
+        r.n_weights += t.n_elements();
+    }
+    r.bpw = r.n_weights > 0 ? 8.0 * static_cast<double>(r.tensor_bytes) / static_cast<double>(r.n_weights) : 0.0;
+}
+
+void finish_file(eval_file_result & r, file_accumulator & a) {
+    const auto log_ppl = mean_and_stderr(a.sum_nll, a.sum_nll2, a.count);
+    r.ppl = std::exp(log_ppl.first);
+    r.ppl_err = r.ppl * log_ppl.second;
+    const auto log_ppl_ref = mean_and_stderr(a.sum_nll_ref, a.sum_nll_ref2, a.count);
+    const double n = static_cast<double>(a.count);
+    const double cov = a.count < 10 ? 0.0
+                                    : (a.sum_nll_nll_ref / n - (a.sum_nll / n) * (a.sum_nll_ref / n)) / (n - 1);
+    r.ln_ppl_ratio = log_ppl.first - log_ppl_ref.first;
+    r.ln_ppl_ratio_err = std::sqrt(std::max(0.0, log_ppl.second * log_ppl.second +
+                                                     log_ppl_ref.second * log_ppl_ref.second - 2.0 * cov));
+    r.ppl_ratio = std::exp(r.ln_ppl_ratio);
+    r.ppl_ratio_err = r.ppl_ratio * r.ln_ppl_ratio_err;
+    const auto kld = mean_and_stderr(a.sum_kld, a.sum_kld2, a.count);
+    r.kld_mean = kld.first;
+    r.kld_err = kld.second;
+    std::sort(a.kld.begin(), a.kld.end());
+    const size_t m = a.kld.size();
+    r.kld_median = m % 2 == 0 ? 0.5 * (a.kld[m / 2] + a.kld[m / 2 - 1]) : a.kld[m / 2];
+    r.kld_p99 = percentile(a.kld, 0.99);
+    r.kld_p999 = percentile(a.kld, 0.999);
+    r.kld_max = a.kld.back();
+    r.same_top = static_cast<double>(a.n_same_top) / n;
+    r.same_top_err = a.count > 1 ? std::sqrt(r.same_top * (1 - r.same_top) / (n - 1)) : 0.0;
+}
+
+model_ptr load_model(const std::string & path) {
+    llama_model_params mp = llama_model_default_params();
+    ggml_log_capture capture;
+    model_ptr m(llama_model_load_from_file(path.c_str(), mp));
+    if (!m) {
+        const std::string why = capture.text();
+        fail("libllama cannot load '{}'{}{}", path, why.empty() ? "" : ": ", why);
+    }
+    return m;
+}
+
+context_ptr new_context(llama_model * model, const std::string & path, int n_ctx, int n_threads) {
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = static_cast<uint32_t>(n_ctx);
+    cp.n_batch = static_cast<uint32_t>(n_ctx);
+    cp.n_ubatch = static_cast<uint32_t>(std::min(n_ctx, 512));
+    cp.n_seq_max = 1;
+    cp.n_threads = n_threads;
+    cp.n_threads_batch = n_threads;
+    cp.no_perf = true;
+    ggml_log_capture capture;
+    context_ptr c(llama_init_from_model(model, cp));
+    if (!c) {
+        const std::string why = capture.text();
+        fail("libllama cannot create a context of {} tokens for '{}'{}{}", n_ctx, path, why.empty() ? "" : ": ", why);
+    }
+    return c;
+}
+
+/// Decodes one chunk (batch already filled) in a fresh KV cache; returns the first scored row's logits.
+const float * decode_chunk(llama_context * ctx, const llama_batch & batch, const std::string & path, int chunk) {
+    llama_memory_clear(llama_get_memory(ctx), true);
+    ggml_log_capture capture;
+    if (llama_decode(ctx, batch) != 0) {
+        const std::string why = capture.text();
+        fail("libllama failed to decode chunk {} of '{}'{}{}", chunk, path, why.empty() ? "" : ": ", why);
+    }
+    // Rows of the tokens with batch.logits set, in batch order (llama.h, llama_get_logits).
+    return llama_get_logits(ctx);
+}
+
+}  // namespace
+
+eval_result run_eval(const eval_options & opt, const std::vector<std::string> & files) {
+    if (files.empty()) {
+        fail("give at least one GGUF to evaluate against the reference (the reference itself gives KLD 0)");
+    }
+    if (opt.n_ctx < k_min_ctx) {
+        fail("--ctx {} is too small: use at least {} (llama-perplexity's default is 512)", opt.n_ctx, k_min_ctx);
+    }
+    if (opt.n_chunks == 0 || opt.n_chunks < -1) {
+        fail("--chunks {} must be positive (or left out for every chunk of the text)", opt.n_chunks);
+    }
+    const int n_threads = opt.n_threads > 0 ? opt.n_threads : std::max(1, (int) std::thread::hardware_concurrency());
+
+    // Validate every file before loading anything: a bad file is an error naming it, never an abort.
+    const gguf_file ref_file(opt.reference);
+    const model_identity ref_id = identity_of(ref_file);
+    std::vector<std::unique_ptr<gguf_file>> cand_files;
+    for (const std::string & path : files) {
+        cand_files.push_back(std::make_unique<gguf_file>(path));
+        check_same_model(ref_file, ref_id, *cand_files.back());
+    }
+    const std::string ctx_key = ref_id.architecture + ".context_length";
+    if (const auto n_ctx_train = ref_file.get_int(ctx_key); n_ctx_train && opt.n_ctx > *n_ctx_train) {
+        fail("--ctx {} is larger than the context '{}' was trained on ({} = {}): use --ctx {} or less", opt.n_ctx,
+             opt.reference, ctx_key, *n_ctx_train, *n_ctx_train);
+    }
+    const std::string text = read_text(opt.text);
+
+    llama_runtime_init();
+    model_ptr ref_model = load_model(opt.reference);
+    if (const int32_t n_ctx_train = llama_model_n_ctx_train(ref_model.get());
+        !ref_file.get_int(ctx_key) && n_ctx_train > 0 && opt.n_ctx > n_ctx_train) {
+        fail("--ctx {} is larger than the context '{}' was trained on ({} in libllama): use --ctx {} or less",
+             opt.n_ctx, opt.reference, n_ctx_train, n_ctx_train);
+    }
+    const llama_vocab * vocab = llama_model_get_vocab(ref_model.get());
+    if (llama_vocab_get_add_eos(vocab)) {
+        fail("the vocabulary of '{}' appends EOS to every text; llama-perplexity refuses such models and so do we",
+             opt.reference);
+    }
+    std::vector<llama_token> tokens = tokenize(vocab, text, opt.text);
+    {
+        int64_t uncovered = 0;
+        for (llama_token t : tokens) {
+            const auto attr = llama_vocab_get_attr(vocab, t);
+            uncovered += (attr & (LLAMA_TOKEN_ATTR_UNKNOWN | LLAMA_TOKEN_ATTR_BYTE)) != 0;
+        }
+        const double frac = static_cast<double>(uncovered) / static_cast<double>(tokens.size());
+        if (frac > k_max_uncovered) {
+            fail("the text '{}' is not in a script the vocabulary of '{}' covers: {:.0f}% of its {} tokens are <unk> "
+                 "or byte-fallback tokens (at most {:.0f}% allowed); evaluate on text in the model's language",
+                 opt.text, opt.reference, 100.0 * frac, tokens.size(), 100.0 * k_max_uncovered);
+        }
+    }
+    const int64_t n_ctx = opt.n_ctx;
+    if (static_cast<int64_t>(tokens.size()) < 2 * n_ctx) {
+        fail("the text '{}' is {} tokens; --ctx {} needs at least {} (as llama-perplexity): give a longer text or a "
+             "smaller --ctx",
+             opt.text, tokens.size(), n_ctx, 2 * n_ctx);
+    }
+    const int64_t n_chunk_max = static_cast<int64_t>(tokens.size()) / n_ctx;
+    const int64_t n_chunks = opt.n_chunks < 0 ? n_chunk_max : std::min<int64_t>(opt.n_chunks, n_chunk_max);
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+    const int64_t first = n_ctx / 2;
+    const int64_t n_score = n_ctx - 1 - first;      // rows first … n_ctx−2 predict tokens first+1 … n_ctx−1
+
+    eval_result result;
+    result.reference = opt.reference;
+    result.text = opt.text;
+    result.n_ctx = opt.n_ctx;
+    result.n_chunks = static_cast<int>(n_chunks);
+    result.n_text_tokens = static_cast<int64_t>(tokens.size());
+    result.n_scored = n_chunks * n_score;
+    describe_file(result.ref, ref_file);
+
+    context_ptr ref_ctx = new_context(ref_model.get(), opt.reference, opt.n_ctx, n_threads);
+    std::vector<model_ptr> models;
+    std::vector<context_ptr> contexts;
+    for (const std::string & path : files) {
+        models.push_back(load_model(path));
+        contexts.push_back(new_context(models.back().get(), path, opt.n_ctx, n_threads));
+        if (llama_vocab_n_tokens(llama_model_get_vocab(models.back().get())) != n_vocab) {
+            fail("'{}' has {} tokens in libllama but the reference '{}' has {}", path,
+                 llama_vocab_n_tokens(llama_model_get_vocab(models.back().get())), opt.reference, n_vocab);
+        }
+    }
+
+    llama_batch batch = llama_batch_init(static_cast<int32_t>(n_ctx), 0, 1);
+    std::unique_ptr<llama_batch, void (*)(llama_batch *)> batch_guard(&batch, [](llama_batch * b) { llama_batch_free(*b); });
+    const bool add_bos = llama_vocab_get_add_bos(vocab);
+    const llama_token bos = llama_vocab_bos(vocab);
+
+    std::vector<float> ref_logits(static_cast<size_t>(n_score) * static_cast<size_t>(n_vocab));
+    std::vector<row_softmax> ref_rows(static_cast<size_t>(n_score));
+    struct token_numbers {
+        double nll;
+        double kld;
+        bool same_top;
+    };
+    std::vector<token_numbers> numbers(static_cast<size_t>(n_score));
+    file_accumulator ref_acc;
+    std::vector<file_accumulator> accs(files.size());
+
+    progress bar("eval", n_chunks * n_ctx * static_cast<int64_t>(1 + files.size()), "tok");
+    for (int64_t c = 0; c < n_chunks; ++c) {
+        const llama_token * chunk = tokens.data() + c * n_ctx;
+        batch.n_tokens = static_cast<int32_t>(n_ctx);
+        for (int64_t k = 0; k < n_ctx; ++k) {
+            batch.token[k] = k == 0 && add_bos ? bos : chunk[k];
+            batch.pos[k] = static_cast<llama_pos>(k);
+            batch.n_seq_id[k] = 1;
+            batch.seq_id[k][0] = 0;
+            batch.logits[k] = k >= first;
+        }
+        const auto row = static_cast<size_t>(n_vocab);
+        {
+            const float * logits = decode_chunk(ref_ctx.get(), batch, opt.reference, static_cast<int>(c));
+            std::copy(logits, logits + static_cast<size_t>(n_score) * row, ref_logits.begin());
+            parallel_for(n_score, n_threads, [&](int64_t j) {
+                ref_rows[j] = softmax_of(ref_logits.data() + j * row, n_vocab);
+            });
+            for (int64_t j = 0; j < n_score; ++j) {
+                const double nll = ref_rows[j].log_sum_exp - ref_logits[j * row + chunk[first + j + 1]];
+                ref_acc.sum_nll += nll;
+                ref_acc.sum_nll2 += nll * nll;
+                ref_acc.sum_nll_ref += nll;
+                ref_acc.sum_nll_ref2 += nll * nll;
+                ref_acc.sum_nll_nll_ref += nll * nll;
+                ref_acc.kld.push_back(0.0);
+                ++ref_acc.n_same_top;
+                ++ref_acc.count;
+            }
+            bar.add(n_ctx, result.ref.name);
+        }
+        for (size_t f = 0; f < files.size(); ++f) {
+            const float * logits = decode_chunk(contexts[f].get(), batch, files[f], static_cast<int>(c));
+            parallel_for(n_score, n_threads, [&](int64_t j) {
+                const float * q = logits + j * row;
+                const float * p = ref_logits.data() + j * row;
+                const row_softmax qs = softmax_of(q, n_vocab);
+                const row_softmax & ps = ref_rows[j];
+                // KL(p ‖ q) = Σ p_i (log p_i − log q_i), with log p_i = l_i − lse_p.
+                double kld = 0;
+                for (int32_t i = 0; i < n_vocab; ++i) {
+                    const double log_p = static_cast<double>(p[i]) - ps.log_sum_exp;
+                    const double log_q = static_cast<double>(q[i]) - qs.log_sum_exp;
+                    kld += std::exp(log_p) * (log_p - log_q);
+                }
+                numbers[j] = {qs.log_sum_exp - q[chunk[first + j + 1]], kld, qs.argmax == ps.argmax};
+            });
+            file_accumulator & a = accs[f];
+            for (int64_t j = 0; j < n_score; ++j) {
+                const double nll_ref = ref_rows[j].log_sum_exp - ref_logits[j * row + chunk[first + j + 1]];
+                const token_numbers & t = numbers[j];
+                a.sum_nll += t.nll;
+                a.sum_nll2 += t.nll * t.nll;
+                a.sum_nll_ref += nll_ref;
+                a.sum_nll_ref2 += nll_ref * nll_ref;
+                a.sum_nll_nll_ref += t.nll * nll_ref;
+                a.sum_kld += t.kld;
+                a.sum_kld2 += t.kld * t.kld;
+                a.kld.push_back(t.kld);
+                a.n_same_top += t.same_top;
+                ++a.count;
+            }
+            bar.add(n_ctx, std::filesystem::path(files[f]).filename().string());
+        }
+    }
+    bar.finish();
+
+    finish_file(result.ref, ref_acc);
+    for (size_t f = 0; f < files.size(); ++f) {
+        eval_file_result r;
+        describe_file(r, *cand_files[f]);
+        finish_file(r, accs[f]);
+        result.files.push_back(std::move(r));
+    }
+    return result;
+}
+
+}  // namespace voodoo

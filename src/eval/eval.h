@@ -1,0 +1,73 @@
+// `voodoo eval`: perplexity and KL divergence of GGUF files against a reference, computed in libllama
+// with llama-perplexity's conventions, so every number is what stock llama.cpp serves.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace voodoo {
+
+struct eval_options {
+    std::string reference;          // GGUF whose logits are the truth (the source model)
+    std::string text;               // UTF-8 text file
+    int n_ctx = 512;                // tokens per chunk (llama-perplexity's -c)
+    int n_chunks = -1;              // chunks to score; -1 = every whole chunk of the text (its --chunks)
+    int n_threads = 0;              // decode and statistics threads; 0 = every core
+};
+
+/// One file's numbers. PPL and KLD are over the same scored tokens: the second half of every chunk.
+struct eval_file_result {
+    std::string path;
+    std::string name;               // file name without folders (labels the plot)
+    size_t file_bytes = 0;          // size on disk
+    size_t tensor_bytes = 0;        // Σ tensor data bytes
+    int64_t n_weights = 0;          // Σ elements over every tensor
+    double bpw = 0;                 // 8 · tensor_bytes / n_weights (llama-quantize's BPW)
+    double ppl = 0;                 // exp(mean NLL)
+    double ppl_err = 0;             // ppl · stderr of the mean NLL (llama-perplexity's ±)
+    // Against the reference (all zero for the reference's own row):
+    double ln_ppl_ratio = 0;        // mean ln(PPL(file) / PPL(ref)), with the covariance-aware ± below
+    double ln_ppl_ratio_err = 0;
+    double ppl_ratio = 1;           // PPL(file) / PPL(ref)
+    double ppl_ratio_err = 0;
+    double kld_mean = 0;            // nats per token, KL(ref ‖ file)
+    double kld_err = 0;             // stderr of the mean
+    double kld_median = 0;
+    double kld_p99 = 0;             // 99th percentile (linear interpolation, as llama-perplexity)
+    double kld_p999 = 0;            // 99.9th percentile
+    double kld_max = 0;
+    double same_top = 1;            // fraction of scored tokens whose argmax agrees with the reference's
+    double same_top_err = 0;        // binomial stderr
+};
+
+struct eval_result {
+    std::string reference;
+    std::string text;
+    int n_ctx = 0;
+    int n_chunks = 0;
+    int64_t n_text_tokens = 0;      // tokens of the whole text (BOS included when the vocab adds one)
+    int64_t n_scored = 0;           // tokens scored per file: n_chunks · (n_ctx − 1 − n_ctx/2)
+    eval_file_result ref;           // the reference's own PPL; its KLD columns are zero
+    std::vector<eval_file_result> files;    // in the order given
+};
+
+/// Scores `files` against `opt.reference` on `opt.text`, following llama-perplexity
+/// (tools/perplexity/perplexity.cpp): the whole text is tokenized once with the reference's vocab
+/// (BOS added when the vocab adds one, one trailing newline dropped as its -f does); chunk i is tokens
+/// [i·n_ctx, (i+1)·n_ctx) with its first token replaced by BOS; the logits at positions n_ctx/2 …
+/// n_ctx−2 predict the next token and are scored. Every model is loaded at once; per chunk the
+/// reference decodes once and each file decodes the same tokens, and the comparison happens in memory
+/// (log-softmax and KLD in double). Statistics follow its --kl-divergence report: mean ± stderr
+/// (stderr 0 for ≤ 10 tokens), median, linear-interpolated percentiles, same-top-token fraction,
+/// ln(PPL ratio) with the covariance of the two NLLs.
+///
+/// Errors (voodoo::error, naming the file or flag): a file is not a readable GGUF; a file's
+/// architecture, vocabulary (token count, tokenizer model, data/vocab.h vocab_hash) or tensor names/shapes
+/// differ from the reference's; --ctx exceeds `<arch>.context_length` or is below 8; the text is
+/// shorter than 2 · n_ctx tokens; more than half of the text's tokens are <unk> or byte-fallback tokens
+/// (text the vocabulary does not cover); libllama cannot load a model or decode.
+eval_result run_eval(const eval_options & opt, const std::vector<std::string> & files);
+
+}  // namespace voodoo

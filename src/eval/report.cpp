@@ -1,0 +1,246 @@
+#include "eval/report.h"
+
+#include "common/error.h"
+#include "common/file.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <sstream>
+
+#include <unistd.h>
+
+namespace voodoo {
+
+namespace {
+
+constexpr double k_mib = 1024.0 * 1024.0;
+
+/// Compact for small numbers: 0.000123 → "1.23e-04", 0.0512 → "0.0512".
+std::string num(double v) {
+    if (v == 0) {
+        return "0";
+    }
+    if (std::abs(v) < 1e-3) {
+        return fmt::format("{:.2e}", v);
+    }
+    return fmt::format("{:.4f}", v);
+}
+
+nlohmann::json file_json(const eval_file_result & f, bool is_reference) {
+    nlohmann::json j = {
+        {"path", f.path},
+        {"name", f.name},
+        {"file_bytes", f.file_bytes},
+        {"tensor_bytes", f.tensor_bytes},
+        {"n_weights", f.n_weights},
+        {"bpw", f.bpw},
+        {"ppl", f.ppl},
+        {"ppl_err", f.ppl_err},
+    };
+    if (!is_reference) {
+        j["ln_ppl_ratio"] = f.ln_ppl_ratio;
+        j["ln_ppl_ratio_err"] = f.ln_ppl_ratio_err;
+        j["ppl_ratio"] = f.ppl_ratio;
+        j["ppl_ratio_err"] = f.ppl_ratio_err;
+        j["kld_mean"] = f.kld_mean;
+        j["kld_err"] = f.kld_err;
+        j["kld_median"] = f.kld_median;
+        j["kld_p99"] = f.kld_p99;
+        j["kld_p999"] = f.kld_p999;
+        j["kld_max"] = f.kld_max;
+        j["same_top"] = f.same_top;
+        j["same_top_err"] = f.same_top_err;
+    }
+    return j;
+}
+
+/// A gnuplot string literal: single quotes, a quote doubled.
+std::string gp_quote(const std::string & s) {
+    std::string out = "'";
+    for (char ch : s) {
+        out += ch;
+        if (ch == '\'') {
+            out += '\'';
+        }
+    }
+    return out + "'";
+}
+
+/// The longest prefix common to every file name that ends with '-' or '_' ("stories260K-"), or "".
+std::string common_label_prefix(const std::vector<eval_file_result> & files) {
+    if (files.size() < 2) {
+        return {};
+    }
+    std::string prefix = files[0].name;
+    for (const eval_file_result & f : files) {
+        size_t n = 0;
+        while (n < prefix.size() && n < f.name.size() && prefix[n] == f.name[n]) {
+            ++n;
+        }
+        prefix.resize(n);
+    }
+    const size_t cut = prefix.find_last_of("-_");
+    return cut == std::string::npos ? std::string() : prefix.substr(0, cut + 1);
+}
+
+/// A file's name without the common prefix and the .gguf extension: "Q4_K_M".
+std::string short_label(const std::string & name, const std::string & prefix) {
+    std::string s = name.substr(prefix.size());
+    if (s.size() > 5 && s.compare(s.size() - 5, 5, ".gguf") == 0) {
+        s.resize(s.size() - 5);
+    }
+    return s;
+}
+
+}  // namespace
+
+std::string eval_to_markdown(const eval_result & r) {
+    std::string out;
+    out += "| file | size MiB | BPW | PPL | PPL ratio | mean KLD | median KLD | p99 KLD | p99.9 KLD | max KLD | same top |\n";
+    out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    const auto size_cols = [](const eval_file_result & f) {
+        return fmt::format("{:.3f} | {:.3f}", static_cast<double>(f.file_bytes) / k_mib, f.bpw);
+    };
+    out += fmt::format("| {} (reference) | {} | {:.4f} ± {:.4f} | 1 | | | | | | |\n", r.ref.name, size_cols(r.ref),
+                       r.ref.ppl, r.ref.ppl_err);
+    for (const eval_file_result & f : r.files) {
+        out += fmt::format("| {} | {} | {:.4f} ± {:.4f} | {:.4f} ± {:.4f} | {} ± {} | {} | {} | {} | {} | {:.2f}% ± {:.2f}% |\n",
+                           f.name, size_cols(f), f.ppl, f.ppl_err, f.ppl_ratio, f.ppl_ratio_err, num(f.kld_mean),
+                           num(f.kld_err), num(f.kld_median), num(f.kld_p99), num(f.kld_p999), num(f.kld_max),
+                           100.0 * f.same_top, 100.0 * f.same_top_err);
+    }
+    out += fmt::format("\n{} chunks of {} tokens of {} ({} tokens), {} tokens scored per file; KLD in nats per token "
+                       "against {}.\n",
+                       r.n_chunks, r.n_ctx, r.text, r.n_text_tokens, r.n_scored, r.ref.name);
+    return out;
+}
+
+nlohmann::json eval_to_json(const eval_result & r) {
+    nlohmann::json files = nlohmann::json::array();
+    for (const eval_file_result & f : r.files) {
+        files.push_back(file_json(f, false));
+    }
+    return {
+        {"reference", file_json(r.ref, true)},
+        {"text", r.text},
+        {"n_ctx", r.n_ctx},
+        {"n_chunks", r.n_chunks},
+        {"n_text_tokens", r.n_text_tokens},
+        {"n_scored", r.n_scored},
+        {"files", files},
+    };
+}
+
+void eval_plot(const eval_result & r, const std::string & png_path) {
+    if (r.files.empty()) {
+        fail("nothing to plot: the evaluation has no files");
+    }
+    // Pareto front: sorted by size, a file is on it when its KLD is below every smaller file's.
+    std::vector<size_t> order(r.files.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+        return r.files[a].file_bytes != r.files[b].file_bytes ? r.files[a].file_bytes < r.files[b].file_bytes
+                                                              : r.files[a].kld_mean < r.files[b].kld_mean;
+    });
+    std::vector<size_t> front;
+    for (size_t i : order) {
+        if (front.empty() || r.files[i].kld_mean < r.files[front.back()].kld_mean) {
+            front.push_back(i);
+        }
+    }
+    const bool log_y = std::all_of(r.files.begin(), r.files.end(), [](const auto & f) { return f.kld_mean > 0; });
+
+    const std::filesystem::path tmp_dir = std::filesystem::temp_directory_path() /
+                                          fmt::format("voodoo-plot-{}-{}", getpid(), static_cast<const void *>(&r));
+    std::filesystem::create_directories(tmp_dir);
+    struct cleanup {
+        std::filesystem::path dir;
+        ~cleanup() {
+            std::error_code ec;
+            std::filesystem::remove_all(dir, ec);
+        }
+    } guard{tmp_dir};
+    const std::string points = (tmp_dir / "points.dat").string();
+    const std::string front_dat = (tmp_dir / "front.dat").string();
+    const std::string png = (tmp_dir / "plot.png").string();
+    // Files with the same size and KLD (recipes that fell back to the same types) share one point and
+    // label; labels alternate above and below their point so that neighbours stay readable.
+    const std::string prefix = common_label_prefix(r.files);
+    size_t n_labels = 0;
+    {
+        std::ofstream p(points), fr(front_dat);
+        std::vector<bool> merged(r.files.size(), false);
+        for (size_t a = 0; a < order.size(); ++a) {
+            const eval_file_result & f = r.files[order[a]];
+            if (merged[order[a]]) {
+                continue;
+            }
+            std::string label = short_label(f.name, prefix);
+            for (size_t b = a + 1; b < order.size(); ++b) {
+                const eval_file_result & g = r.files[order[b]];
+                if (g.file_bytes == f.file_bytes && g.kld_mean == f.kld_mean) {
+                    label += " = " + short_label(g.name, prefix);
+                    merged[order[b]] = true;
+                }
+            }
+            p << fmt::format("{:.6f} {:.9g} \"{}\"\n", static_cast<double>(f.file_bytes) / k_mib, f.kld_mean, label);
+            n_labels += 1;
+        }
+        for (size_t i : front) {
+            fr << fmt::format("{:.6f} {:.9g}\n", static_cast<double>(r.files[i].file_bytes) / k_mib, r.files[i].kld_mean);
+        }
+    }
+    std::string script;
+    script += "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) { set terminal pngcairo size 1200,800 font 'sans,10' } "
+              "else { set terminal png size 1200,800 }\n";
+    script += "set output " + gp_quote(png) + "\nset termoption noenhanced\n";
+    script += "set title " + gp_quote(fmt::format("mean KLD against {} vs file size ({}, ctx {}, {} chunks){}",
+                                                  r.ref.name, std::filesystem::path(r.text).filename().string(),
+                                                  r.n_ctx, r.n_chunks,
+                                                  prefix.empty() ? "" : "; files " + prefix + "*.gguf")) + "\n";
+    script += "set xlabel 'file size (MiB)'\nset ylabel 'mean KLD (nats/token)'\nset grid\nset key top right\n";
+    script += "set offsets graph 0.05, graph 0.15, graph 0.05, graph 0.05\n";
+    if (log_y) {
+        script += "set logscale y\nset format y '%g'\n";
+    }
+    script += "plot " + gp_quote(front_dat) + " using 1:2 with lines lw 2 lc rgb '#cc4444' title 'Pareto front', \\\n";
+    script += "     " + gp_quote(points) + " using 1:2 with points pt 7 ps 1.5 lc rgb '#2255aa' title 'files', \\\n";
+    // Even lines (every other point by size) labelled above, odd ones below.
+    script += "     " + gp_quote(points) + " every 2::0 using 1:2:3 with labels offset 1,0.7 left font ',9' notitle";
+    if (n_labels > 1) {
+        script += ", \\\n     " + gp_quote(points) + " every 2::1 using 1:2:3 with labels offset 1,-0.7 left font ',9' notitle";
+    }
+    script += "\n";
+    const std::string script_path = (tmp_dir / "plot.gp").string();
+    std::ofstream(script_path) << script;
+
+    const std::string cmd = "gnuplot " + gp_quote(script_path) + " 2>&1";
+    FILE * pipe = popen(cmd.c_str(), "r");
+    if (!pipe) {
+        fail("cannot run gnuplot for '{}': install it (apt-get install gnuplot-nox)", png_path);
+    }
+    std::string output;
+    char buf[1024];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) {
+        output.append(buf, n);
+    }
+    const int status = pclose(pipe);
+    if (status != 0 || !std::filesystem::exists(png)) {
+        while (!output.empty() && output.back() == '\n') {
+            output.pop_back();
+        }
+        fail("gnuplot failed to draw '{}'{}{} (install gnuplot-nox if it is missing)", png_path,
+             output.empty() ? "" : ": ", output);
+    }
+    const mapped_file bytes(png);
+    write_file_atomic(png_path, bytes.bytes());
+}
+
+}  // namespace voodoo

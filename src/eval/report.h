@@ -1,0 +1,26 @@
+// Reports of `voodoo eval`: a markdown table, JSON, and a gnuplot Pareto plot of KLD against size.
+#pragma once
+
+#include "eval/eval.h"
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <string>
+
+namespace voodoo {
+
+/// The results as a markdown table, one row per file (reference first): size (MiB), BPW, PPL ± stderr,
+/// PPL ratio, mean KLD ± stderr, median, p99, p99.9 and max KLD, same-top-token %; then a line that
+/// says which text, ctx and how many chunks and tokens were scored.
+std::string eval_to_markdown(const eval_result & r);
+
+/// Every number of the result as JSON (sizes in bytes, KLD in nats per token, same_top as a fraction).
+nlohmann::json eval_to_json(const eval_result & r);
+
+/// Draws mean KLD (y, log scale when every KLD is positive) against file size in MiB (x) with gnuplot
+/// (pngcairo, else png), one labelled point per file and the Pareto front (no file both smaller and
+/// closer) joined by a line; the PNG is written atomically to `png_path`. Throws voodoo::error when
+/// gnuplot is missing or fails (its message included) or the destination cannot be written.
+void eval_plot(const eval_result & r, const std::string & png_path);
+
+}  // namespace voodoo

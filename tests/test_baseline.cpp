@@ -1,0 +1,223 @@
+// `voodoo baseline`: stock recipes through llama_model_quantize, the imatrix passed through, refusals.
+#include "common/error.h"
+#include "eval/baseline.h"
+#include "imatrix/imatrix.h"
+#include "ggml/gguf.h"
+#include "ggml/runtime.h"
+#include "ggml/types.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+#include <llama.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+
+namespace {
+
+using voodoo::test::stories260k;
+
+voodoo::baseline_options options(const std::string & imatrix = "") {
+    setenv("VOODOO_PROGRESS", "0", 1);
+    return {stories260k(), imatrix, 1};
+}
+
+std::string error_of(const std::function<void()> & fn) {
+    try {
+        fn();
+    } catch (const voodoo::error & e) {
+        return e.what();
+    }
+    return "(no error)";
+}
+
+/// A GGUF imatrix as llama-imatrix writes it: <tensor>.in_sum2 [ne0] and <tensor>.counts [1] for every
+/// 2-D weight of stories260K, with sums = count · (1 + column index / ne0) so columns differ in weight.
+std::string write_imatrix(const voodoo::test::temp_dir & dir) {
+    const voodoo::gguf_file src(stories260k());
+    const std::string path = dir.file("imatrix.gguf");
+    voodoo::gguf_writer w(path);
+    const char * datasets[] = {"tinystories_val.txt"};
+    gguf_set_arr_str(w.ctx(), "imatrix.datasets", datasets, 1);
+    gguf_set_val_u32(w.ctx(), "imatrix.chunk_count", 10);
+    gguf_set_val_u32(w.ctx(), "imatrix.chunk_size", 512);
+    std::vector<std::pair<std::string, std::vector<float>>> data;
+    for (const auto & t : src.tensors()) {
+        if (t.n_dims != 2 || t.name == "token_embd.weight") {
+            continue;
+        }
+        const float count = 5120;
+        std::vector<float> sums(static_cast<size_t>(t.ne[0]));
+        for (size_t i = 0; i < sums.size(); ++i) {
+            sums[i] = count * (1.0f + static_cast<float>(i) / static_cast<float>(sums.size()));
+        }
+        data.emplace_back(t.name + ".in_sum2", sums);
+        data.emplace_back(t.name + ".counts", std::vector<float>{count});
+    }
+    for (const auto & [name, v] : data) {
+        const int64_t ne[1] = {static_cast<int64_t>(v.size())};
+        w.add_tensor(name, GGML_TYPE_F32, ne);
+    }
+    w.begin_data();
+    for (const auto & [name, v] : data) {
+        w.write_tensor(name, {reinterpret_cast<const uint8_t *>(v.data()), v.size() * sizeof(float)});
+    }
+    w.commit();
+    return path;
+}
+
+TEST(baseline, q8_0_quantizes_every_weight_whose_rows_fit_and_loads_in_libllama) {
+    voodoo::test::temp_dir dir;
+    const std::string out = dir.file("q8.gguf");
+    const voodoo::baseline_result r = voodoo::make_baseline(options(), "q8_0", out);
+    EXPECT_TRUE(r.ok);
+    EXPECT_EQ(r.recipe, "Q8_0");
+    const voodoo::gguf_file made(out);
+    const voodoo::gguf_file src(stories260k());
+    ASSERT_EQ(made.tensors().size(), src.tensors().size());
+    for (const auto & t : made.tensors()) {
+        EXPECT_EQ(t.ne, src.tensor(t.name).ne) << t.name;
+        // llama.cpp's rule: 1-D tensors stay F32; Q8_0 where 32 divides ne0; ffn_down (ne0 = 172) falls back to F16.
+        const ggml_type want = t.n_dims == 1 ? GGML_TYPE_F32 : t.ne[0] % 32 == 0 ? GGML_TYPE_Q8_0 : GGML_TYPE_F16;
+        EXPECT_EQ(t.type, want) << t.name;
+    }
+    EXPECT_EQ(r.file_bytes, made.file_size());
+    EXPECT_EQ(r.type_counts.at("q8_0"), 32);
+    EXPECT_EQ(r.type_counts.at("f16"), 5);
+    EXPECT_NEAR(r.bpw, 9.966, 0.001);
+    EXPECT_EQ(made.get_int("general.file_type"), LLAMA_FTYPE_MOSTLY_Q8_0);
+
+    voodoo::llama_runtime_init();
+    llama_model_params mp = llama_model_default_params();
+    llama_model * m = llama_model_load_from_file(out.c_str(), mp);
+    ASSERT_NE(m, nullptr);
+    int64_t n_weights = 0;
+    for (const auto & t : src.tensors()) {
+        n_weights += t.n_elements();
+    }
+    EXPECT_EQ(static_cast<int64_t>(llama_model_n_params(m)), n_weights);
+    llama_model_free(m);
+}
+
+TEST(baseline, iq2_and_q2_k_s_recipes_without_an_imatrix_are_refused) {
+    voodoo::test::temp_dir dir;
+    for (const char * name : {"IQ2_XXS", "IQ2_M", "IQ1_S", "IQ3_XXS", "Q2_K_S"}) {
+        const std::string msg = error_of([&] { voodoo::make_baseline(options(), name, dir.file("x.gguf")); });
+        EXPECT_NE(msg.find(std::string("recipe ") + name + " needs an imatrix"), std::string::npos) << msg;
+        EXPECT_NE(msg.find("--imatrix"), std::string::npos) << msg;
+    }
+    EXPECT_FALSE(std::filesystem::exists(dir.file("x.gguf")));
+}
+
+TEST(baseline, the_imatrix_reaches_llama_model_quantize_with_llama_quantizes_metadata) {
+    voodoo::test::temp_dir dir;
+    const std::string im = write_imatrix(dir);
+    const voodoo::imatrix q = voodoo::read_imatrix(im);
+    EXPECT_EQ(q.entries.size(), 36u);  // output + 7 weights × 5 blocks
+    EXPECT_FLOAT_EQ(voodoo::imatrix_column_importance(q, "blk.0.attn_q.weight")[32], 1.5f);  // sums / count
+
+    const std::string with = dir.file("with.gguf");
+    const voodoo::baseline_result r = voodoo::make_baseline(options(im), "IQ2_XXS", with);
+    ASSERT_TRUE(r.ok);
+    const voodoo::gguf_file made(with);
+    EXPECT_EQ(made.get_string("quantize.imatrix.file"), im);
+    EXPECT_EQ(made.get_string("quantize.imatrix.dataset"), "tinystories_val.txt");
+    EXPECT_EQ(made.get_int("quantize.imatrix.entries_count"), 36);
+    EXPECT_EQ(made.get_int("quantize.imatrix.chunks_count"), 10);
+
+    // The imatrix weighs the rounding: IQ4_NL (IQ2_XXS's fallback for 64-wide rows) bytes change with it.
+    const std::string without = dir.file("without.gguf");
+    voodoo::make_baseline(options(), "IQ4_NL", without);
+    const std::string with_nl = dir.file("with-nl.gguf");
+    voodoo::make_baseline(options(im), "IQ4_NL", with_nl);
+    const voodoo::gguf_file a(without), b(with_nl);
+    const auto & ta = a.tensor("blk.0.attn_q.weight");
+    const auto & tb = b.tensor("blk.0.attn_q.weight");
+    ASSERT_EQ(ta.type, GGML_TYPE_IQ4_NL);
+    ASSERT_EQ(tb.type, GGML_TYPE_IQ4_NL);
+    EXPECT_FALSE(std::equal(a.data(ta).begin(), a.data(ta).end(), b.data(tb).begin()));
+}
+
+TEST(baseline, a_broken_imatrix_is_an_error_naming_it_and_nothing_is_written) {
+    voodoo::test::temp_dir dir;
+    const std::string dat = dir.file("imatrix.dat");
+    std::ofstream(dat, std::ios::binary) << std::string("\x02\x00\x00\x00xxxx", 8);
+    const std::string msg = error_of([&] { voodoo::make_baseline(options(dat), "IQ2_XXS", dir.file("x.gguf")); });
+    EXPECT_NE(msg.find(dat), std::string::npos) << msg;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("x.gguf")));
+}
+
+TEST(baseline, an_imatrix_of_another_model_is_refused) {
+    voodoo::test::temp_dir dir;
+    voodoo::imatrix im;
+    im.entries["blk.0.attn_q.weight"] = {std::vector<float>(128, 1.0f), {10}};  // stories260K's rows are 64 wide
+    im.datasets = {"x.txt"};
+    im.chunk_count = 1;
+    im.chunk_size = 64;
+    const std::string path = dir.file("other.gguf");
+    voodoo::write_imatrix_gguf(path, im);
+    const std::string msg = error_of([&] { voodoo::make_baseline(options(path), "IQ2_XXS", dir.file("x.gguf")); });
+    EXPECT_NE(msg.find(path), std::string::npos) << msg;
+    EXPECT_NE(msg.find("blk.0.attn_q.weight"), std::string::npos) << msg;
+}
+
+TEST(baseline, never_writes_over_the_source) {
+    voodoo::test::temp_dir dir;
+    const std::string src = dir.file("src.gguf");
+    std::filesystem::copy_file(stories260k(), src);
+    voodoo::baseline_options o = options();
+    o.source = src;
+    const std::string msg = error_of([&] { voodoo::make_baseline(o, "Q8_0", src); });
+    EXPECT_NE(msg.find("is the source file"), std::string::npos) << msg;
+    EXPECT_EQ(std::filesystem::file_size(src), std::filesystem::file_size(stories260k()));
+}
+
+TEST(baseline, an_unknown_recipe_lists_the_known_ones) {
+    const std::string msg = error_of([] { voodoo::recipe_by_name("Q4_K_X"); });
+    EXPECT_NE(msg.find("unknown recipe 'Q4_K_X'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("Q4_K_M"), std::string::npos) << msg;
+    EXPECT_EQ(voodoo::recipe_by_name("q4_k").ftype, LLAMA_FTYPE_MOSTLY_Q4_K_M);  // llama-quantize's alias
+}
+
+TEST(baseline, all_that_fit_leaves_out_the_imatrix_recipes_only_without_an_imatrix) {
+    const auto without = voodoo::recipes_all_that_fit(false);
+    const auto with = voodoo::recipes_all_that_fit(true);
+    const auto has = [](const std::vector<std::string> & v, const char * n) {
+        return std::find(v.begin(), v.end(), n) != v.end();
+    };
+    for (const char * n : {"Q4_0", "Q8_0", "Q4_K_M", "Q6_K", "IQ4_NL", "IQ3_S", "F16", "BF16"}) {
+        EXPECT_TRUE(has(without, n)) << n;
+        EXPECT_TRUE(has(with, n)) << n;
+    }
+    for (const char * n : {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "Q2_K_S"}) {
+        EXPECT_FALSE(has(without, n)) << n;
+        EXPECT_TRUE(has(with, n)) << n;
+    }
+    EXPECT_FALSE(has(with, "F32"));
+    EXPECT_FALSE(has(with, "Q4_K"));  // aliases are not made twice
+}
+
+TEST(baseline_cli, all_that_fit_makes_every_file_and_marks_the_ones_that_fell_back_to_the_same_types) {
+    voodoo::test::temp_dir dir;
+    const auto r = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipes all-that-fit --threads 1 --out-dir " +
+                                            dir.file("b"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    std::ifstream in(dir.file("b/baselines.json"));
+    const auto j = nlohmann::json::parse(in);
+    EXPECT_EQ(j.size(), voodoo::recipes_all_that_fit(false).size());
+    std::map<std::string, nlohmann::json> by;
+    for (const auto & e : j) {
+        EXPECT_TRUE(e["ok"].get<bool>()) << e.dump();
+        EXPECT_TRUE(std::filesystem::exists(e["path"].get<std::string>()));
+        by[e["recipe"]] = e;
+    }
+    // 64-wide rows fit no 256-block type: Q6_K falls back to Q8_0 everywhere, Q2_K to Q4_0.
+    EXPECT_EQ(by["Q6_K"]["same_types_as"], "Q8_0");
+    EXPECT_EQ(by["Q2_K"]["same_types_as"], "Q4_0");
+    EXPECT_EQ(by["Q8_0"]["file_bytes"], 379168);
+    EXPECT_NE(r.output.find("| Q4_K_M | stories260K-Q4_K_M.gguf |"), std::string::npos) << r.output;
+}
+
+}  // namespace

@@ -1,0 +1,240 @@
+// `voodoo eval`: llama-perplexity's PPL and KLD in libllama, and its refusals.
+#include "common/error.h"
+#include "eval/baseline.h"
+#include "eval/eval.h"
+#include "eval/report.h"
+#include "ggml/gguf.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+namespace {
+
+using voodoo::test::stories260k;
+
+std::string read_all(const std::string & path) {
+    std::ifstream in(path, std::ios::binary);
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+}
+
+/// The first `bytes` of the TinyStories validation text, cut at a line end: a few thousand tokens.
+std::string write_short_text(const voodoo::test::temp_dir & dir, size_t bytes = 8000) {
+    std::string text = read_all(voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt");
+    text.resize(text.rfind('\n', bytes) + 1);
+    const std::string path = dir.file("tinystories-short.txt");
+    std::ofstream(path, std::ios::binary) << text;
+    return path;
+}
+
+/// Expects run_eval to fail with a message containing every one of `parts`.
+void expect_eval_error(const voodoo::eval_options & opt, const std::vector<std::string> & files,
+                       const std::vector<std::string> & parts) {
+    try {
+        voodoo::run_eval(opt, files);
+        ADD_FAILURE() << "run_eval did not fail";
+    } catch (const voodoo::error & e) {
+        for (const std::string & part : parts) {
+            EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << "missing '" << part << "' in: " << e.what();
+        }
+    }
+}
+
+class eval_test : public ::testing::Test {
+protected:
+    static void SetUpTestSuite() {
+        setenv("VOODOO_PROGRESS", "0", 1);
+        dir_ = new voodoo::test::temp_dir();
+        text_ = write_short_text(*dir_);
+        q8_0_ = dir_->file("stories260K-Q8_0.gguf");
+        voodoo::make_baseline({stories260k(), "", 1}, "Q8_0", q8_0_);
+    }
+    static void TearDownTestSuite() { delete dir_; }
+
+    static voodoo::eval_options options(int n_chunks = 3) {
+        voodoo::eval_options o;
+        o.reference = stories260k();
+        o.text = text_;
+        o.n_ctx = 128;
+        o.n_chunks = n_chunks;
+        o.n_threads = 1;  // the test machine is shared: spinning decode threads only slow it down
+        return o;
+    }
+
+    static inline voodoo::test::temp_dir * dir_ = nullptr;
+    static inline std::string text_;
+    static inline std::string q8_0_;
+};
+
+TEST_F(eval_test, the_reference_against_itself_has_kld_0_and_same_top_100_percent) {
+    const voodoo::eval_result r = voodoo::run_eval(options(), {stories260k()});
+    ASSERT_EQ(r.files.size(), 1u);
+    const voodoo::eval_file_result & f = r.files[0];
+    EXPECT_EQ(f.kld_mean, 0.0);
+    EXPECT_EQ(f.kld_max, 0.0);
+    EXPECT_EQ(f.kld_p999, 0.0);
+    EXPECT_EQ(f.same_top, 1.0);
+    EXPECT_EQ(f.ppl, r.ref.ppl);
+    EXPECT_EQ(f.ppl_ratio, 1.0);
+    EXPECT_EQ(f.ln_ppl_ratio, 0.0);
+    // A 260K-parameter model on TinyStories: low but not trivial perplexity, with an uncertainty.
+    EXPECT_GT(r.ref.ppl, 1.5);
+    EXPECT_LT(r.ref.ppl, 20.0);
+    EXPECT_GT(r.ref.ppl_err, 0.0);
+}
+
+TEST_F(eval_test, chunks_of_ctx_tokens_score_their_second_half) {
+    const voodoo::eval_result r = voodoo::run_eval(options(3), {stories260k()});
+    EXPECT_EQ(r.n_chunks, 3);
+    EXPECT_EQ(r.n_ctx, 128);
+    // Rows n_ctx/2 … n_ctx−2 predict tokens n_ctx/2+1 … n_ctx−1: 63 tokens per chunk.
+    EXPECT_EQ(r.n_scored, 3 * (128 - 1 - 64));
+    EXPECT_GT(r.n_text_tokens, 3 * 128);
+}
+
+TEST_F(eval_test, q8_0_has_a_small_positive_kld_and_a_ppl_close_to_the_reference) {
+    const voodoo::eval_result r = voodoo::run_eval(options(), {q8_0_});
+    const voodoo::eval_file_result & f = r.files[0];
+    EXPECT_GT(f.kld_mean, 0.0);
+    EXPECT_LT(f.kld_mean, 0.01);
+    EXPECT_GT(f.kld_err, 0.0);
+    EXPECT_LE(f.kld_median, f.kld_p99);
+    EXPECT_LE(f.kld_p99, f.kld_p999);
+    EXPECT_LE(f.kld_p999, f.kld_max);
+    EXPECT_NEAR(f.ppl / r.ref.ppl, 1.0, 0.01);
+    EXPECT_NEAR(f.ppl_ratio, f.ppl / r.ref.ppl, 1e-12);
+    EXPECT_NEAR(std::log(f.ppl_ratio), f.ln_ppl_ratio, 1e-12);
+    EXPECT_GT(f.same_top, 0.9);
+    EXPECT_LT(f.same_top, 1.0 + 1e-12);
+    EXPECT_EQ(f.file_bytes, 379168u);  // what llama_model_quantize makes of stories260K as Q8_0
+}
+
+TEST_F(eval_test, the_thread_count_does_not_change_any_number) {
+    auto one = options(1);
+    auto two = options(1);
+    two.n_threads = 2;
+    const voodoo::eval_result a = voodoo::run_eval(one, {q8_0_});
+    const voodoo::eval_result b = voodoo::run_eval(two, {q8_0_});
+    EXPECT_EQ(a.ref.ppl, b.ref.ppl);
+    EXPECT_EQ(a.files[0].kld_mean, b.files[0].kld_mean);
+    EXPECT_EQ(a.files[0].kld_max, b.files[0].kld_max);
+    EXPECT_EQ(a.files[0].same_top, b.files[0].same_top);
+}
+
+TEST_F(eval_test, reports_are_a_markdown_table_json_and_a_png) {
+    const voodoo::eval_result r = voodoo::run_eval(options(2), {stories260k(), q8_0_});
+    const std::string md = voodoo::eval_to_markdown(r);
+    EXPECT_EQ(md.rfind("| file | size MiB | BPW | PPL |", 0), 0u) << md;
+    EXPECT_NE(md.find("stories260K.gguf (reference)"), std::string::npos);
+    EXPECT_NE(md.find("| stories260K-Q8_0.gguf | 0.362 | 9.966 |"), std::string::npos) << md;
+    const nlohmann::json j = voodoo::eval_to_json(r);
+    EXPECT_EQ(j["files"].size(), 2u);
+    EXPECT_EQ(j["files"][1]["file_bytes"], 379168);
+    EXPECT_EQ(j["files"][0]["kld_mean"], 0.0);
+    EXPECT_EQ(j["n_scored"], 2 * 63);
+    const std::string png = dir_->file("plot.png");
+    voodoo::eval_plot(r, png);
+    const std::string bytes = read_all(png);
+    ASSERT_GT(bytes.size(), 1000u);
+    EXPECT_EQ(bytes.substr(1, 3), "PNG");
+}
+
+TEST_F(eval_test, a_file_of_another_vocabulary_is_refused_naming_both_files) {
+    const std::string vocab = std::string(VOODOO_SOURCE_DIR) + "/.deps/llama.cpp/models/ggml-vocab-llama-spm.gguf";
+    expect_eval_error(options(), {vocab}, {vocab, stories260k(), "another vocabulary", "32000", "512"});
+}
+
+TEST_F(eval_test, a_file_with_other_tensors_or_architecture_is_refused) {
+    const voodoo::gguf_file src(stories260k());
+    // A copy without blk.4.ffn_down.weight: another model as far as eval is concerned.
+    const std::string missing = dir_->file("missing-tensor.gguf");
+    {
+        voodoo::gguf_writer w(missing, src.alignment());
+        w.copy_kv(src);
+        for (const auto & t : src.tensors()) {
+            if (t.name != "blk.4.ffn_down.weight") {
+                w.add_tensor(t.name, t.type, t.shape());
+            }
+        }
+        w.begin_data();
+        for (const auto & t : src.tensors()) {
+            if (t.name != "blk.4.ffn_down.weight") {
+                w.write_tensor(t.name, src.data(t));
+            }
+        }
+        w.commit();
+    }
+    expect_eval_error(options(), {missing}, {missing, "47 tensors", "48"});
+    // The same tensors under another architecture name.
+    const std::string gpt2 = dir_->file("gpt2.gguf");
+    {
+        voodoo::gguf_writer w(gpt2, src.alignment());
+        w.copy_kv(src);
+        gguf_set_val_str(w.ctx(), "general.architecture", "gpt2");
+        for (const auto & t : src.tensors()) {
+            w.add_tensor(t.name, t.type, t.shape());
+        }
+        w.begin_data();
+        for (const auto & t : src.tensors()) {
+            w.write_tensor(t.name, src.data(t));
+        }
+        w.commit();
+    }
+    expect_eval_error(options(), {gpt2}, {gpt2, "'gpt2' model", "'llama'"});
+}
+
+TEST_F(eval_test, a_ctx_beyond_the_training_context_is_refused_naming_the_flag_and_limit) {
+    auto o = options();
+    o.n_ctx = 4096;
+    expect_eval_error(o, {stories260k()}, {"--ctx 4096", "llama.context_length = 2048", "--ctx 2048 or less"});
+}
+
+TEST_F(eval_test, text_in_a_script_the_vocab_does_not_cover_is_refused) {
+    const std::string path = dir_->file("chinese.txt");
+    {
+        std::ofstream out(path, std::ios::binary);
+        for (int i = 0; i < 200; ++i) {
+            out << "从前有一只小猫，它住在一个大森林里。每天早上，它都会去河边喝水。\n";
+        }
+    }
+    auto o = options();
+    o.text = path;
+    expect_eval_error(o, {stories260k()}, {path, "not in a script", "byte-fallback"});
+}
+
+TEST_F(eval_test, a_text_shorter_than_two_chunks_is_refused) {
+    const std::string path = dir_->file("short.txt");
+    std::ofstream(path) << "Once upon a time there was a cat.\n";
+    auto o = options();
+    o.text = path;
+    expect_eval_error(o, {stories260k()}, {path, "needs at least 256"});
+}
+
+TEST(eval_cli, writes_the_table_json_and_plot_and_fails_in_one_line) {
+    voodoo::test::temp_dir dir;
+    const std::string text = write_short_text(dir);
+    const std::string out = dir.file("out");
+    const auto r = voodoo::test::run_voodoo("eval --reference " + stories260k() + " --text " + text +
+                                            " --ctx 64 --chunks 2 --threads 1 --out-dir " + out + " " + stories260k());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("| stories260K.gguf | 1.130 | 32.000 |"), std::string::npos) << r.output;
+    const auto j = nlohmann::json::parse(read_all(out + "/eval.json"));
+    EXPECT_EQ(j["n_ctx"], 64);
+    EXPECT_EQ(j["files"][0]["same_top"], 1.0);
+    EXPECT_EQ(read_all(out + "/eval.png").substr(1, 3), "PNG");
+    EXPECT_EQ(read_all(out + "/eval.md").rfind("| file |", 0), 0u);
+
+    const auto bad = voodoo::test::run_voodoo("eval --reference " + stories260k() + " --text " + text +
+                                              " --ctx 100000 " + stories260k());
+    EXPECT_EQ(bad.exit_code, 1);
+    EXPECT_EQ(bad.output.rfind("voodoo: error: --ctx 100000 is larger", 0), 0u) << bad.output;
+    EXPECT_EQ(std::count(bad.output.begin(), bad.output.end(), '\n'), 1) << bad.output;
+}
+
+}  // namespace
