@@ -19,9 +19,9 @@
 
 namespace voodoo {
 
-const std::vector<recipe> & recipe_table() {
+const std::vector<stock_recipe> & recipe_table() {
     // Names and ftypes of llama-quantize's QUANT_OPTIONS; main types of llama_ftype_get_default_type.
-    static const std::vector<recipe> table = {
+    static const std::vector<stock_recipe> table = {
         {"Q4_0", LLAMA_FTYPE_MOSTLY_Q4_0, GGML_TYPE_Q4_0, true},
         {"Q4_1", LLAMA_FTYPE_MOSTLY_Q4_1, GGML_TYPE_Q4_1, true},
         {"Q5_0", LLAMA_FTYPE_MOSTLY_Q5_0, GGML_TYPE_Q5_0, true},
@@ -61,8 +61,8 @@ const std::vector<recipe> & recipe_table() {
     return table;
 }
 
-const recipe & recipe_by_name(std::string_view name) {
-    for (const recipe & r : recipe_table()) {
+const stock_recipe & recipe_by_name(std::string_view name) {
+    for (const stock_recipe & r : recipe_table()) {
         if (r.name.size() == name.size() &&
             std::equal(name.begin(), name.end(), r.name.begin(),
                        [](char a, char b) { return std::toupper(static_cast<unsigned char>(a)) == b; })) {
@@ -70,13 +70,13 @@ const recipe & recipe_by_name(std::string_view name) {
         }
     }
     std::string names;
-    for (const recipe & r : recipe_table()) {
+    for (const stock_recipe & r : recipe_table()) {
         names += (names.empty() ? "" : ", ") + r.name;
     }
     fail("unknown recipe '{}': use one of {} (llama-quantize's names)", name, names);
 }
 
-bool recipe_needs_imatrix(const recipe & r) {
+bool recipe_needs_imatrix(const stock_recipe & r) {
     return r.ftype == LLAMA_FTYPE_MOSTLY_Q2_K_S || type_info_of(r.main_type).needs_imatrix;
 }
 
@@ -134,7 +134,7 @@ std::unique_ptr<imatrix_params> load_imatrix_params(const std::string & path, co
     return p;
 }
 
-baseline_result quantize_one(const baseline_options & opt, const recipe & r, const imatrix_params * im,
+baseline_result quantize_one(const baseline_options & opt, const stock_recipe & r, const imatrix_params * im,
                              const std::string & out) {
     if (same_file(opt.source, out)) {
         fail("--out '{}' is the source file: write the baseline elsewhere", out);
@@ -184,7 +184,7 @@ std::unique_ptr<gguf_file> open_source(const baseline_options & opt) {
     return src;
 }
 
-void check_imatrix_given(const recipe & r, const baseline_options & opt) {
+void check_imatrix_given(const stock_recipe & r, const baseline_options & opt) {
     if (recipe_needs_imatrix(r) && opt.imatrix.empty()) {
         fail("recipe {} needs an imatrix ({} tensors are quantized with one, as llama-quantize requires): pass "
              "--imatrix I.gguf",
@@ -195,7 +195,7 @@ void check_imatrix_given(const recipe & r, const baseline_options & opt) {
 }  // namespace
 
 baseline_result make_baseline(const baseline_options & opt, const std::string & recipe_name, const std::string & out) {
-    const recipe & r = recipe_by_name(recipe_name);
+    const stock_recipe & r = recipe_by_name(recipe_name);
     check_imatrix_given(r, opt);
     const auto src = open_source(opt);
     llama_runtime_init();
@@ -205,7 +205,7 @@ baseline_result make_baseline(const baseline_options & opt, const std::string & 
 
 std::vector<std::string> recipes_all_that_fit(bool has_imatrix) {
     std::vector<std::string> out;
-    for (const recipe & r : recipe_table()) {
+    for (const stock_recipe & r : recipe_table()) {
         if (r.standard && (has_imatrix || !recipe_needs_imatrix(r))) {
             out.push_back(r.name);
         }
@@ -215,7 +215,7 @@ std::vector<std::string> recipes_all_that_fit(bool has_imatrix) {
 
 std::vector<baseline_result> make_baselines(const baseline_options & opt, const std::vector<std::string> & recipes,
                                             const std::string & out_dir) {
-    std::vector<const recipe *> rs;
+    std::vector<const stock_recipe *> rs;
     for (const std::string & name : recipes) {
         rs.push_back(&recipe_by_name(name));
         check_imatrix_given(*rs.back(), opt);
@@ -228,7 +228,7 @@ std::vector<baseline_result> make_baselines(const baseline_options & opt, const 
 
     std::vector<baseline_result> results;
     progress bar("baseline", static_cast<int64_t>(rs.size()), "files");
-    for (const recipe * r : rs) {
+    for (const stock_recipe * r : rs) {
         const std::string out = (std::filesystem::path(out_dir) / (stem + "-" + r->name + ".gguf")).string();
         baseline_result res;
         try {

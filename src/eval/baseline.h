@@ -12,7 +12,7 @@
 
 namespace voodoo {
 
-struct recipe {
+struct stock_recipe {
     std::string name;               // llama-quantize's name: "Q4_K_M"
     llama_ftype ftype;
     ggml_type main_type;            // the type most tensors get (llama-quant.cpp llama_ftype_get_default_type)
@@ -21,14 +21,14 @@ struct recipe {
 
 /// Every recipe `voodoo baseline` knows, in llama-quantize's names (tools/quantize/quantize.cpp
 /// QUANT_OPTIONS) with its aliases Q3_K, Q4_K, Q5_K (→ the _M recipes).
-const std::vector<recipe> & recipe_table();
+const std::vector<stock_recipe> & recipe_table();
 
 /// Case-insensitive look-up. Throws voodoo::error listing the known names.
-const recipe & recipe_by_name(std::string_view name);
+const stock_recipe & recipe_by_name(std::string_view name);
 
 /// True when llama-quantize refuses the recipe without an imatrix: its main type is of the
 /// IQ1/IQ2/IQ3_XXS family, or it is Q2_K_S (llama-quant.cpp tensor_requires_imatrix).
-bool recipe_needs_imatrix(const recipe & r);
+bool recipe_needs_imatrix(const stock_recipe & r);
 
 struct baseline_options {
     std::string source;             // F32/F16/BF16 GGUF
