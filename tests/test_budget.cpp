@@ -204,3 +204,16 @@ TEST(budget, repair_downgrades_the_cheapest_loss_per_byte_first_then_spends_the_
     b.limit = 165;  // 15 left after repair cannot buy tensor 0's next step (10 → 20 fits)
     EXPECT_EQ(finalize_choice(b, probs, loss), (std::vector<int>{1, 2}));
 }
+
+TEST(budget, a_same_cost_type_with_a_lower_estimated_loss_is_taken) {
+    budget b;
+    b.goal = {target_kind::size, 0};
+    b.fixed = 0;
+    b.n_weights = 1;
+    b.cost = {{10, 10}};  // F16 and BF16: same bytes
+    b.min_total = 10;
+    b.max_total = 10;
+    b.limit = 10;
+    EXPECT_EQ(finalize_choice(b, {{0, 1}}, {{0.001, 0.01}}), (std::vector<int>{0}));
+    EXPECT_EQ(finalize_choice(b, {{1, 0}}, {{0.001, 0.01}}), (std::vector<int>{0}));
+}

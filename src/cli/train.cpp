@@ -58,6 +58,9 @@ command add_train(CLI::App & app) {
     sub->add_option("--size-tol", o->t.size_tol, "Dead zone of the size penalty (relative)")->capture_default_str();
     sub->add_option("--st-gumbel-fraction", o->t.st_gumbel_fraction, "Last fraction of steps with straight-through Gumbel")
         ->capture_default_str();
+    sub->add_option("--probe-sequences", o->t.probe_sequences, "Sequences for each candidate's ΔKL probe")
+        ->capture_default_str();
+    sub->add_option("--gate-init", o->t.gate_init, "Start logit of the probe's allocation")->capture_default_str();
     sub->add_option("--journal-every", o->t.journal_every, "Steps between journals")->capture_default_str();
     sub->add_flag("--resume", o->t.resume, "Continue the run in --out from its journal");
     sub->add_option("--seed", o->t.seed, "Seed (data order, Gumbel noise)")->capture_default_str();

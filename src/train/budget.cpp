@@ -260,12 +260,14 @@ std::vector<int> finalize_choice(const budget & b, const std::vector<std::vector
             const int cur = choice[t];
             for (size_t k = 0; k < b.cost[t].size(); ++k) {
                 const double extra = b.cost[t][k] - b.cost[t][static_cast<size_t>(cur)];
-                if (extra <= 0 || total + extra > b.limit) {
+                if (extra < 0 || total + extra > b.limit) {
                     continue;
                 }
+                // A move at the same cost (F16 ↔ BF16) with a gain is free: it ranks first.
                 const double gain = est_loss[t][static_cast<size_t>(cur)] - est_loss[t][k];
-                if (gain > 0 && gain / extra > best) {
-                    best = gain / extra;
+                const double score = extra == 0 ? std::numeric_limits<double>::infinity() : gain / extra;
+                if (gain > 0 && score > best) {
+                    best = score;
                     bt = t;
                     bk = static_cast<int>(k);
                 }

@@ -80,7 +80,8 @@ budget make_budget(const gguf_file & file, const std::vector<tensor_menu> & menu
 
 /// The final choice: argmax of each tensor's probabilities, then an exact-budget repair. While the total
 /// exceeds the limit, take the downgrade with the least estimated loss increase per byte saved; then,
-/// while bytes are left, take the upgrade with the most estimated loss decrease per byte that still fits.
+/// while bytes are left, take the upgrade with the most estimated loss decrease per byte that still fits
+/// (a move to a type of the same cost with a lower estimated loss, F16 ↔ BF16, first).
 /// est_loss[t][k] estimates the task loss with tensor t as type k (only differences within a tensor
 /// matter). The result never exceeds the limit. Throws voodoo::error when no choice fits (limit < min_total).
 std::vector<int> finalize_choice(const budget & b, const std::vector<std::vector<double>> & probs,

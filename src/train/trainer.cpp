@@ -52,7 +52,7 @@ std::string fingerprint(const gguf_file & src, const std::vector<tensor_menu> & 
                         {"seq", o.seq}, {"lr", o.lr}, {"lr_final", o.lr_final}, {"wd", o.weight_decay},
                         {"tau0", o.tau0}, {"tau1", o.tau1}, {"lambda_kl", o.lambda_kl},
                         {"lambda_size", o.lambda_size}, {"tol", o.size_tol}, {"st", o.st_gumbel_fraction},
-                        {"seed", o.seed}, {"data", data_hash}, {"model", src.tensors().size()}};
+                        {"seed", o.seed}, {"data", data_hash}, {"gate_init", o.gate_init}, {"probe", o.probe_sequences}, {"model", src.tensors().size()}};
     for (const tensor_menu & m : menus) {
         std::string types;
         for (ggml_type t : m.types) {
@@ -121,20 +121,13 @@ double temperature(const train_options & o, int step) {
     return o.tau0 * std::pow(o.tau1 / o.tau0, x);
 }
 
-struct journal_state {
-    int step = 0;
-    std::vector<torch::Tensor> gates;
-    std::vector<torch::Tensor> ema;
-};
-
 void save_journal(const std::string & path, const std::string & fp, int step, const std::vector<gated_tensor> & g,
-                  const std::vector<torch::Tensor> & ema, torch::optim::Optimizer & opt) {
+                  torch::optim::Optimizer & opt) {
     torch::serialize::OutputArchive a;
     a.write("fingerprint", c10::IValue(fp));
     a.write("step", torch::tensor(static_cast<int64_t>(step)));
     for (size_t i = 0; i < g.size(); ++i) {
         a.write(fmt::format("gate.{}", i), g[i].gate.detach());
-        a.write(fmt::format("ema.{}", i), ema[i]);
     }
     torch::serialize::OutputArchive o;
     opt.save(o);
@@ -145,7 +138,7 @@ void save_journal(const std::string & path, const std::string & fp, int step, co
 }
 
 int load_journal(const std::string & path, const std::string & fp, std::vector<gated_tensor> & g,
-                 std::vector<torch::Tensor> & ema, torch::optim::Optimizer & opt) {
+                 torch::optim::Optimizer & opt) {
     torch::serialize::InputArchive a;
     try {
         a.load_from(path);
@@ -166,7 +159,6 @@ int load_journal(const std::string & path, const std::string & fp, std::vector<g
         torch::Tensor gate;
         a.read(fmt::format("gate.{}", i), gate);
         g[i].gate.copy_(gate);
-        a.read(fmt::format("ema.{}", i), ema[i]);
     }
     torch::serialize::InputArchive o;
     a.read("optimizer", o);
@@ -211,6 +203,84 @@ std::string summary_table(const recipe & r, const budget & b, double total) {
                        b.limit, b.goal.kind == target_kind::bpw ? "BPW" : b.goal.kind == target_kind::size ? "bytes" : "Q8_0 ratio",
                        b.in_target_unit(total), b.goal.value);
     return out;
+}
+
+
+// The source model with one tensor replaced by one candidate: what quantizing that tensor alone does.
+class swap_weights : public weight_source {
+public:
+    explicit swap_weights(weight_source & base) : base_(base) {}
+
+    void set(const std::string & name, torch::Tensor w) {
+        name_ = name;
+        w_ = std::move(w);
+    }
+
+    torch::Tensor get(const std::string & name) override { return name == name_ ? w_ : base_.get(name); }
+    torch::Tensor rows(const std::string & name, const torch::Tensor & ids) override {
+        return name == name_ ? w_.index_select(0, ids.reshape({-1})) : base_.rows(name, ids);
+    }
+    bool has(const std::string & name) const override { return base_.has(name); }
+
+private:
+    weight_source & base_;
+    std::string name_;
+    torch::Tensor w_;
+};
+
+torch::Tensor mean_kl(const torch::Tensor & t_logp, const torch::Tensor & s_logits) {
+    const torch::Tensor s_logp = torch::log_softmax(s_logits, -1);
+    return (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean();
+}
+
+// ΔKL(teacher ‖ student) of every candidate alone, on `tokens`: [tensor][menu type], nats per token.
+// The sensitivities rank the choices before training (the gates start at the allocation they suggest)
+// and estimate the loss of each move in the final exact-budget repair.
+std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
+                                                   const std::vector<gated_tensor> & gated,
+                                                   const torch::Tensor & tokens) {
+    torch::NoGradGuard no_grad;
+    const torch::Tensor t_logp = torch::log_softmax(model.forward(tokens, teacher), -1);
+    const double base = mean_kl(t_logp, model.forward(tokens, dense)).item<double>();
+    int64_t n_candidates = 0;
+    for (const auto & g : gated) {
+        n_candidates += static_cast<int64_t>(g.types.size());
+    }
+    progress bar("probe", n_candidates, "cand");
+    swap_weights swap(dense);
+    std::vector<std::vector<double>> out;
+    std::vector<float> buf;
+    for (const gated_tensor & g : gated) {
+        std::vector<int64_t> shape;
+        for (int d = g.tensor->n_dims - 1; d >= 0; --d) {
+            shape.push_back(g.tensor->ne[static_cast<size_t>(d)]);
+        }
+        std::vector<double> row;
+        for (size_t k = 0; k < g.types.size(); ++k) {
+            buf.resize(static_cast<size_t>(g.tensor->n_elements()));
+            dequantize_into(g.types[k], g.bytes[k], g.tensor->ne[0], buf, 0, g.tensor->name);
+            swap.set(g.tensor->name, torch::from_blob(buf.data(), shape, torch::kFloat));
+            row.push_back(mean_kl(t_logp, model.forward(tokens, swap)).item<double>() - base);
+            bar.add(1);
+        }
+        out.push_back(std::move(row));
+    }
+    bar.finish();
+    return out;
+}
+
+void save_sensitivity(const std::string & path, const std::vector<gated_tensor> & gated,
+                      const std::vector<std::vector<double>> & sens, const std::vector<int> & start) {
+    nlohmann::json j = nlohmann::json::array();
+    for (size_t i = 0; i < gated.size(); ++i) {
+        nlohmann::json kl = nlohmann::json::object();
+        for (size_t k = 0; k < gated[i].types.size(); ++k) {
+            kl[type_name(gated[i].types[k])] = sens[i][k];
+        }
+        j.push_back({{"name", gated[i].tensor->name}, {"delta_kl", kl},
+                     {"start", type_name(gated[i].types[static_cast<size_t>(start[i])])}});
+    }
+    write_file_atomic(path, j.dump(2) + "\n");
 }
 
 }  // namespace
@@ -265,14 +335,41 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     std::unique_ptr<causal_lm> model = build_model(src);
     gguf_weights dense(src);
     gguf_weights teacher_weights(teacher);
+    const int64_t n_chunks = train.n_chunks();
+    auto chunk_tokens = [&](const std::vector<int64_t> & chunks) {
+        auto tokens = torch::empty({static_cast<int64_t>(chunks.size()), seq}, torch::kLong);
+        auto acc = tokens.accessor<int64_t, 2>();
+        for (size_t j = 0; j < chunks.size(); ++j) {
+            const auto c = train.chunk(chunks[j]);
+            for (int64_t p = 0; p < seq; ++p) {
+                acc[static_cast<int64_t>(j)][p] = c[static_cast<size_t>(p)];
+            }
+        }
+        return tokens;
+    };
+
+    // Sensitivities, and the allocation they suggest: from every tensor's dearest type, the cheapest ΔKL
+    // per byte saved until the budget holds. The gates start there.
+    const std::vector<int64_t> order0 = epoch_order(n_chunks, o.seed, 0);
+    const std::vector<int64_t> probe_chunks(order0.begin(), order0.begin() + std::min<int64_t>(o.probe_sequences, n_chunks));
+    const auto sens = probe_sensitivity(*model, dense, teacher_weights, gated, chunk_tokens(probe_chunks));
+    std::vector<std::vector<double>> dearest;
+    for (const auto & g : gated) {
+        std::vector<double> p(g.types.size(), 0.0);
+        p.back() = 1.0;
+        dearest.push_back(std::move(p));
+    }
+    const std::vector<int> start = finalize_choice(b, dearest, sens);
+    save_sensitivity((fs::path(o.run_dir) / "sensitivity.json").string(), gated, sens, start);
+
     std::vector<torch::Tensor> params;
-    std::vector<torch::Tensor> ema;
     std::vector<torch::Tensor> costs;
     for (size_t i = 0; i < gated.size(); ++i) {
-        gated[i].gate = torch::zeros({static_cast<int64_t>(gated[i].types.size())}, torch::kFloat).requires_grad_(true);
+        auto gate = torch::zeros({static_cast<int64_t>(gated[i].types.size())}, torch::kFloat);
+        gate[start[i]] = static_cast<float>(o.gate_init);
+        gated[i].gate = gate.requires_grad_(true);
         gated[i].n_threads = 1;
         params.push_back(gated[i].gate);
-        ema.push_back(torch::zeros({static_cast<int64_t>(gated[i].types.size())}, torch::kDouble));
         costs.push_back(torch::tensor(b.cost[i], torch::kDouble));
     }
     gated_weights student(dense, gated);
@@ -282,7 +379,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     const std::string fp = fingerprint(src, menus, o, data_hash);
     int step = 0;
     if (o.resume) {
-        step = load_journal(journal_path, fp, gated, ema, opt);
+        step = load_journal(journal_path, fp, gated, opt);
         // Keep the log of the steps the journal holds; later lines are redone.
         std::ifstream in(log_path);
         std::string kept;
@@ -297,19 +394,14 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
     std::ofstream log(log_path, std::ios::app);
 
-    const int64_t n_chunks = train.n_chunks();
     const int64_t per_step = static_cast<int64_t>(o.batch) * o.accum;
     auto batch_tokens = [&](int s, int micro) {
-        auto tokens = torch::empty({o.batch, seq}, torch::kLong);
+        std::vector<int64_t> chunks;
         for (int j = 0; j < o.batch; ++j) {
             const int64_t idx = static_cast<int64_t>(s) * per_step + static_cast<int64_t>(micro) * o.batch + j;
-            const int64_t chunk = epoch_order(n_chunks, o.seed, idx / n_chunks)[static_cast<size_t>(idx % n_chunks)];
-            const auto c = train.chunk(chunk);
-            for (int64_t p = 0; p < seq; ++p) {
-                tokens[j][p] = static_cast<int64_t>(c[static_cast<size_t>(p)]);
-            }
+            chunks.push_back(epoch_order(n_chunks, o.seed, idx / n_chunks)[static_cast<size_t>(idx % n_chunks)]);
         }
-        return tokens;
+        return chunk_tokens(chunks);
     };
 
     const int st_from = o.steps - static_cast<int>(std::lround(o.st_gumbel_fraction * o.steps));
@@ -369,11 +461,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                  step, ce_sum, kl_sum, culprit, o.run_dir);
         }
         opt.step();
-        for (size_t i = 0; i < gated.size(); ++i) {
-            if (gated[i].grad_p.defined()) {
-                ema[i] = 0.9 * ema[i] + 0.1 * gated[i].grad_p;
-            }
-        }
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const nlohmann::json line = {{"step", step},        {"loss", ce_sum + o.lambda_kl * kl_sum + o.lambda_size * size_term},
                                      {"ce", ce_sum},        {"kl", kl_sum},
@@ -384,7 +471,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         bar.add(1, fmt::format("KL {:.4f} size {:.4f}", kl_sum, bytes / b.limit));
         const bool stop = o.should_stop && o.should_stop(step);
         if ((step + 1) % o.journal_every == 0 || step + 1 == o.steps || stop) {
-            save_journal(journal_path, fp, step + 1, gated, ema, opt);
+            save_journal(journal_path, fp, step + 1, gated, opt);
         }
         if (stop) {
             ++step;
@@ -398,15 +485,13 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     res.finished = !stopped;
     res.steps_done = step;
     res.limit_bytes = b.limit;
-    std::vector<std::vector<double>> probs, est;
+    std::vector<std::vector<double>> probs;
     student.set_temperature(temperature(o, o.steps - 1));
     for (size_t i = 0; i < gated.size(); ++i) {
         const torch::Tensor p = student.probs(i).detach().to(torch::kDouble).contiguous();
         probs.emplace_back(p.data_ptr<double>(), p.data_ptr<double>() + p.numel());
-        const torch::Tensor e = ema[i].contiguous();
-        est.emplace_back(e.data_ptr<double>(), e.data_ptr<double>() + e.numel());
     }
-    const std::vector<int> choice = finalize_choice(b, probs, est);
+    const std::vector<int> choice = finalize_choice(b, probs, sens);
     res.final_recipe = recipe_from_choice(src, menus, choice, probs, o.goal);
     res.final_recipe.imatrix = o.imatrix_path;
     res.total_bytes = b.total(choice);

@@ -33,6 +33,8 @@ struct train_options {
     double lambda_size = 1000.0;
     double size_tol = 0.005;
     double st_gumbel_fraction = 0.0;    // last fraction of steps with straight-through Gumbel hardening
+    int probe_sequences = 8;            // sequences on which each candidate's ΔKL alone is measured
+    double gate_init = 3.0;             // the start allocation's gate logit (the others start at 0)
     int journal_every = 50;             // steps between journals (and one at the end)
     bool resume = false;                // continue from <run_dir>/journal.pt
     uint64_t seed = 42;
