@@ -2,6 +2,7 @@
 #include "data/dataset.h"
 #include "export/export.h"
 #include "ggml/types.h"
+#include "imatrix/imatrix.h"
 #include "model/fixture.h"
 #include "test_util.h"
 #include "train/trainer.h"
@@ -206,4 +207,45 @@ TEST(train, tokens_of_another_vocabulary_are_refused) {
     gguf_file src(test::stories260k());
     const std::string msg = error_of([&] { train_gates(src, src, other.train(), nullptr, quick(dir.file("run"))); });
     EXPECT_NE(msg.find("vocabulary"), std::string::npos) << msg;
+}
+
+TEST(train, with_an_imatrix_the_exported_file_still_fits_the_target_to_the_byte) {
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    token_data data(stories_data());
+    // A valid imatrix for every matmul weight (random positive sums over 100 tokens).
+    imatrix im;
+    im.datasets = {"random"};
+    im.chunk_count = 3;
+    im.chunk_size = 64;
+    uint32_t seed = 5;
+    for (const auto & t : src.tensors()) {
+        if (t.n_dims == 2) {
+            imatrix_entry e;
+            for (float x : test::gaussian(static_cast<size_t>(t.ne[0]), seed++)) {
+                e.in_sum2.push_back(100.0f * (0.1f + x * x));
+            }
+            e.counts = {100};
+            im.entries[t.name] = e;
+        }
+    }
+    const std::string im_path = dir.file("imatrix.gguf");
+    write_imatrix_gguf(im_path, im);
+
+    importance_map importance;
+    auto o = quick(dir.file("run"));
+    o.steps = 3;
+    o.export_opts = imatrix_export_options(im_path, im_path, src, importance);
+    o.menu.has_imatrix = true;
+    o.imatrix_path = im_path;
+    const train_result r = train_gates(src, src, data.train(), &importance, o);
+    const recipe saved = recipe_load(dir.file("run/recipe.json"));
+    EXPECT_EQ(saved.imatrix, im_path);
+    importance_map again;
+    export_options eo = imatrix_export_options(im_path, saved.imatrix, src, again);
+    eo.target = saved.target;
+    const auto res = export_gguf(src, saved, dir.file("out.gguf"), eo);
+    EXPECT_EQ(static_cast<double>(res.file_bytes), r.total_bytes);
+    EXPECT_LE(res.file_bytes, 304352u);
+    EXPECT_EQ(gguf_file(dir.file("out.gguf")).get_string("quantize.imatrix.file"), im_path);
 }

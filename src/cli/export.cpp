@@ -1,6 +1,7 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "export/export.h"
+#include "imatrix/imatrix.h"
 
 #include <fmt/format.h>
 
@@ -17,7 +18,7 @@ command add_export(CLI::App & app) {
                 "  voodoo export --model model.gguf --recipe run/recipe.json --out model.Voodoo45.gguf\n"
                 "  voodoo export --model model.gguf --recipe run/recipe.json --out out/   # names it <model>.Voodoo<NN>.gguf");
     struct options {
-        std::string model, recipe, out, cache;
+        std::string model, recipe, out, cache, imatrix;
         int threads = 0;
     };
     auto o = std::make_shared<options>();
@@ -25,16 +26,17 @@ command add_export(CLI::App & app) {
     sub->add_option("--recipe", o->recipe, "recipe.json from `voodoo train`")->required();
     sub->add_option("--out", o->out, "Output GGUF, or an existing folder")->required();
     sub->add_option("--cache", o->cache, "Candidate cache folder to take bytes from (optional)");
+    sub->add_option("--imatrix", o->imatrix, "Importance matrix (default: the one the recipe was trained with)");
     sub->add_option("--threads", o->threads, "Threads (0 = all cores)")->capture_default_str();
     return {sub, [o] {
         const gguf_file src(o->model);
         const recipe r = recipe_load(o->recipe);
-        if (!r.imatrix.empty()) {
-            fail("recipe '{}' was made with imatrix '{}'; exporting with an imatrix needs `voodoo imatrix` support "
-                 "in export, which is not built yet",
-                 o->recipe, r.imatrix);
-        }
+        const std::string imatrix_path = o->imatrix.empty() ? r.imatrix : o->imatrix;
+        importance_map importance;
         export_options opts;
+        if (!imatrix_path.empty()) {
+            opts = imatrix_export_options(imatrix_path, r.imatrix.empty() ? imatrix_path : r.imatrix, src, importance);
+        }
         opts.n_threads = o->threads;
         std::unique_ptr<candidate_cache> cache;
         if (!o->cache.empty()) {

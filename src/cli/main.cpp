@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+
+#include <malloc.h>
 #include <map>
 #include <vector>
 #include <string>
@@ -36,6 +38,11 @@ std::vector<command> add_all_commands(CLI::App & app) {
 }  // namespace voodoo::cli
 
 int main(int argc, char ** argv) {
+    // LibTorch's CPU allocator returns big blocks to the OS at once: every step then page-faults them in
+    // again (3.5x slower training on stories260K). Keep freed memory in the heap instead.
+    mallopt(M_MMAP_THRESHOLD, 32 << 20);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+    mallopt(M_TOP_PAD, 64 << 20);
     CLI::App app{"voodoo: the best GGUF of an LLM for a given size, learned by gradient descent"};
     app.require_subcommand(1);
     app.footer(R"(examples:

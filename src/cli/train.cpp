@@ -1,7 +1,7 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "data/dataset.h"
-#include "imatrix/imatrix.h"
+#include "export/export.h"
 #include "train/trainer.h"
 
 #include <fmt/format.h>
@@ -93,11 +93,7 @@ command add_train(CLI::App & app) {
         }
         importance_map importance;
         if (!o->imatrix.empty()) {
-            const imatrix im = read_imatrix(o->imatrix);
-            require_imatrix_fits(im, src, o->imatrix);
-            for (const auto & [name, entry] : im.entries) {
-                importance[name] = imatrix_column_importance(im, name);
-            }
+            t.export_opts = imatrix_export_options(o->imatrix, o->imatrix, src, importance);
             t.menu.has_imatrix = true;
             t.imatrix_path = o->imatrix;
         }

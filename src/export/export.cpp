@@ -78,6 +78,19 @@ size_t file_bytes_for(const gguf_file & src, const std::map<std::string, ggml_ty
 
 }  // namespace
 
+export_options imatrix_export_options(const std::string & path, const std::string & recorded_path,
+                                      const gguf_file & model, importance_map & importance) {
+    const imatrix im = read_imatrix(path);
+    require_imatrix_fits(im, model, path);
+    importance = imatrix_importance(im);
+    export_options opts;
+    opts.importance = &importance;
+    opts.imatrix_file = recorded_path;
+    opts.imatrix_dataset = im.datasets.empty() ? "" : im.datasets.front();
+    opts.imatrix_chunks = im.chunk_count;
+    return opts;
+}
+
 size_t planned_file_bytes(const gguf_file & src, const recipe & r, const export_options & opts) {
     recipe_check(r, src);
     return file_bytes_for(src, output_types(src, r), r, opts);

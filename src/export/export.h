@@ -30,6 +30,13 @@ struct export_result {
     double q8_0_ratio;          // file_bytes / the all-Q8_0 file's bytes
 };
 
+/// The export options of an imatrix: its importance (into `importance`, which must outlive the options) and
+/// the quantize.imatrix.* values llama-quantize writes. `recorded_path` is the file name written into the
+/// GGUF (the path the recipe was trained with), so the header, and the file size, do not depend on how the
+/// file is named at export time. Throws voodoo::error when the imatrix does not fit `model`.
+export_options imatrix_export_options(const std::string & path, const std::string & recorded_path,
+                                      const gguf_file & model, importance_map & importance);
+
 /// The exact size on disk of the file export_gguf would write for `r` (metadata, tensor infos,
 /// alignment padding, data). The provenance keys have fixed-size values, so this is exact before the
 /// recipe is final. Throws like recipe_check.

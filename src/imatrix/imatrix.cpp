@@ -234,4 +234,12 @@ void require_imatrix_fits(const imatrix & im, const gguf_file & model, const std
     }
 }
 
+importance_map imatrix_importance(const imatrix & im) {
+    importance_map out;
+    for (const auto & [name, entry] : im.entries) {
+        out[name] = imatrix_column_importance(im, name);
+    }
+    return out;
+}
+
 }  // namespace voodoo

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <map>
+#include <unordered_map>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,13 @@ imatrix read_imatrix(const std::string & path);
 /// in_sum2 / count per matrix (count 0 → 1.0), or for a legacy file in_sum2 / ncall — the exact float
 /// arithmetic of tools/quantize/quantize.cpp load_imatrix. Throws voodoo::error when `name` is absent.
 std::vector<float> imatrix_column_importance(const imatrix & im, const std::string & name);
+
+/// Per-tensor importance, as llama-quantize hands it to ggml_quantize_chunk: for each tensor name,
+/// ne0 · n_experts values, in_sum2 / counts of llama.cpp's imatrix (tools/quantize/quantize.cpp load_imatrix).
+using importance_map = std::unordered_map<std::string, std::vector<float>>;
+
+/// imatrix_column_importance of every entry.
+importance_map imatrix_importance(const imatrix & im);
 
 /// Checks that every entry names a weight of `model` whose shape it fits: ne0 input columns and
 /// ne2·ne3 matrices. Throws voodoo::error naming the imatrix (`what`), the tensor and both sizes otherwise —

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "ggml/gguf.h"
+#include "imatrix/imatrix.h"
 
 #include <ggml.h>
 
@@ -15,9 +16,6 @@
 
 namespace voodoo {
 
-/// Per-tensor importance, as llama-quantize hands it to ggml_quantize_chunk: for each tensor name,
-/// ne0 · n_experts values, in_sum2 / counts of llama.cpp's imatrix (tools/quantize/quantize.cpp load_imatrix).
-using importance_map = std::unordered_map<std::string, std::vector<float>>;
 
 /// The tensor's weights as f32 (F32 copied; F16, BF16 and quantized types through ggml's to_float,
 /// as llama-quantize's llama_tensor_dequantize_impl does). [n_rows, ne0] row-major.

@@ -312,7 +312,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
 
     // Everything that can be refused is refused before any work.
     const std::vector<tensor_menu> menus = build_menus(src, o.menu);
-    export_options eopts;
+    // The budget counts the header export will write: the same metadata, imatrix keys included.
+    export_options eopts = o.export_opts;
+    eopts.importance = importance;
     eopts.target = o.goal.str();
     const budget b = make_budget(src, menus, o.goal, eopts);
 

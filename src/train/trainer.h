@@ -21,6 +21,8 @@ struct train_options {
     std::string run_dir;                // journal, log.jsonl, recipe.json, recipe.tensor-types.txt
     std::string cache_dir;              // candidate cache ("" = <run_dir>/candidates)
     std::string imatrix_path;           // recorded in the recipe ("" = none)
+    export_options export_opts;         // the imatrix metadata export will write (imatrix_export_options),
+                                        // so the budget counts the exact header
     int steps = 300;                    // optimizer steps
     int batch = 4;                      // sequences per micro-batch
     int accum = 1;                      // micro-batches per optimizer step (gradients really accumulate)
