@@ -25,8 +25,17 @@ build: $(BUILD)/CMakeCache.txt
 test: bootstrap
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
+DEMO_TEXT  ?= $(SHARED)/data/text/tinystories/tinystories_val.txt
+DEMO_DIR   ?= $(BUILD)/demo
+
+# The main job on the default model: calibrate on the first 80% of the TinyStories lines, compare on the
+# held-out rest, at the size of stock Q4_K_M, beside every stock recipe llama.cpp makes for the model.
 demo: bootstrap
-	$(BUILD)/bin/voodoo inspect $(DEMO_MODEL)
+	@mkdir -p $(DEMO_DIR)
+	@n=$$(wc -l < $(DEMO_TEXT)); k=$$((n * 4 / 5)); \
+	  head -n $$k $(DEMO_TEXT) > $(DEMO_DIR)/calib.txt; tail -n +$$((k + 1)) $(DEMO_TEXT) > $(DEMO_DIR)/heldout.txt
+	$(BUILD)/bin/voodoo quantize $(DEMO_MODEL) --text $(DEMO_DIR)/calib.txt --eval-text $(DEMO_DIR)/heldout.txt \
+	  --like Q4_K_M --ctx 256 --eval-ctx 256 --baselines all-that-fit --work $(DEMO_DIR)/work
 
 bench: bootstrap
 	cmake --build $(BUILD) -j $(JOBS) --target benches

@@ -23,7 +23,7 @@ struct train_options {
     std::string imatrix_path;           // recorded in the recipe ("" = none)
     export_options export_opts;         // the imatrix metadata export will write (imatrix_export_options),
                                         // so the budget counts the exact header
-    int steps = 300;                    // optimizer steps
+    int steps = 200;                    // optimizer steps
     int batch = 4;                      // sequences per micro-batch
     int accum = 1;                      // micro-batches per optimizer step (gradients really accumulate)
     int seq = 0;                        // tokens per sequence (0 = the token file's chunk length)

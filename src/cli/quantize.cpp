@@ -1,0 +1,88 @@
+#include "cli/commands.h"
+#include "common/error.h"
+#include "pipeline/quantize.h"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <csignal>
+#include <memory>
+
+namespace voodoo::cli {
+
+namespace {
+
+std::atomic<bool> g_interrupted{false};
+
+void on_sigint(int) { g_interrupted = true; }
+
+command add_quantize(CLI::App & app) {
+    auto * sub = app.add_subcommand("quantize", "The whole job: data → imatrix → train → export → eval beside stock recipes");
+    sub->footer("examples:\n"
+                "  voodoo quantize model.gguf --text calib.txt --like Q4_K_M --eval-text heldout.txt\n"
+                "  voodoo quantize model.gguf --text a.txt --text b.txt --ratio 0.45 --out model.Voodoo45.gguf\n"
+                "Run it again after a stop: finished stages are kept, training resumes from its journal.");
+    struct options {
+        quantize_options q;
+        std::string target_size, menu;
+        std::vector<std::string> menu_for;
+        double target_bpw = 0, ratio = 0;
+    };
+    auto o = std::make_shared<options>();
+    sub->add_option("model", o->q.model, "Source GGUF (F32/F16/BF16)")->required();
+    sub->add_option("--text", o->q.texts, "Calibration text file(s)")->required();
+    sub->add_option("--eval-text", o->q.eval_text, "Held-out text for the comparison (default: the first --text)");
+    auto * bpw = sub->add_option("--target-bpw", o->target_bpw, "Budget in bits per weight (llama-quantize's BPW)");
+    auto * size = sub->add_option("--target-size", o->target_size, "Budget as the file size on disk: bytes, KB, MiB, GiB");
+    auto * ratio = sub->add_option("--ratio", o->ratio, "Budget as a fraction of the all-Q8_0 file");
+    auto * like = sub->add_option("--like", o->q.like, "Budget = the size of this stock recipe's file (Q4_K_M, …)");
+    bpw->excludes(size)->excludes(ratio)->excludes(like);
+    size->excludes(ratio)->excludes(like);
+    ratio->excludes(like);
+    sub->add_option("--out", o->q.out, "Output GGUF (default: WORK/<model>.Voodoo<NN>.gguf)");
+    sub->add_option("--work", o->q.work, "Work folder (default: <model>.voodoo)");
+    sub->add_option("--baselines", o->q.baselines, "Stock recipes to compare: nearest, all-that-fit, none, or Q4_K_M,Q5_0,…")
+        ->capture_default_str();
+    sub->add_option("--ctx", o->q.ctx, "Calibration chunk length")->capture_default_str();
+    sub->add_option("--imatrix-chunks", o->q.imatrix_chunks, "Chunks the imatrix sees")->capture_default_str();
+    sub->add_option("--eval-ctx", o->q.eval_ctx, "Eval chunk length")->capture_default_str();
+    sub->add_option("--eval-chunks", o->q.eval_chunks, "Eval chunks (-1 = all)")->capture_default_str();
+    sub->add_option("--menu", o->menu, "Candidate types, comma-separated");
+    sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES' (repeatable)");
+    sub->add_option("--steps", o->q.train.steps, "Training steps")->capture_default_str();
+    sub->add_option("--batch", o->q.train.batch, "Sequences per step")->capture_default_str();
+    sub->add_option("--seq", o->q.train.seq, "Tokens per training sequence (0 = --ctx)")->capture_default_str();
+    sub->add_option("--threads", o->q.threads, "Threads for LibTorch and quantization (0 = all cores)")->capture_default_str();
+    sub->add_option("--ggml-threads", o->q.ggml_threads, "Threads for libllama (imatrix, eval)")->capture_default_str();
+    sub->add_option("--seed", o->q.train.seed, "Seed")->capture_default_str();
+    return {sub, [o, bpw, size, ratio, like] {
+        quantize_options q = o->q;
+        if (bpw->count()) {
+            q.train.goal = {target_kind::bpw, o->target_bpw};
+        } else if (size->count()) {
+            q.train.goal = {target_kind::size, parse_size(o->target_size, "--target-size")};
+        } else if (ratio->count()) {
+            q.train.goal = {target_kind::ratio, o->ratio};
+        } else if (!like->count()) {
+            fail("give one target: --target-bpw, --target-size, --ratio or --like");
+        }
+        if (!o->menu.empty()) {
+            q.train.menu.types = parse_menu(o->menu, "--menu");
+        }
+        for (const auto & spec : o->menu_for) {
+            q.train.menu.per_role.push_back(parse_menu_for(spec));
+        }
+        std::signal(SIGINT, on_sigint);
+        q.train.should_stop = [](int) { return g_interrupted.load(); };
+        const quantize_result r = run_quantize(q);
+        fmt::print("\n{}\nwrote {} ({} bytes, {:.1f}% of the Q8_0 size)\n", r.table, r.out, r.file_bytes,
+                   100.0 * r.q8_0_ratio);
+        return 0;
+    }};
+}
+
+}  // namespace
+
+VOODOO_COMMAND(quantize, add_quantize);
+
+}  // namespace voodoo::cli

@@ -1,0 +1,198 @@
+#include "pipeline/quantize.h"
+
+#include "common/error.h"
+#include "common/file.h"
+#include "data/dataset.h"
+#include "eval/baseline.h"
+#include "eval/report.h"
+#include "export/export.h"
+#include "imatrix/collect.h"
+#include "imatrix/imatrix.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <set>
+
+namespace voodoo {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+void stage(const char * name, const std::string & what) { fmt::print(stderr, "== {}: {}\n", name, what); }
+
+// Stock recipes to compare with: every recipe llama.cpp makes for the model (duplicates by tensor types
+// dropped), then the ones nearest in size to ours unless all are asked for.
+std::vector<std::string> pick_baselines(const quantize_options & o, const baseline_options & bo, size_t our_bytes,
+                                        const std::string & dir) {
+    if (o.baselines == "none") {
+        return {};
+    }
+    std::vector<std::string> names;
+    if (o.baselines == "nearest" || o.baselines == "all-that-fit") {
+        names = recipes_all_that_fit(!bo.imatrix.empty());
+    } else {
+        for (size_t a = 0; a <= o.baselines.size();) {
+            const size_t e = std::min(o.baselines.find(',', a), o.baselines.size());
+            if (e > a) {
+                names.push_back(o.baselines.substr(a, e - a));
+            }
+            a = e + 1;
+        }
+    }
+    const auto made = make_baselines(bo, names, dir);
+    std::vector<const baseline_result *> ok;
+    for (const auto & r : made) {
+        if (r.ok && r.same_types_as.empty()) {
+            ok.push_back(&r);
+        }
+    }
+    if (o.baselines == "nearest" && ok.size() > 6) {
+        std::sort(ok.begin(), ok.end(), [&](const baseline_result * a, const baseline_result * b) {
+            return std::abs(static_cast<double>(a->file_bytes) - static_cast<double>(our_bytes)) <
+                   std::abs(static_cast<double>(b->file_bytes) - static_cast<double>(our_bytes));
+        });
+        ok.resize(6);
+    }
+    std::sort(ok.begin(), ok.end(), [](const baseline_result * a, const baseline_result * b) {
+        return a->file_bytes < b->file_bytes;
+    });
+    std::vector<std::string> paths;
+    for (const auto * r : ok) {
+        paths.push_back(r->path);
+    }
+    return paths;
+}
+
+}  // namespace
+
+quantize_result run_quantize(const quantize_options & o) {
+    if (o.texts.empty()) {
+        fail("give at least one calibration text (--text)");
+    }
+    const gguf_file src(o.model);
+    const std::string work = o.work.empty() ? (fs::path(o.model).stem().string() + ".voodoo") : o.work;
+    fs::create_directories(work);
+    const std::string data_dir = (fs::path(work) / "data").string();
+
+    // data
+    if (!fs::exists(fs::path(data_dir) / "data.json")) {
+        stage("data", data_dir);
+        data_options d;
+        d.model = o.model;
+        d.texts = o.texts;
+        d.ctx = o.ctx;
+        d.seed = o.train.seed;
+        d.out_dir = data_dir;
+        prepare_data(d);
+    } else {
+        stage("data", data_dir + " (done)");
+    }
+    const token_data data(data_dir);
+    data.require_vocab_of(o.model);
+    if (data.sources() != o.texts) {
+        fail("work folder '{}' holds data made from other texts; give the same --text or another --work", work);
+    }
+
+    // imatrix
+    const std::string imatrix_path = (fs::path(work) / "imatrix.gguf").string();
+    if (!fs::exists(imatrix_path)) {
+        stage("imatrix", imatrix_path);
+        imatrix_options io;
+        io.model = o.model;
+        io.data_dir = data_dir;
+        io.max_chunks = o.imatrix_chunks;
+        io.n_threads = o.ggml_threads;
+        write_imatrix_gguf(imatrix_path, collect_imatrix(io));
+    } else {
+        stage("imatrix", imatrix_path + " (done)");
+    }
+
+    // the target, from a stock recipe's size when asked
+    train_options t = o.train;
+    baseline_options bo;
+    bo.source = o.model;
+    bo.imatrix = imatrix_path;
+    bo.n_threads = o.threads;
+    const std::string base_dir = (fs::path(work) / "baselines").string();
+    fs::create_directories(base_dir);
+    if (!o.like.empty()) {
+        const std::string like_path =
+            (fs::path(base_dir) / fmt::format("{}-{}.gguf", fs::path(o.model).stem().string(), o.like)).string();
+        const size_t bytes = fs::exists(like_path) ? file_size(like_path) : make_baseline(bo, o.like, like_path).file_bytes;
+        t.goal = {target_kind::size, static_cast<double>(bytes)};
+        stage("target", fmt::format("the size of stock {}: {} bytes", o.like, bytes));
+    }
+
+    // train
+    t.run_dir = (fs::path(work) / "run").string();
+    t.cache_dir = (fs::path(work) / "candidates").string();
+    t.imatrix_path = imatrix_path;
+    t.menu.has_imatrix = true;
+    t.threads = o.threads;
+    importance_map importance;
+    t.export_opts = imatrix_export_options(imatrix_path, imatrix_path, src, importance);
+    const std::string recipe_path = (fs::path(t.run_dir) / "recipe.json").string();
+    if (!fs::exists(recipe_path)) {
+        t.resume = fs::exists(fs::path(t.run_dir) / "journal.pt");
+        stage("train", t.run_dir + (t.resume ? " (resuming)" : ""));
+        const train_result tr = train_gates(src, src, data.train(), &importance, t);
+        if (!tr.finished) {
+            fail("training stopped after step {}; run the same command again to resume", tr.steps_done);
+        }
+        fmt::print(stderr, "{}", tr.summary);
+    } else {
+        stage("train", recipe_path + " (done)");
+    }
+    const recipe r = recipe_load(recipe_path);
+
+    // export
+    export_options eo = t.export_opts;
+    eo.target = r.target;
+    const double ratio = static_cast<double>(planned_file_bytes(src, r, eo)) /
+                         static_cast<double>(q8_0_file_bytes(src, eo));
+    const std::string out = o.out.empty() ? default_output_path(work, src, ratio) : o.out;
+    bool exported = false;
+    if (fs::exists(out)) {
+        const gguf_file prev(out);
+        exported = prev.get_string("voodoo.recipe_hash").value_or("") == recipe_hash(r);
+    }
+    if (!exported) {
+        stage("export", out);
+        candidate_cache cache(t.cache_dir);
+        eo.cache = &cache;
+        export_gguf(src, r, out, eo);
+    } else {
+        stage("export", out + " (done)");
+    }
+
+    quantize_result res;
+    res.out = out;
+    res.file_bytes = file_size(out);
+    res.q8_0_ratio = ratio;
+
+    // eval beside the stock recipes
+    const auto baselines = pick_baselines(o, bo, res.file_bytes, base_dir);
+    eval_options ev;
+    ev.reference = o.model;
+    ev.text = o.eval_text.empty() ? o.texts.front() : o.eval_text;
+    ev.n_ctx = o.eval_ctx;
+    ev.n_chunks = o.eval_chunks;
+    ev.n_threads = o.ggml_threads;
+    std::vector<std::string> files = {out};
+    files.insert(files.end(), baselines.begin(), baselines.end());
+    stage("eval", fmt::format("{} files on {}{}", files.size(), ev.text,
+                              o.eval_text.empty() ? " (the calibration text: not held out)" : ""));
+    res.eval = run_eval(ev, files);
+    res.table = eval_to_markdown(res.eval);
+    write_file_atomic((fs::path(work) / "eval.md").string(), res.table);
+    write_file_atomic((fs::path(work) / "eval.json").string(), eval_to_json(res.eval).dump(2) + "\n");
+    eval_plot(res.eval, (fs::path(work) / "eval.png").string());
+    return res;
+}
+
+}  // namespace voodoo

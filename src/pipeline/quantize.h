@@ -1,0 +1,41 @@
+// `voodoo quantize`: the whole chain in one command — data → imatrix → train → export → eval beside the
+// stock recipes — each stage resumable (a finished stage is not redone).
+#pragma once
+
+#include "eval/eval.h"
+#include "train/trainer.h"
+
+#include <string>
+#include <vector>
+
+namespace voodoo {
+
+struct quantize_options {
+    std::string model;                      // source GGUF
+    std::vector<std::string> texts;         // calibration text files
+    std::string eval_text;                  // held-out text for the comparison ("" = the first calibration text)
+    std::string like;                       // a stock recipe whose file size is the target ("" = goal given)
+    std::string out;                        // output GGUF ("" = WORK/<model>.Voodoo<NN>.gguf)
+    std::string work;                       // work folder: data/, imatrix.gguf, run/, baselines/, eval.*
+    std::string baselines = "nearest";      // "nearest", "all-that-fit", "none" or a comma list of recipe names
+    int64_t ctx = 512;                      // calibration chunk length
+    int64_t imatrix_chunks = 128;           // train chunks the imatrix sees
+    int eval_ctx = 512;
+    int eval_chunks = 100;                  // -1 = every chunk of the eval text
+    int threads = 0;
+    int ggml_threads = 1;                   // libllama threads (imatrix, eval): see docs/DATA.md on spinning
+    train_options train;                    // goal, menus, schedule (run_dir is WORK/run)
+};
+
+struct quantize_result {
+    std::string out;
+    size_t file_bytes;
+    double q8_0_ratio;
+    eval_result eval;                       // empty files when baselines == "none" and no eval ran
+    std::string table;                      // the final comparison table (markdown)
+};
+
+/// Runs the chain. Throws voodoo::error from any stage, naming it; what finished stays in WORK.
+quantize_result run_quantize(const quantize_options & opts);
+
+}  // namespace voodoo
