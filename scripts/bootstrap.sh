@@ -11,7 +11,7 @@ packages=(
     libtorch-dev libopenblas0-pthread
     nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev libssl-dev
     libgtest-dev libgmock-dev libbenchmark-dev
-    gnuplot-nox nodejs npm
+    gnuplot-nox
 )
 
 missing=()
@@ -20,6 +20,11 @@ for p in "${packages[@]}"; do
         missing+=("$p")
     fi
 done
+# Node.js and npm only when there is no npm at all: a machine may have them from elsewhere (NodeSource),
+# and Debian's npm package conflicts with those.
+if ! command -v npm >/dev/null 2>&1; then
+    missing+=(nodejs npm)
+fi
 if ((${#missing[@]})); then
     echo "bootstrap: installing Debian packages: ${missing[*]}"
     sudo_cmd=()

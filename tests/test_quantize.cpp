@@ -1,0 +1,68 @@
+#include "common/error.h"
+#include "ggml/gguf.h"
+#include "pipeline/quantize.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+using namespace voodoo;
+
+namespace {
+
+quantize_options small_job(const std::string & work) {
+    quantize_options q;
+    q.model = test::stories260k();
+    q.texts = {test::shared_data() + "/text/tinystories/tinystories_val.txt"};
+    q.eval_text = test::shared_data() + "/text/gutenberg/pg11.txt";
+    q.like = "Q5_0";
+    q.work = work;
+    q.baselines = "Q4_0,Q5_0";
+    q.ctx = 64;
+    q.imatrix_chunks = 8;
+    q.eval_ctx = 64;
+    q.eval_chunks = 4;
+    q.train.steps = 3;
+    q.train.batch = 1;
+    q.train.seq = 32;
+    q.train.probe_sequences = 2;
+    return q;
+}
+
+}  // namespace
+
+TEST(quantize, one_command_makes_a_file_within_the_stock_size_and_compares_it) {
+    test::temp_dir dir;
+    const auto q = small_job(dir.file("work"));
+    const quantize_result r = run_quantize(q);
+    const size_t q5_0 = std::filesystem::file_size(dir.file("work/baselines/stories260K-Q5_0.gguf"));
+    EXPECT_LE(r.file_bytes, q5_0);
+    EXPECT_EQ(std::filesystem::path(r.out).parent_path(), dir.path / "work");
+    EXPECT_EQ(std::filesystem::path(r.out).filename().string().rfind("stories260K.Voodoo", 0), 0u) << r.out;
+    ASSERT_EQ(r.eval.files.size(), 3u);  // ours, Q4_0, Q5_0
+    EXPECT_GT(r.eval.files[0].kld_mean, 0.0);
+    EXPECT_NE(r.table.find("Q5_0"), std::string::npos);
+    for (const char * f : {"eval.md", "eval.json", "eval.png", "imatrix.gguf", "run/recipe.json", "data/data.json"}) {
+        EXPECT_TRUE(std::filesystem::exists(dir.path / "work" / f)) << f;
+    }
+    // Again: every stage is found done, and the same file comes out.
+    const auto before = std::filesystem::last_write_time(r.out);
+    const quantize_result again = run_quantize(q);
+    EXPECT_EQ(again.out, r.out);
+    EXPECT_EQ(std::filesystem::last_write_time(r.out), before);
+}
+
+TEST(quantize, a_work_folder_of_other_texts_is_refused) {
+    test::temp_dir dir;
+    auto q = small_job(dir.file("work"));
+    q.baselines = "none";
+    run_quantize(q);
+    q.texts = {test::shared_data() + "/text/tinyshakespeare/input.txt"};
+    try {
+        run_quantize(q);
+        FAIL() << "expected an error";
+    } catch (const error & e) {
+        EXPECT_NE(std::string(e.what()).find("other texts"), std::string::npos) << e.what();
+    }
+}
