@@ -8,17 +8,10 @@
 #include <random>
 
 using namespace voodoo;
+using voodoo::test::error_of;
 
 namespace {
 
-std::string error_of(const std::function<void()> & fn) {
-    try {
-        fn();
-    } catch (const error & e) {
-        return e.what();
-    }
-    return "";
-}
 
 std::vector<std::vector<double>> random_table(const budget & b, uint32_t seed) {
     std::mt19937 rng(seed);

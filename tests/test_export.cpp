@@ -19,6 +19,7 @@
 #include <sys/resource.h>
 
 using namespace voodoo;
+using voodoo::test::error_of;
 using voodoo::test::temp_dir;
 
 namespace {
@@ -53,39 +54,6 @@ importance_map random_importance(const gguf_file & src, uint32_t seed) {
     return m;
 }
 
-// llama_model_quantize with the recipe as anchored tensor-type overrides: what
-// `llama-quantize --tensor-type-file recipe.tensor-types.txt [--imatrix …] SRC OUT Q8_0` writes.
-void llama_quantize_with_recipe(const std::string & src, const std::string & out, const recipe & r,
-                                const importance_map * importance) {
-    llama_runtime_init();
-    std::vector<std::string> patterns;
-    for (const recipe_tensor & t : r.tensors) {
-        std::string p = "^";
-        for (char c : t.name) {
-            p += c == '.' ? std::string("\\.") : std::string(1, c);
-        }
-        patterns.push_back(p + "$");
-    }
-    std::vector<llama_model_tensor_override> overrides;
-    for (size_t i = 0; i < r.tensors.size(); ++i) {
-        overrides.push_back({patterns[i].c_str(), r.tensors[i].type});
-    }
-    overrides.push_back({nullptr, GGML_TYPE_COUNT});
-    std::vector<llama_model_imatrix_data> imatrix;
-    if (importance) {
-        for (const auto & [name, values] : *importance) {
-            imatrix.push_back({name.c_str(), values.data(), values.size()});
-        }
-        imatrix.push_back({nullptr, nullptr, 0});
-    }
-    llama_model_quantize_params params = llama_model_quantize_default_params();
-    params.ftype = LLAMA_FTYPE_MOSTLY_Q8_0;
-    params.nthread = 2;
-    params.tt_overrides = overrides.data();
-    params.imatrix = importance ? imatrix.data() : nullptr;
-    ASSERT_EQ(llama_model_quantize(src.c_str(), out.c_str(), &params), 0u);
-}
-
 void expect_same_tensor_data(const std::string & a_path, const std::string & b_path) {
     gguf_file a(a_path), b(b_path);
     ASSERT_EQ(a.tensors().size(), b.tensors().size());
@@ -96,15 +64,6 @@ void expect_same_tensor_data(const std::string & a_path, const std::string & b_p
         ASSERT_EQ(da.size(), db.size()) << ta.name;
         EXPECT_EQ(std::memcmp(da.data(), db.data(), da.size()), 0) << ta.name << " differs";
     }
-}
-
-std::string error_of(const std::function<void()> & fn) {
-    try {
-        fn();
-    } catch (const error & e) {
-        return e.what();
-    }
-    return "";
 }
 
 const std::vector<ggml_type> k_cycle = {GGML_TYPE_IQ4_NL, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0,
@@ -123,7 +82,7 @@ TEST(export_gguf, equals_llama_model_quantize_with_the_recipe_as_overrides_on_st
     EXPECT_GE(used.size(), 6u);
     const std::string ours = dir.file("ours.gguf"), theirs = dir.file("theirs.gguf");
     export_gguf(src, r, ours, {});
-    llama_quantize_with_recipe(src.path(), theirs, r, nullptr);
+    ASSERT_TRUE(test::llama_quantize_with_recipe(src.path(), theirs, r, nullptr));
     expect_same_tensor_data(ours, theirs);
 }
 
@@ -137,7 +96,7 @@ TEST(export_gguf, equals_llama_model_quantize_with_the_same_imatrix) {
     opts.imatrix_file = "random.imatrix";
     const std::string ours = dir.file("ours.gguf"), theirs = dir.file("theirs.gguf");
     export_gguf(src, r, ours, opts);
-    llama_quantize_with_recipe(src.path(), theirs, r, &importance);
+    ASSERT_TRUE(test::llama_quantize_with_recipe(src.path(), theirs, r, &importance));
     expect_same_tensor_data(ours, theirs);
     // and the imatrix changed the bytes
     const std::string plain = dir.file("plain.gguf");

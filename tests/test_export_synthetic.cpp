@@ -68,24 +68,7 @@ TEST(export_synthetic, equals_llama_model_quantize_with_k_quant_overrides) {
     const std::string ours = dir.file("ours.gguf"), theirs = dir.file("theirs.gguf");
     export_gguf(src, r, ours, {});
 
-    llama_runtime_init();
-    std::vector<std::string> patterns;
-    for (const auto & t : r.tensors) {
-        std::string p = "^";
-        for (char c : t.name) {
-            p += c == '.' ? std::string("\\.") : std::string(1, c);
-        }
-        patterns.push_back(p + "$");
-    }
-    std::vector<llama_model_tensor_override> overrides;
-    for (size_t i = 0; i < r.tensors.size(); ++i) {
-        overrides.push_back({patterns[i].c_str(), r.tensors[i].type});
-    }
-    overrides.push_back({nullptr, GGML_TYPE_COUNT});
-    llama_model_quantize_params params = llama_model_quantize_default_params();
-    params.ftype = LLAMA_FTYPE_MOSTLY_Q8_0;
-    params.tt_overrides = overrides.data();
-    ASSERT_EQ(llama_model_quantize(src.path().c_str(), theirs.c_str(), &params), 0u);
+    ASSERT_TRUE(test::llama_quantize_with_recipe(src.path(), theirs, r, nullptr));
 
     gguf_file a(ours), b(theirs);
     for (const gguf_tensor & ta : a.tensors()) {

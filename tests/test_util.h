@@ -1,12 +1,20 @@
 // Shared helpers for the tests: where the shared data is, temporary folders, running the CLI.
 #pragma once
 
+#include "common/error.h"
+#include "export/recipe.h"
+#include "ggml/runtime.h"
+
+#include <llama.h>
+
 #include <cstdint>
+#include <functional>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <random>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include <sys/wait.h>
@@ -66,6 +74,45 @@ inline std::vector<float> gaussian(size_t n, uint32_t seed) {
         x = dist(rng);
     }
     return v;
+}
+
+/// The message of the voodoo::error fn throws, "" when it throws none.
+inline std::string error_of(const std::function<void()> & fn) {
+    try {
+        fn();
+    } catch (const voodoo::error & e) {
+        return e.what();
+    }
+    return "";
+}
+
+/// What `llama-quantize --tensor-type-file recipe.tensor-types.txt [--imatrix …] SRC OUT Q8_0` writes: the
+/// recipe as anchored tensor-type overrides of llama_model_quantize. importance may be null.
+inline bool llama_quantize_with_recipe(const std::string & src, const std::string & out, const voodoo::recipe & r,
+                                       const std::unordered_map<std::string, std::vector<float>> * importance) {
+    voodoo::llama_runtime_init();
+    std::vector<std::string> patterns;
+    for (const auto & t : r.tensors) {
+        patterns.push_back(voodoo::anchored_pattern(t.name));
+    }
+    std::vector<llama_model_tensor_override> overrides;
+    for (size_t i = 0; i < r.tensors.size(); ++i) {
+        overrides.push_back({patterns[i].c_str(), r.tensors[i].type});
+    }
+    overrides.push_back({nullptr, GGML_TYPE_COUNT});
+    std::vector<llama_model_imatrix_data> imatrix;
+    if (importance) {
+        for (const auto & [name, values] : *importance) {
+            imatrix.push_back({name.c_str(), values.data(), values.size()});
+        }
+        imatrix.push_back({nullptr, nullptr, 0});
+    }
+    llama_model_quantize_params params = llama_model_quantize_default_params();
+    params.ftype = LLAMA_FTYPE_MOSTLY_Q8_0;
+    params.nthread = 2;
+    params.tt_overrides = overrides.data();
+    params.imatrix = importance ? imatrix.data() : nullptr;
+    return llama_model_quantize(src.c_str(), out.c_str(), &params) == 0;
 }
 
 }  // namespace voodoo::test

@@ -18,6 +18,10 @@ using command_factory = command (*)(CLI::App & app);
 /// Called once per subcommand file at static-initialisation time (see VOODOO_COMMAND).
 bool register_command(const char * name, command_factory factory);
 
+/// Installs a SIGINT handler and returns a stop test for long work (train_options::should_stop): true once
+/// Ctrl-C was pressed, so the run writes its journal and exits cleanly.
+std::function<bool(int)> stop_on_sigint();
+
 /// Every registered subcommand added to app, in name order.
 std::vector<command> add_all_commands(CLI::App & app);
 

@@ -4,6 +4,8 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
+#include <csignal>
 #include <cstdio>
 
 #include <malloc.h>
@@ -25,6 +27,19 @@ std::map<std::string, command_factory> & registry() {
 bool register_command(const char * name, command_factory factory) {
     registry()[name] = factory;
     return true;
+}
+
+namespace {
+
+std::atomic<bool> g_interrupted{false};
+
+void on_sigint(int) { g_interrupted = true; }
+
+}  // namespace
+
+std::function<bool(int)> stop_on_sigint() {
+    std::signal(SIGINT, on_sigint);
+    return [](int) { return g_interrupted.load(); };
 }
 
 std::vector<command> add_all_commands(CLI::App & app) {

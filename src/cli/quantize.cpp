@@ -4,17 +4,11 @@
 
 #include <fmt/format.h>
 
-#include <atomic>
-#include <csignal>
 #include <memory>
 
 namespace voodoo::cli {
 
 namespace {
-
-std::atomic<bool> g_interrupted{false};
-
-void on_sigint(int) { g_interrupted = true; }
 
 command add_quantize(CLI::App & app) {
     auto * sub = app.add_subcommand("quantize", "The whole job: data → imatrix → train → export → eval beside stock recipes");
@@ -72,8 +66,7 @@ command add_quantize(CLI::App & app) {
         for (const auto & spec : o->menu_for) {
             q.train.menu.per_role.push_back(parse_menu_for(spec));
         }
-        std::signal(SIGINT, on_sigint);
-        q.train.should_stop = [](int) { return g_interrupted.load(); };
+        q.train.should_stop = stop_on_sigint();
         const quantize_result r = run_quantize(q);
         fmt::print("\n{}\nwrote {} ({} bytes, {:.1f}% of the Q8_0 size)\n", r.table, r.out, r.file_bytes,
                    100.0 * r.q8_0_ratio);

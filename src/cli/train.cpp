@@ -6,17 +6,11 @@
 
 #include <fmt/format.h>
 
-#include <atomic>
-#include <csignal>
 #include <memory>
 
 namespace voodoo::cli {
 
 namespace {
-
-std::atomic<bool> g_interrupted{false};
-
-void on_sigint(int) { g_interrupted = true; }
 
 command add_train(CLI::App & app) {
     auto * sub = app.add_subcommand("train", "Learn each tensor's type under an exact byte budget; writes a recipe");
@@ -97,8 +91,7 @@ command add_train(CLI::App & app) {
             t.menu.has_imatrix = true;
             t.imatrix_path = o->imatrix;
         }
-        std::signal(SIGINT, on_sigint);
-        t.should_stop = [](int) { return g_interrupted.load(); };
+        t.should_stop = stop_on_sigint();
         const train_result r = train_gates(src, teacher ? *teacher : src, data.train(),
                                            o->imatrix.empty() ? nullptr : &importance, t);
         if (!r.finished) {

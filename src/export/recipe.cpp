@@ -157,17 +157,21 @@ recipe recipe_load(const std::string & path) {
     return recipe_from_json(j, path);
 }
 
+std::string anchored_pattern(std::string_view name) {
+    std::string pattern = "^";
+    for (char c : name) {
+        if (c == '.') {
+            pattern += '\\';
+        }
+        pattern += c;
+    }
+    return pattern + "$";
+}
+
 std::string recipe_tensor_types(const recipe & r) {
     std::string out;
     for (const recipe_tensor & t : r.tensors) {
-        std::string pattern = "^";
-        for (char c : t.name) {
-            if (c == '.') {
-                pattern += '\\';
-            }
-            pattern += c;
-        }
-        out += pattern + "$=" + type_name(t.type) + "\n";
+        out += anchored_pattern(t.name) + "=" + type_name(t.type) + "\n";
     }
     return out;
 }

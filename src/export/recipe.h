@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace voodoo {
@@ -47,6 +48,9 @@ recipe recipe_from_json(const nlohmann::json & j, const std::string & path);
 
 void recipe_save(const recipe & r, const std::string & path);
 recipe recipe_load(const std::string & path);
+
+/// The regular expression that matches exactly one tensor name: `^blk\.0\.attn_q\.weight$`.
+std::string anchored_pattern(std::string_view name);
 
 /// llama-quantize --tensor-type-file lines, one anchored pattern per tensor: `^blk\.0\.attn_q\.weight$=q4_K`.
 std::string recipe_tensor_types(const recipe & r);

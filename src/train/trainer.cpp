@@ -355,6 +355,17 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     const std::vector<int64_t> order0 = epoch_order(n_chunks, o.seed, 0);
     const std::vector<int64_t> probe_chunks(order0.begin(), order0.begin() + std::min<int64_t>(o.probe_sequences, n_chunks));
     const auto sens = probe_sensitivity(*model, dense, teacher_weights, gated, chunk_tokens(probe_chunks));
+    for (size_t i = 0; i < gated.size(); ++i) {
+        for (size_t k = 0; k < gated[i].types.size(); ++k) {
+            if (!std::isfinite(sens[i][k])) {
+                fail("the loss is not finite: the KL probe of tensor '{}' as {} gives {} (every tensor does when the "
+                     "teacher's or the source's own logits are not finite); nothing was trained and {}",
+                     gated[i].tensor->name, type_name(gated[i].types[k]), sens[i][k],
+                     o.resume ? fmt::format("the last good journal is kept in '{}'", o.run_dir)
+                              : fmt::format("'{}' holds no journal", o.run_dir));
+            }
+        }
+    }
     std::vector<std::vector<double>> dearest;
     for (const auto & g : gated) {
         std::vector<double> p(g.types.size(), 0.0);
