@@ -54,17 +54,6 @@ importance_map random_importance(const gguf_file & src, uint32_t seed) {
     return m;
 }
 
-void expect_same_tensor_data(const std::string & a_path, const std::string & b_path) {
-    gguf_file a(a_path), b(b_path);
-    ASSERT_EQ(a.tensors().size(), b.tensors().size());
-    for (const gguf_tensor & ta : a.tensors()) {
-        const gguf_tensor & tb = b.tensor(ta.name);
-        EXPECT_EQ(type_name(ta.type), type_name(tb.type)) << ta.name;
-        const auto da = a.data(ta), db = b.data(tb);
-        ASSERT_EQ(da.size(), db.size()) << ta.name;
-        EXPECT_EQ(std::memcmp(da.data(), db.data(), da.size()), 0) << ta.name << " differs";
-    }
-}
 
 const std::vector<ggml_type> k_cycle = {GGML_TYPE_IQ4_NL, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0,
                                         GGML_TYPE_Q5_1,   GGML_TYPE_Q8_0, GGML_TYPE_F16,  GGML_TYPE_BF16};
@@ -83,7 +72,7 @@ TEST(export_gguf, equals_llama_model_quantize_with_the_recipe_as_overrides_on_st
     const std::string ours = dir.file("ours.gguf"), theirs = dir.file("theirs.gguf");
     export_gguf(src, r, ours, {});
     ASSERT_TRUE(test::llama_quantize_with_recipe(src.path(), theirs, r, nullptr));
-    expect_same_tensor_data(ours, theirs);
+    test::expect_same_tensor_data(ours, theirs);
 }
 
 TEST(export_gguf, equals_llama_model_quantize_with_the_same_imatrix) {
@@ -97,7 +86,7 @@ TEST(export_gguf, equals_llama_model_quantize_with_the_same_imatrix) {
     const std::string ours = dir.file("ours.gguf"), theirs = dir.file("theirs.gguf");
     export_gguf(src, r, ours, opts);
     ASSERT_TRUE(test::llama_quantize_with_recipe(src.path(), theirs, r, &importance));
-    expect_same_tensor_data(ours, theirs);
+    test::expect_same_tensor_data(ours, theirs);
     // and the imatrix changed the bytes
     const std::string plain = dir.file("plain.gguf");
     export_gguf(src, r, plain, {});

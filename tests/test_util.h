@@ -3,11 +3,16 @@
 
 #include "common/error.h"
 #include "export/recipe.h"
+#include "ggml/gguf.h"
 #include "ggml/runtime.h"
+#include "ggml/types.h"
+
+#include <gtest/gtest.h>
 
 #include <llama.h>
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <cstdio>
 #include <cstdlib>
@@ -74,6 +79,19 @@ inline std::vector<float> gaussian(size_t n, uint32_t seed) {
         x = dist(rng);
     }
     return v;
+}
+
+/// Both files hold the same tensors with the same types and the same bytes.
+inline void expect_same_tensor_data(const std::string & a_path, const std::string & b_path) {
+    voodoo::gguf_file a(a_path), b(b_path);
+    ASSERT_EQ(a.tensors().size(), b.tensors().size());
+    for (const voodoo::gguf_tensor & ta : a.tensors()) {
+        const voodoo::gguf_tensor & tb = b.tensor(ta.name);
+        EXPECT_EQ(voodoo::type_name(ta.type), voodoo::type_name(tb.type)) << ta.name;
+        const auto da = a.data(ta), db = b.data(tb);
+        ASSERT_EQ(da.size(), db.size()) << ta.name;
+        EXPECT_EQ(std::memcmp(da.data(), db.data(), da.size()), 0) << ta.name << " differs";
+    }
 }
 
 /// The message of the voodoo::error fn throws, "" when it throws none.

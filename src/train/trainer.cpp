@@ -408,11 +408,18 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     std::ofstream log(log_path, std::ios::app);
 
     const int64_t per_step = static_cast<int64_t>(o.batch) * o.accum;
+    // The order of the epoch being read, shuffled once per epoch rather than once per sequence.
+    int64_t order_epoch = 0;
+    std::vector<int64_t> order = order0;
     auto batch_tokens = [&](int s, int micro) {
         std::vector<int64_t> chunks;
         for (int j = 0; j < o.batch; ++j) {
             const int64_t idx = static_cast<int64_t>(s) * per_step + static_cast<int64_t>(micro) * o.batch + j;
-            chunks.push_back(epoch_order(n_chunks, o.seed, idx / n_chunks)[static_cast<size_t>(idx % n_chunks)]);
+            if (idx / n_chunks != order_epoch) {
+                order_epoch = idx / n_chunks;
+                order = epoch_order(n_chunks, o.seed, order_epoch);
+            }
+            chunks.push_back(order[static_cast<size_t>(idx % n_chunks)]);
         }
         return chunk_tokens(chunks);
     };
