@@ -38,12 +38,21 @@ TEST(model_forward, batched_sequences_equal_their_single_runs) {
     auto model = build_model(file);
     gguf_weights w(file);
     torch::NoGradGuard no_grad;
-    const torch::Tensor a = torch::randint(0, 512, {1, 40}, torch::kLong);
-    const torch::Tensor b = torch::randint(0, 512, {1, 40}, torch::kLong);
-    const torch::Tensor both = model->forward(torch::cat({a, b}, 0), w);
-    ASSERT_EQ(both.sizes(), (std::vector<int64_t>{2, 40, 512}));
-    EXPECT_TRUE(torch::allclose(both[0], model->forward(a, w)[0], 1e-5, 1e-5));
-    EXPECT_TRUE(torch::allclose(both[1], model->forward(b, w)[0], 1e-5, 1e-5));
+    for (int seed = 0; seed < 20; ++seed) {
+        torch::manual_seed(seed);
+        const torch::Tensor a = torch::randint(0, 512, {1, 40}, torch::kLong);
+        const torch::Tensor b = torch::randint(0, 512, {1, 40}, torch::kLong);
+        const torch::Tensor both = model->forward(torch::cat({a, b}, 0), w);
+        ASSERT_EQ(both.sizes(), (std::vector<int64_t>{2, 40, 512}));
+        // A batch of two runs other BLAS block shapes than a batch of one, so the sums are ordered
+        // differently: equal to float32 rounding of the logit scale, not bit for bit.
+        for (int i = 0; i < 2; ++i) {
+            const torch::Tensor one = model->forward(i == 0 ? a : b, w)[0];
+            const double scale = one.abs().max().item<double>();
+            const double diff = (both[i] - one).abs().max().item<double>();
+            EXPECT_LE(diff, 1e-5 * scale) << "seed " << seed << " sequence " << i << " scale " << scale;
+        }
+    }
 }
 
 TEST(model_forward, is_causal_a_later_token_does_not_change_earlier_logits) {
@@ -51,6 +60,7 @@ TEST(model_forward, is_causal_a_later_token_does_not_change_earlier_logits) {
     auto model = build_model(file);
     gguf_weights w(file);
     torch::NoGradGuard no_grad;
+    torch::manual_seed(5);
     torch::Tensor t = torch::randint(0, 512, {1, 20}, torch::kLong);
     const torch::Tensor before = model->forward(t, w);
     t[0][19] = (t[0][19].item<int64_t>() + 1) % 512;
@@ -64,6 +74,7 @@ TEST(model_forward, bfloat16_compute_stays_close_to_float32) {
     auto model = build_model(file);
     gguf_weights w(file);
     torch::NoGradGuard no_grad;
+    torch::manual_seed(7);
     const torch::Tensor t = torch::randint(0, 512, {2, 64}, torch::kLong);
     const torch::Tensor f32 = model->forward(t, w);
     model->set_compute_dtype(torch::kBFloat16);
