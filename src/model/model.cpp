@@ -6,6 +6,15 @@
 
 namespace voodoo {
 
+torch::Tensor causal_lm::forward(const torch::Tensor & tokens, weight_source & w) {
+    return head(hidden(tokens, w), w);
+}
+
+torch::Tensor causal_lm::head(const torch::Tensor & x, weight_source & w) {
+    forward_context ctx = context(w);
+    return linear(ctx, head_weight(), x).to(torch::kFloat);
+}
+
 void causal_lm::set_compute_dtype(torch::ScalarType dtype) {
     if (dtype != torch::kFloat && dtype != torch::kBFloat16) {
         fail("compute dtype {} is not supported; use float32 or bfloat16", c10::toString(dtype));

@@ -16,9 +16,20 @@ public:
     virtual ~causal_lm() = default;
 
     /// tokens [B, T] int64 (ids < n_vocab; every sequence starts at position 0) → logits [B, T, n_vocab] f32,
-    /// on tokens' device. Holds no autograd state of its own: gradients flow only into what `w` returns.
-    /// Throws voodoo::error when tokens is not [B, T] int64 or an id is out of range.
-    virtual torch::Tensor forward(const torch::Tensor & tokens, weight_source & w) = 0;
+    /// on tokens' device: head(hidden(tokens)). Holds no autograd state of its own: gradients flow only into
+    /// what `w` returns. Throws voodoo::error when tokens is not [B, T] int64 or an id is out of range.
+    torch::Tensor forward(const torch::Tensor & tokens, weight_source & w);
+
+    /// The last hidden states, after the output norm: tokens [B, T] → [B, T, n_embd] in the compute dtype.
+    /// The loss code applies the head itself, a chunk of positions at a time (never all logits at once).
+    virtual torch::Tensor hidden(const torch::Tensor & tokens, weight_source & w) = 0;
+
+    /// Logits of hidden states x [..., n_embd] → [..., n_vocab] f32 through the output head (the observer
+    /// sees it). Architectures with a logit transform (soft-capping, scaling) override it.
+    virtual torch::Tensor head(const torch::Tensor & x, weight_source & w);
+
+    /// The GGUF name of the output head's weight: "output.weight", or "token_embd.weight" when tied.
+    std::string head_weight() const { return hp_.tied_output ? "token_embd.weight" : "output.weight"; }
 
     const model_hparams & hparams() const { return hp_; }
 

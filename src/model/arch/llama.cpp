@@ -22,7 +22,7 @@ class llama_model : public causal_lm {
 public:
     explicit llama_model(model_hparams hp) : causal_lm(std::move(hp)) {}
 
-    torch::Tensor forward(const torch::Tensor & tokens, weight_source & w) override {
+    torch::Tensor hidden(const torch::Tensor & tokens, weight_source & w) override {
         check_tokens(tokens);
         forward_context ctx = context(w);
         const int64_t B = tokens.size(0), T = tokens.size(1);
@@ -44,8 +44,7 @@ public:
             x = x + linear(ctx, blk(il, "attn_output.weight"), a);
             x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, blk(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
         }
-        x = rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
-        return linear(ctx, hp.tied_output ? "token_embd.weight" : "output.weight", x).to(torch::kFloat);
+        return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
     }
 };
 
