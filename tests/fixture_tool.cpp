@@ -27,6 +27,14 @@ int main(int argc, char ** argv) {
     app.add_option("--type", type, "Type of the 2-D weights: f32, f16 or bf16")->capture_default_str();
     app.add_option("--seed", s.seed, "Random seed")->capture_default_str();
     app.add_flag("--tied", s.tied_output, "No output.weight: tie the head to token_embd");
+    app.add_option("--rope-freq-base", s.rope_freq_base, "rope.freq_base")->capture_default_str();
+    app.add_option("--n-rot", s.n_rot, "Rotated dims per head (phi3; 0 = head size)")->capture_default_str();
+    app.add_option("--sliding-window", s.sliding_window, "gemma3: attention.sliding_window (0 = none)")->capture_default_str();
+    app.add_option("--sliding-window-pattern", s.sliding_window_pattern, "gemma3: every n-th layer global (0 = llama.cpp's 6)")->capture_default_str();
+    app.add_option("--rope-freq-base-swa", s.rope_freq_base_swa, "gemma3: rope base of the sliding layers")->capture_default_str();
+    app.add_option("--softcap", s.final_logit_softcapping, "gemma3: final_logit_softcapping (0 = none)")->capture_default_str();
+    app.add_flag("--rope-factors", s.rope_factors, "phi3: long/short rope factors, original_context_length --n-ctx-orig");
+    app.add_option("--n-ctx-orig", s.n_ctx_orig, "phi3 with --rope-factors: rope.scaling.original_context_length")->capture_default_str();
     CLI11_PARSE(app, argc, argv);
     try {
         s.weight_type = voodoo::parse_type(type, "--type");

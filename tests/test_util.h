@@ -94,6 +94,27 @@ inline void expect_same_tensor_data(const std::string & a_path, const std::strin
     }
 }
 
+/// Copies the GGUF src to dst, letting `edit` change the metadata and leaving out the tensor named `skip`.
+inline void rewrite_gguf(const std::string & src, const std::string & dst, const std::function<void(gguf_context *)> & edit,
+                         const std::string & skip = {}) {
+    const voodoo::gguf_file in(src);
+    voodoo::gguf_writer out(dst, in.alignment());
+    out.copy_kv(in);
+    edit(out.ctx());
+    for (const voodoo::gguf_tensor & t : in.tensors()) {
+        if (t.name != skip) {
+            out.add_tensor(t.name, t.type, t.shape());
+        }
+    }
+    out.begin_data();
+    for (const voodoo::gguf_tensor & t : in.tensors()) {
+        if (t.name != skip) {
+            out.write_tensor(t.name, in.data(t));
+        }
+    }
+    out.commit();
+}
+
 /// The message of the voodoo::error fn throws, "" when it throws none.
 inline std::string error_of(const std::function<void()> & fn) {
     try {

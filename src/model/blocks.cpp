@@ -26,14 +26,24 @@ torch::Tensor rms_norm(forward_context & ctx, const std::string & name, const to
 }
 
 rope_tables make_rope_tables(forward_context & ctx, const model_hparams & hp, int64_t n_pos, torch::Device device) {
-    const int64_t n_pairs = hp.n_rot / 2;
+    rope_config rope;
+    rope.freq_base = hp.rope_freq_base;
+    rope.freq_scale = hp.rope_freq_scale;
+    rope.attn_factor = hp.rope_attn_factor;
+    rope.freq_factors = hp.has_rope_freqs ? "rope_freqs.weight" : "";
+    return make_rope_tables(ctx, hp.n_rot, rope, n_pos, device);
+}
+
+rope_tables make_rope_tables(forward_context & ctx, int64_t n_rot, const rope_config & rope, int64_t n_pos,
+                             torch::Device device) {
+    const int64_t n_pairs = n_rot / 2;
     std::vector<float> ff(static_cast<size_t>(n_pairs), 1.0f);
-    if (hp.has_rope_freqs) {
-        const torch::Tensor f = ctx.w.get("rope_freqs.weight").to(torch::kCPU, torch::kFloat).contiguous();
+    if (!rope.freq_factors.empty()) {
+        const torch::Tensor f = ctx.w.get(rope.freq_factors).to(torch::kCPU, torch::kFloat).contiguous();
         std::copy(f.data_ptr<float>(), f.data_ptr<float>() + n_pairs, ff.begin());
     }
     // Same f32 arithmetic as ggml_rope_cache_init / rope_yarn with ext_factor = 0.
-    const float theta_scale = std::pow(hp.rope_freq_base, -2.0f / static_cast<float>(hp.n_rot));
+    const float theta_scale = std::pow(rope.freq_base, -2.0f / static_cast<float>(n_rot));
     torch::Tensor cos = torch::empty({n_pos, n_pairs}, torch::kFloat);
     torch::Tensor sin = torch::empty({n_pos, n_pairs}, torch::kFloat);
     float * c = cos.data_ptr<float>();
@@ -41,9 +51,9 @@ rope_tables make_rope_tables(forward_context & ctx, const model_hparams & hp, in
     for (int64_t p = 0; p < n_pos; ++p) {
         float theta = static_cast<float>(p);
         for (int64_t i = 0; i < n_pairs; ++i) {
-            const float angle = hp.rope_freq_scale * (theta / ff[i]);
-            c[p * n_pairs + i] = std::cos(angle) * hp.rope_attn_factor;
-            s[p * n_pairs + i] = std::sin(angle) * hp.rope_attn_factor;
+            const float angle = rope.freq_scale * (theta / ff[i]);
+            c[p * n_pairs + i] = std::cos(angle) * rope.attn_factor;
+            s[p * n_pairs + i] = std::sin(angle) * rope.attn_factor;
             theta *= theta_scale;
         }
     }
@@ -77,7 +87,7 @@ torch::Tensor apply_rope(const torch::Tensor & x, const rope_tables & tables, co
 }
 
 torch::Tensor causal_attention(const torch::Tensor & q, const torch::Tensor & k, const torch::Tensor & v,
-                               float kq_scale) {
+                               float kq_scale, int64_t n_swa) {
     const int64_t B = q.size(0), T = q.size(1), n_head = q.size(2), d_k = q.size(3);
     const int64_t n_head_kv = k.size(2), d_v = v.size(3);
     const int64_t group = n_head / n_head_kv;
@@ -86,8 +96,12 @@ torch::Tensor causal_attention(const torch::Tensor & q, const torch::Tensor & k,
     const torch::Tensor kh = k.permute({0, 2, 1, 3}).unsqueeze(2);
     const torch::Tensor vh = v.permute({0, 2, 1, 3}).unsqueeze(2);
     torch::Tensor scores = torch::matmul(qh, kh.transpose(-1, -2)).to(torch::kFloat) * kq_scale;
-    const torch::Tensor future = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
-    scores = scores.masked_fill(future, -std::numeric_limits<float>::infinity());
+    torch::Tensor masked = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
+    if (n_swa > 0) {
+        // [p1, p0] is masked when p1 − p0 ≥ n_swa: the lower triangle below diagonal −n_swa + 1.
+        masked = masked | torch::ones_like(masked).tril(-n_swa);
+    }
+    scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
     const torch::Tensor probs = torch::softmax(scores, -1).to(v.scalar_type());
     const torch::Tensor out = torch::matmul(probs, vh);  // [B, n_head_kv, group, T, d_v]
     return out.reshape({B, n_head, T, d_v}).permute({0, 2, 1, 3}).reshape({B, T, n_head * d_v});
@@ -97,6 +111,38 @@ torch::Tensor swiglu_mlp(forward_context & ctx, const std::string & prefix, cons
     const torch::Tensor gate = linear(ctx, prefix + ".ffn_gate.weight", x);
     const torch::Tensor up = linear(ctx, prefix + ".ffn_up.weight", x);
     return linear(ctx, prefix + ".ffn_down.weight", torch::silu(gate) * up);
+}
+
+qkv_heads attention_qkv(forward_context & ctx, const std::string & prefix, const torch::Tensor & x,
+                        const model_hparams & hp) {
+    const int64_t B = x.size(0), T = x.size(1);
+    const std::string fused = prefix + ".attn_qkv.weight";
+    torch::Tensor q, k, v;
+    if (ctx.w.has(fused)) {
+        const std::vector<torch::Tensor> parts =
+            linear(ctx, fused, x).split_with_sizes({hp.n_embd_q(), hp.n_embd_k_gqa(), hp.n_embd_v_gqa()}, -1);
+        q = parts[0];
+        k = parts[1];
+        v = parts[2];
+    } else {
+        q = linear(ctx, prefix + ".attn_q.weight", x);
+        k = linear(ctx, prefix + ".attn_k.weight", x);
+        v = linear(ctx, prefix + ".attn_v.weight", x);
+    }
+    return {q.reshape({B, T, hp.n_head, hp.n_embd_head_k}), k.reshape({B, T, hp.n_head_kv, hp.n_embd_head_k}),
+            v.reshape({B, T, hp.n_head_kv, hp.n_embd_head_v})};
+}
+
+torch::Tensor fused_swiglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x) {
+    const std::vector<torch::Tensor> gate_up = linear(ctx, prefix + ".ffn_up.weight", x).chunk(2, -1);
+    return linear(ctx, prefix + ".ffn_down.weight", torch::silu(gate_up[0]) * gate_up[1]);
+}
+
+torch::Tensor geglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x) {
+    const torch::Tensor gate = linear(ctx, prefix + ".ffn_gate.weight", x);
+    const torch::Tensor up = linear(ctx, prefix + ".ffn_up.weight", x);
+    const torch::Tensor act = torch::gelu(gate.to(torch::kFloat), "tanh").to(up.scalar_type());
+    return linear(ctx, prefix + ".ffn_down.weight", act * up);
 }
 
 }  // namespace voodoo

@@ -40,6 +40,18 @@ struct rope_tables {
 };
 rope_tables make_rope_tables(forward_context & ctx, const model_hparams & hp, int64_t n_pos, torch::Device device);
 
+/// The rope of one kind of layer, where an architecture has several (gemma3's sliding layers use their own base;
+/// phi3 picks long or short frequency factors by the context).
+struct rope_config {
+    float freq_base = 10000.0f;
+    float freq_scale = 1.0f;
+    float attn_factor = 1.0f;
+    std::string freq_factors;  // GGUF name of a [n_rot/2] tensor dividing each pair's angle, "" = none
+};
+/// Same tables as above for an explicit rope_config and hp.n_rot.
+rope_tables make_rope_tables(forward_context & ctx, int64_t n_rot, const rope_config & rope, int64_t n_pos,
+                             torch::Device device);
+
 /// Rotates the first hp.n_rot values of every head of x [B, T, n_heads, head_dim] (position t = index in T),
 /// in llama.cpp's pairing hp.rope: NORM rotates (x[2i], x[2i+1]), NEOX rotates (x[i], x[i + n_rot/2]).
 /// Computed in f32, returned in x's dtype.
@@ -48,11 +60,32 @@ torch::Tensor apply_rope(const torch::Tensor & x, const rope_tables & tables, co
 /// Causal softmax attention with grouped-query heads: q [B, T, n_head, d_k], k [B, T, n_head_kv, d_k],
 /// v [B, T, n_head_kv, d_v] → [B, T, n_head · d_v]. Query head h reads KV head h / (n_head / n_head_kv),
 /// as ggml_mul_mat broadcasts. Scores are scaled by kq_scale and soft-maxed in f32 (llama.cpp's KQ precision).
+/// n_swa > 0: a sliding window as llama.cpp's LLAMA_SWA_TYPE_STANDARD (llama_hparams::is_masked_swa):
+/// position p1 does not see p0 when p1 − p0 ≥ n_swa.
 torch::Tensor causal_attention(const torch::Tensor & q, const torch::Tensor & k, const torch::Tensor & v,
-                               float kq_scale);
+                               float kq_scale, int64_t n_swa = 0);
+
+/// Q, K and V of a layer as llama.cpp's build_qkv makes them: from the fused "<prefix>.attn_qkv.weight"
+/// ([n_embd, n_embd_q + 2·n_embd_k_gqa] in ggml order; Q rows first, then K, then V) when the model has
+/// it, else from attn_q / attn_k / attn_v; each with its bias when present. x [B, T, n_embd] →
+/// q [B, T, n_head, d_k], k [B, T, n_head_kv, d_k], v [B, T, n_head_kv, d_v].
+struct qkv_heads {
+    torch::Tensor q, k, v;
+};
+qkv_heads attention_qkv(forward_context & ctx, const std::string & prefix, const torch::Tensor & x,
+                        const model_hparams & hp);
 
 /// SwiGLU MLP (llama.cpp's LLM_FFN_SILU + LLM_FFN_PAR): down(silu(gate(x)) · up(x)) with the tensors
 /// "<prefix>.ffn_gate.weight", "<prefix>.ffn_up.weight", "<prefix>.ffn_down.weight".
 torch::Tensor swiglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x);
+
+/// SwiGLU MLP with gate and up fused in one tensor (phi3; llama.cpp's LLM_FFN_SWIGLU + LLM_FFN_SEQ, ggml_swiglu):
+/// "<prefix>.ffn_up.weight" [n_embd, 2·n_ff] gives [gate | up] (gate = the first n_ff outputs), then
+/// down(silu(gate) · up).
+torch::Tensor fused_swiglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x);
+
+/// GELU-gated MLP (gemma; llama.cpp's LLM_FFN_GELU + LLM_FFN_PAR, ggml_geglu_split): down(gelu(gate(x)) · up(x))
+/// with GELU's tanh approximation 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), computed in f32.
+torch::Tensor geglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x);
 
 }  // namespace voodoo

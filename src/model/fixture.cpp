@@ -11,6 +11,7 @@
 #include <fmt/ranges.h>
 #include <llama.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <thread>
@@ -63,21 +64,46 @@ uint64_t fnv1a(const std::string & s) {
     return h;
 }
 
+/// How a fixture tensor's values are drawn.
+enum tensor_kind {
+    tensor_kind_weight,  // N(0, 1/sqrt(ne0)): fan-in scale
+    tensor_kind_norm,    // 1 + N(0, 0.1)
+    tensor_kind_bias,    // N(0, 0.5): large enough that a forward without it is far off
+    tensor_kind_factor,  // 1 + |N(0, 1)|: rope frequency factors (positive, like Phi-3's)
+};
+
 struct planned_tensor {
     std::string name;
     std::vector<int64_t> ne;
     ggml_type type;
-    bool norm;
+    tensor_kind kind;
 };
+
+std::vector<float> tensor_values(const planned_tensor & t, uint64_t key) {
+    const int64_t n = n_elements(t.ne);
+    switch (t.kind) {
+        case tensor_kind_norm: return gaussian(n, key, 1.0f, 0.1f);
+        case tensor_kind_bias: return gaussian(n, key, 0.0f, 0.5f);
+        case tensor_kind_factor: {
+            std::vector<float> v = gaussian(n, key, 0.0f, 1.0f);
+            for (float & x : v) {
+                x = 1.0f + std::fabs(x);
+            }
+            return v;
+        }
+        case tensor_kind_weight: break;
+    }
+    return gaussian(n, key, 0.0f, 1.0f / std::sqrt(float(t.ne[0])));
+}
 
 }  // namespace
 
-std::vector<std::string> fixture_architectures() { return {"llama"}; }
+std::vector<std::string> fixture_architectures() { return {"gemma3", "llama", "phi3", "qwen2", "qwen3"}; }
 
 void write_fixture(const fixture_spec & s, const std::string & out_path) {
-    if (s.arch != "llama") {
-        fail("fixture: architecture '{}' cannot be written; supported: {}", s.arch,
-             fmt::join(fixture_architectures(), ", "));
+    const std::vector<std::string> archs = fixture_architectures();
+    if (std::find(archs.begin(), archs.end(), s.arch) == archs.end()) {
+        fail("fixture: architecture '{}' cannot be written; supported: {}", s.arch, fmt::join(archs, ", "));
     }
     if (s.weight_type != GGML_TYPE_F32 && s.weight_type != GGML_TYPE_F16 && s.weight_type != GGML_TYPE_BF16) {
         fail("fixture: weight type {} is not F32, F16 or BF16", type_name(s.weight_type));
@@ -94,6 +120,25 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     }
     if (s.head_dim % 2 != 0) {
         fail("fixture: head_dim {} must be even (rope rotates pairs)", s.head_dim);
+    }
+    const int64_t n_rot = s.n_rot > 0 ? s.n_rot : s.head_dim;
+    if (n_rot % 2 != 0 || n_rot > s.head_dim) {
+        fail("fixture: n_rot {} must be even and at most head_dim {}", n_rot, s.head_dim);
+    }
+    if (n_rot != s.head_dim && s.arch != "phi3") {
+        fail("fixture: n_rot {} ≠ head_dim {}: only phi3 rotates part of the head", n_rot, s.head_dim);
+    }
+    if ((s.arch == "qwen2" || s.arch == "phi3") && s.n_head * s.head_dim != s.n_embd) {
+        fail("fixture: {} needs n_head × head_dim = n_embd, got {} × {} ≠ {}", s.arch, s.n_head, s.head_dim, s.n_embd);
+    }
+    if (s.sliding_window > 0 && s.arch != "gemma3") {
+        fail("fixture: sliding_window is written for gemma3 only, not {}", s.arch);
+    }
+    if (s.final_logit_softcapping > 0 && s.arch != "gemma3") {
+        fail("fixture: final_logit_softcapping is written for gemma3 only, not {}", s.arch);
+    }
+    if (s.rope_factors && s.arch != "phi3") {
+        fail("fixture: rope_factors (long/short) are written for phi3 only, not {}", s.arch);
     }
     if (same_file(out_path, s.vocab_path)) {
         fail("fixture: the output '{}' is the vocab file; choose another path", out_path);
@@ -123,10 +168,33 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     gguf_set_val_u32(ctx, key("attention.head_count_kv").c_str(), static_cast<uint32_t>(s.n_head_kv));
     gguf_set_val_u32(ctx, key("attention.key_length").c_str(), static_cast<uint32_t>(s.head_dim));
     gguf_set_val_u32(ctx, key("attention.value_length").c_str(), static_cast<uint32_t>(s.head_dim));
-    gguf_set_val_u32(ctx, key("rope.dimension_count").c_str(), static_cast<uint32_t>(s.head_dim));
+    gguf_set_val_u32(ctx, key("rope.dimension_count").c_str(), static_cast<uint32_t>(n_rot));
     gguf_set_val_f32(ctx, key("rope.freq_base").c_str(), s.rope_freq_base);
     gguf_set_val_f32(ctx, key("attention.layer_norm_rms_epsilon").c_str(), s.rms_eps);
     gguf_set_val_u32(ctx, key("vocab_size").c_str(), static_cast<uint32_t>(n_vocab));
+    if (s.sliding_window > 0) {
+        gguf_set_val_u32(ctx, key("attention.sliding_window").c_str(), static_cast<uint32_t>(s.sliding_window));
+        if (s.sliding_window_pattern > 0) {
+            gguf_set_val_u32(ctx, key("attention.sliding_window_pattern").c_str(),
+                             static_cast<uint32_t>(s.sliding_window_pattern));
+        }
+        gguf_set_val_f32(ctx, key("rope.freq_base_swa").c_str(), s.rope_freq_base_swa);
+    }
+    if (s.final_logit_softcapping > 0) {
+        gguf_set_val_f32(ctx, key("final_logit_softcapping").c_str(), s.final_logit_softcapping);
+    }
+    if (s.rope_factors) {
+        // As convert_hf_to_gguf.py writes a long-context Phi-3: the original context, the attention factor
+        // sqrt(1 + ln(scale) / ln(original)) and the two factor tensors; no rope.scaling.type.
+        const int64_t n_ctx_orig = s.n_ctx_orig;
+        if (n_ctx_orig <= 0 || n_ctx_orig > s.n_ctx_train) {
+            fail("fixture: n_ctx_orig {} must be in [1, n_ctx_train {}]", n_ctx_orig, s.n_ctx_train);
+        }
+        gguf_set_val_u32(ctx, key("rope.scaling.original_context_length").c_str(), static_cast<uint32_t>(n_ctx_orig));
+        const double scale = double(s.n_ctx_train) / double(n_ctx_orig);
+        const double attn_factor = scale > 1.0 ? std::sqrt(1.0 + std::log(scale) / std::log(double(n_ctx_orig))) : 1.0;
+        gguf_set_val_f32(ctx, key("rope.scaling.attn_factor").c_str(), static_cast<float>(attn_factor));
+    }
     {
         // Only the tokenizer of the vocab file: its other keys describe the model it came from.
         gguf_context * tok = gguf_init_empty();
@@ -143,23 +211,55 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
 
     std::vector<planned_tensor> plan;
     const ggml_type wt = s.weight_type;
+    const ggml_type f32 = GGML_TYPE_F32;
     const int64_t n_q = s.n_head * s.head_dim, n_kv = s.n_head_kv * s.head_dim;
-    plan.push_back({"token_embd.weight", {s.n_embd, n_vocab}, wt, false});
-    plan.push_back({"output_norm.weight", {s.n_embd}, GGML_TYPE_F32, true});
+    const bool fused = s.arch == "phi3";                        // phi3: attn_qkv, and gate+up in ffn_up
+    const bool qkv_bias = s.arch == "qwen2";
+    const bool qk_norm = s.arch == "qwen3" || s.arch == "gemma3";
+    const bool post_norms = s.arch == "gemma3";
+    plan.push_back({"token_embd.weight", {s.n_embd, n_vocab}, wt, tensor_kind_weight});
+    plan.push_back({"output_norm.weight", {s.n_embd}, f32, tensor_kind_norm});
     if (!s.tied_output) {
-        plan.push_back({"output.weight", {s.n_embd, n_vocab}, wt, false});
+        plan.push_back({"output.weight", {s.n_embd, n_vocab}, wt, tensor_kind_weight});
+    }
+    if (s.rope_factors) {
+        plan.push_back({"rope_factors_long.weight", {n_rot / 2}, f32, tensor_kind_factor});
+        plan.push_back({"rope_factors_short.weight", {n_rot / 2}, f32, tensor_kind_factor});
     }
     for (int64_t il = 0; il < s.n_layer; ++il) {
         auto blk = [il](const char * n) { return fmt::format("blk.{}.{}", il, n); };
-        plan.push_back({blk("attn_norm.weight"), {s.n_embd}, GGML_TYPE_F32, true});
-        plan.push_back({blk("attn_q.weight"), {s.n_embd, n_q}, wt, false});
-        plan.push_back({blk("attn_k.weight"), {s.n_embd, n_kv}, wt, false});
-        plan.push_back({blk("attn_v.weight"), {s.n_embd, n_kv}, wt, false});
-        plan.push_back({blk("attn_output.weight"), {n_q, s.n_embd}, wt, false});
-        plan.push_back({blk("ffn_norm.weight"), {s.n_embd}, GGML_TYPE_F32, true});
-        plan.push_back({blk("ffn_gate.weight"), {s.n_embd, s.n_ff}, wt, false});
-        plan.push_back({blk("ffn_up.weight"), {s.n_embd, s.n_ff}, wt, false});
-        plan.push_back({blk("ffn_down.weight"), {s.n_ff, s.n_embd}, wt, false});
+        plan.push_back({blk("attn_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
+        if (fused) {
+            plan.push_back({blk("attn_qkv.weight"), {s.n_embd, n_q + 2 * n_kv}, wt, tensor_kind_weight});
+        } else {
+            plan.push_back({blk("attn_q.weight"), {s.n_embd, n_q}, wt, tensor_kind_weight});
+            plan.push_back({blk("attn_k.weight"), {s.n_embd, n_kv}, wt, tensor_kind_weight});
+            plan.push_back({blk("attn_v.weight"), {s.n_embd, n_kv}, wt, tensor_kind_weight});
+        }
+        if (qkv_bias) {
+            plan.push_back({blk("attn_q.bias"), {n_q}, f32, tensor_kind_bias});
+            plan.push_back({blk("attn_k.bias"), {n_kv}, f32, tensor_kind_bias});
+            plan.push_back({blk("attn_v.bias"), {n_kv}, f32, tensor_kind_bias});
+        }
+        if (qk_norm) {
+            plan.push_back({blk("attn_q_norm.weight"), {s.head_dim}, f32, tensor_kind_norm});
+            plan.push_back({blk("attn_k_norm.weight"), {s.head_dim}, f32, tensor_kind_norm});
+        }
+        plan.push_back({blk("attn_output.weight"), {n_q, s.n_embd}, wt, tensor_kind_weight});
+        if (post_norms) {
+            plan.push_back({blk("post_attention_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
+        }
+        plan.push_back({blk("ffn_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
+        if (fused) {
+            plan.push_back({blk("ffn_up.weight"), {s.n_embd, 2 * s.n_ff}, wt, tensor_kind_weight});
+        } else {
+            plan.push_back({blk("ffn_gate.weight"), {s.n_embd, s.n_ff}, wt, tensor_kind_weight});
+            plan.push_back({blk("ffn_up.weight"), {s.n_embd, s.n_ff}, wt, tensor_kind_weight});
+        }
+        plan.push_back({blk("ffn_down.weight"), {s.n_ff, s.n_embd}, wt, tensor_kind_weight});
+        if (post_norms) {
+            plan.push_back({blk("post_ffw_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
+        }
     }
     for (const planned_tensor & t : plan) {
         out.add_tensor(t.name, t.type, t.ne);
@@ -167,10 +267,7 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     out.begin_data();
     progress bar("fixture", static_cast<int64_t>(plan.size()), "tensors");
     for (const planned_tensor & t : plan) {
-        const int64_t n = n_elements(t.ne);
-        const uint64_t tensor_key = splitmix64(s.seed ^ fnv1a(t.name));
-        const std::vector<float> values = t.norm ? gaussian(n, tensor_key, 1.0f, 0.1f)
-                                                 : gaussian(n, tensor_key, 0.0f, 1.0f / std::sqrt(float(t.ne[0])));
+        const std::vector<float> values = tensor_values(t, splitmix64(s.seed ^ fnv1a(t.name)));
         if (t.type == GGML_TYPE_F32) {
             out.write_tensor(t.name, {reinterpret_cast<const uint8_t *>(values.data()), values.size() * sizeof(float)});
         } else {

@@ -25,17 +25,29 @@ struct fixture_spec {
     bool tied_output = false;       // no output.weight: the head reuses token_embd.weight
     float rope_freq_base = 10000.0f;
     float rms_eps = 1e-5f;
+    int64_t n_rot = 0;              // rotated dims per head, 0 = head_dim (phi3 may rotate part of the head)
+    int64_t sliding_window = 0;     // gemma3: attention.sliding_window (0 = not written: every layer global)
+    int64_t sliding_window_pattern = 0;  // gemma3: every n-th layer is global (0 = not written: llama.cpp's 6)
+    float rope_freq_base_swa = 10000.0f; // gemma3: rope base of the sliding layers
+    float final_logit_softcapping = 0;   // gemma3: written when > 0
+    bool rope_factors = false;      // phi3: rope_factors_long/short, original_context_length = n_ctx_orig and the
+                                    // matching rope.scaling.attn_factor
+    int64_t n_ctx_orig = 256;       // phi3 with rope_factors: the context beyond which the long factors apply
 };
 
 /// The architectures write_fixture can write.
 std::vector<std::string> fixture_architectures();
 
 /// Writes the fixture to out_path (atomically). Weights: every 2-D tensor N(0, 1/sqrt(ne0)) (fan-in scale:
-/// unit-size activations, attention far from uniform, logits of order 1), every norm 1 + N(0, 0.1).
+/// unit-size activations, attention far from uniform, logits of order 1), every norm 1 + N(0, 0.1), every
+/// bias N(0, 0.5), rope factors 1 + |N(0, 1)|. Per architecture, the tensors its llama.cpp loader reads:
+/// qwen2 adds attn_q/k/v.bias; qwen3 attn_q_norm / attn_k_norm; gemma3 those norms and
+/// post_attention_norm / post_ffw_norm; phi3 has a fused attn_qkv and ffn_up of 2·n_ff rows (gate, up), no ffn_gate.
 /// Values depend only on (seed, tensor name, index), so a spec always gives the same bytes. Metadata:
 /// every `<arch>.*` key libllama reads, general.file_type, and every `tokenizer.*` key of the vocab file
 /// (n_vocab = its token count). Throws voodoo::error naming the field when the spec is invalid (unknown
-/// arch, type not F32/F16/BF16, n_head not a multiple of n_head_kv, odd head_dim, vocab without tokens)
+/// arch, type not F32/F16/BF16, n_head not a multiple of n_head_kv, odd head_dim or n_rot, a field another
+/// architecture's, qwen2/phi3 with n_head × head_dim ≠ n_embd, vocab without tokens)
 /// or when out_path is the vocab file.
 void write_fixture(const fixture_spec & spec, const std::string & out_path);
 

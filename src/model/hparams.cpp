@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "ggml/gguf.h"
+#include "model/gguf_weights.h"
 
 #include <fmt/ranges.h>
 
@@ -86,6 +87,29 @@ void expect_tensor_shape(const gguf_file & file, const std::string & name, std::
     }
 }
 
+void tensor_checklist::require(const std::string & name, std::initializer_list<int64_t> ne, std::string_view why) {
+    expect_tensor_shape(file_, name, ne, why);
+    torch_dtype_of(file_.tensor(name).type, name);
+    known_.insert(name);
+}
+
+bool tensor_checklist::optional(const std::string & name, std::initializer_list<int64_t> ne, std::string_view why) {
+    if (!file_.find_tensor(name)) {
+        return false;
+    }
+    require(name, ne, why);
+    return true;
+}
+
+void tensor_checklist::refuse_others(const model_hparams & hp) const {
+    for (const gguf_tensor & t : file_.tensors()) {
+        if (!known_.count(t.name)) {
+            fail("'{}': tensor '{}' is not part of a {}-layer {} model (is {}.block_count right?)", file_.path(), t.name,
+                 hp.n_layer, hp.arch, hp.arch);
+        }
+    }
+}
+
 model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope) {
     model_hparams hp;
     hp.arch = file.architecture();
@@ -93,6 +117,7 @@ model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope) {
     hp.rope = rope;
 
     hp.n_ctx_train = md.required_positive("context_length", "the training context");
+    hp.n_ctx_orig = md.optional_positive("rope.scaling.original_context_length", hp.n_ctx_train);
     hp.n_embd = md.required_positive("embedding_length", "the model width n_embd");
     hp.n_layer = md.required_positive("block_count", "the number of layers");
     hp.n_ff = md.required_positive("feed_forward_length", "the FFN width n_ff");

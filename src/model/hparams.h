@@ -5,8 +5,10 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <set>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace voodoo {
 
@@ -42,6 +44,16 @@ struct model_hparams {
     bool has_rope_freqs = false;      // rope_freqs.weight present (Llama 3.1 frequency factors)
     float kq_scale = 0.0f;            // attention logits scale: <arch>.attention.scale or 1/sqrt(n_embd_head_k)
     bool tied_output = false;         // no output.weight: the head reuses token_embd.weight
+
+    // Sliding-window attention (gemma3): layer il attends only to the last n_swa positions when swa_layers[il].
+    int64_t n_swa = 0;                 // <arch>.attention.sliding_window; 0 = every layer global
+    std::vector<bool> swa_layers;      // per layer (empty = none): from <arch>.attention.sliding_window_pattern
+    float rope_freq_base_swa = 10000.0f;  // <arch>.rope.freq_base_swa: the sliding layers' rope base
+    float rope_freq_scale_swa = 1.0f;     // sliding layers are never rope-scaled (llama.cpp's rope_freq_scale_train_swa)
+    float final_logit_softcap = 0.0f;     // <arch>.final_logit_softcapping: logits = c · tanh(logits / c); 0 = none
+    int64_t n_ctx_orig = 0;               // <arch>.rope.scaling.original_context_length (default n_ctx_train)
+
+    bool is_swa(int64_t il) const { return n_swa > 0 && il < static_cast<int64_t>(swa_layers.size()) && swa_layers[il]; }
 
     int64_t n_embd_q() const { return n_embd_head_k * n_head; }
     int64_t n_embd_k_gqa() const { return n_embd_head_k * n_head_kv; }
@@ -80,6 +92,24 @@ private:
 /// or inconsistent (n_embd not divisible by n_head without explicit key_length, n_head not a multiple of
 /// n_head_kv, n_rot odd or larger than the head, vocab size disagreeing with the tokenizer).
 model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope);
+
+/// The tensors a model reads, checked one by one against the shapes its metadata implies, then the whole
+/// file against that list: llama.cpp refuses a file with a tensor its architecture does not load, and so
+/// do we (a wrong block_count, a bias the graph would ignore).
+class tensor_checklist {
+public:
+    explicit tensor_checklist(const gguf_file & file) : file_(file) {}
+    /// The tensor must exist with ggml shape `ne` and a weight type (F32/F16/BF16/quantized).
+    void require(const std::string & name, std::initializer_list<int64_t> ne, std::string_view why);
+    /// Like require when the file has it; returns whether it does.
+    bool optional(const std::string & name, std::initializer_list<int64_t> ne, std::string_view why);
+    /// Throws voodoo::error naming the first tensor of the file that was neither required nor optional.
+    void refuse_others(const model_hparams & hp) const;
+
+private:
+    const gguf_file & file_;
+    std::set<std::string> known_;
+};
 
 /// Checks that tensor `name` exists with exactly the ggml shape `ne` (ne0 first). Throws voodoo::error
 /// naming the file, the tensor, its shape, the expected shape and `why` (the keys it follows from).

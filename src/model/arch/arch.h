@@ -12,4 +12,16 @@ class gguf_file;
 /// llama.cpp's LLM_ARCH_LLAMA: Llama 1/2/3, Mistral, SmolLM, TinyLlama, the TinyStories models.
 std::unique_ptr<causal_lm> build_llama(const gguf_file & file);
 
+/// llama.cpp's LLM_ARCH_QWEN2: Qwen2, Qwen2.5 (biases on Q/K/V).
+std::unique_ptr<causal_lm> build_qwen2(const gguf_file & file);
+
+/// llama.cpp's LLM_ARCH_QWEN3: Qwen3 dense (RMSNorm on each head of Q and K).
+std::unique_ptr<causal_lm> build_qwen3(const gguf_file & file);
+
+/// llama.cpp's LLM_ARCH_GEMMA3: Gemma 3 text models (interleaved sliding-window and global attention).
+std::unique_ptr<causal_lm> build_gemma3(const gguf_file & file);
+
+/// llama.cpp's LLM_ARCH_PHI3: Phi-3, Phi-3.5, Phi-4 (fused QKV and gate/up, long-rope factors).
+std::unique_ptr<causal_lm> build_phi3(const gguf_file & file);
+
 }  // namespace voodoo

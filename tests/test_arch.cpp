@@ -1,0 +1,347 @@
+// qwen2, qwen3, gemma3 and phi3 on synthetic fixtures (voodoo::write_fixture, real vocabularies): the LibTorch
+// forward against libllama's logits (F32: max |Δlogit| ≤ 1e-3 · max |logit|, same top token everywhere), that
+// the bound catches the architecture's own parts being left out, and one clear error per unsupported key.
+#include "common/error.h"
+#include "ggml/gguf.h"
+#include "ggml/llama_logits.h"
+#include "model/fixture.h"
+#include "model/gguf_weights.h"
+#include "model/parity.h"
+#include "model/registry.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <map>
+
+using namespace voodoo;
+
+namespace {
+
+std::string vocab(const std::string & name) {
+    return std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-" + name + ".gguf";
+}
+
+/// n_embd 256 (so ne0 fits every block type), 2 layers, 4 heads of 64, 2 KV heads, FFN 512: the llama fixture's
+/// shape, with each architecture's own parts and vocabulary.
+fixture_spec spec_of(const std::string & arch) {
+    fixture_spec s;
+    s.arch = arch;
+    s.seed = 11;
+    if (arch == "qwen2") {
+        s.vocab_path = vocab("qwen2");
+        s.tied_output = true;
+        s.rope_freq_base = 1000000.0f;
+    } else if (arch == "qwen3") {
+        s.vocab_path = vocab("qwen2");
+        s.tied_output = true;
+        s.head_dim = 96;  // ≠ n_embd / n_head, as in Qwen3 (128 vs 1024 / 16): attention.key_length decides
+        s.rope_freq_base = 1000000.0f;
+        s.rms_eps = 1e-6f;
+    } else if (arch == "gemma3" || arch == "gemma3-softcap") {
+        // Gemma 3's tokenizer is SentencePiece ("llama" in GGUF): llama-spm is the bundle's vocab of that kind
+        // (ggml-vocab-gemma-4 has 262144 tokens: a 256-wide F32 embedding alone would be 268 MB).
+        s.arch = "gemma3";
+        s.vocab_path = vocab("llama-spm");
+        s.tied_output = true;
+        s.n_head_kv = 1;
+        s.head_dim = 96;
+        s.rms_eps = 1e-6f;
+        s.rope_freq_base = 1000000.0f;
+        if (arch == "gemma3") {
+            // Layers 0 and 1 slide over the last 16 positions with rope base 10000, layer 2 is global
+            // (rope base 1e6): the 128-token test sequence is 8 windows long.
+            s.n_layer = 3;
+            s.sliding_window = 16;
+            s.sliding_window_pattern = 3;
+            s.rope_freq_base_swa = 10000.0f;
+        } else {
+            s.final_logit_softcapping = 3.0f;  // below the logits' range, so the cap bends them
+        }
+    } else if (arch == "phi3") {
+        // Phi-4-mini's traits: a partial rotary (48 of 64 dims) and long/short rope factors, here with an original
+        // context of 256, so 128 tokens take the short factors and 300 the long ones.
+        s.vocab_path = vocab("phi-3");
+        s.n_rot = 48;
+        s.rope_factors = true;
+        s.n_ctx_orig = 256;
+    }
+    return s;
+}
+
+/// Each architecture's fixture, written once per test run.
+const std::string & fixture(const std::string & arch) {
+    static test::temp_dir dir;
+    static std::map<std::string, std::string> paths;
+    auto it = paths.find(arch);
+    if (it == paths.end()) {
+        const std::string path = dir.file(arch + ".gguf");
+        write_fixture(spec_of(arch), path);
+        it = paths.emplace(arch, path).first;
+    }
+    return it->second;
+}
+
+parity_report parity_of(const std::string & path, int64_t n_tokens) {
+    parity_options o;
+    o.n_tokens = n_tokens;
+    return check_parity(path, o);
+}
+
+/// The F32 bound of the llama issue, and the same top token at every position.
+void expect_f32_parity(const parity_report & r) {
+    EXPECT_EQ(r.weight_types, "F32");
+    EXPECT_GT(r.max_abs_logit, 1.0);
+    EXPECT_LE(r.max_abs_diff, 1e-3 * r.max_abs_logit) << parity_to_text(r);
+    EXPECT_TRUE(r.within);
+    EXPECT_EQ(r.same_top_pct, 100.0) << parity_to_text(r);
+    testing::Test::RecordProperty("rel_diff", std::to_string(r.rel_diff));
+    testing::Test::RecordProperty("same_top_pct", std::to_string(r.same_top_pct));
+}
+
+using tensor_edit = std::function<torch::Tensor(const std::string &, torch::Tensor)>;
+
+torch::Tensor unchanged(const std::string &, torch::Tensor t) { return t; }
+
+/// The file's weights with `edit` applied to what get() returns, `edit_rows` to what rows() returns (the
+/// embedding lookup) and `hide` deciding which tensors has() denies: a forward with one of the architecture's
+/// parts wrong or left out.
+struct edited_weights : weight_source {
+    gguf_weights base;
+    tensor_edit edit, edit_rows;
+    std::function<bool(const std::string &)> hide;
+    explicit edited_weights(const gguf_file & f, tensor_edit e = unchanged, tensor_edit r = unchanged,
+                            std::function<bool(const std::string &)> h = [](const std::string &) { return false; })
+        : base(f), edit(std::move(e)), edit_rows(std::move(r)), hide(std::move(h)) {}
+    torch::Tensor get(const std::string & n) override { return edit(n, base.get(n)); }
+    torch::Tensor rows(const std::string & n, const torch::Tensor & ids) override { return edit_rows(n, base.rows(n, ids)); }
+    bool has(const std::string & n) const override { return !hide(n) && base.has(n); }
+};
+
+/// n fixed token ids below n_vocab.
+std::vector<int32_t> fixed_ids(int64_t n, int64_t n_vocab) {
+    std::vector<int32_t> ids(static_cast<size_t>(n));
+    for (size_t i = 0; i < ids.size(); ++i) {
+        ids[i] = static_cast<int32_t>((i * 7919 + 13) % static_cast<size_t>(n_vocab));
+    }
+    return ids;
+}
+
+/// libllama's logits of n fixed ids on the model at `path`, [n, n_vocab].
+torch::Tensor libllama_logits(const std::string & path, int64_t n) {
+    const llama_reference reference(path);
+    const std::vector<float> ref = reference.logits(fixed_ids(n, reference.n_vocab()));
+    return torch::tensor(ref).view({n, -1});
+}
+
+/// max |Δlogit| / max |logit| of our forward with weights `w` against libllama on `path`, n fixed token ids.
+double rel_diff_against_libllama(const std::string & path, weight_source & w, int64_t n) {
+    const gguf_file file(path);
+    auto model = build_model(file);
+    const torch::Tensor theirs = libllama_logits(path, n);
+    const std::vector<int32_t> ids = fixed_ids(n, model->hparams().n_vocab);
+    const torch::Tensor tokens = torch::tensor(std::vector<int64_t>(ids.begin(), ids.end())).view({1, -1});
+    torch::NoGradGuard no_grad;
+    const torch::Tensor ours = model->forward(tokens, w)[0];
+    return ((ours - theirs).abs().max() / theirs.abs().max()).item<double>();
+}
+
+/// The voodoo::error build_model throws on `arch`'s fixture rewritten by `edit` (minus `skip`), "" when none.
+std::string build_error(const std::string & arch, const std::function<void(gguf_context *)> & edit,
+                        const std::string & skip = {}) {
+    test::temp_dir dir;
+    const std::string path = dir.file("bad.gguf");
+    test::rewrite_gguf(fixture(arch), path, edit, skip);
+    return test::error_of([&] {
+        const gguf_file file(path);
+        build_model(file);
+    });
+}
+
+void expect_contains(const std::string & text, const std::string & part) {
+    EXPECT_NE(text.find(part), std::string::npos) << "expected '" << part << "' in: " << text;
+}
+
+}  // namespace
+
+// ---- qwen2 ----
+
+TEST(arch_parity, qwen2_f32_matches_libllama_within_1e_3_of_max_logit) {
+    const parity_report r = parity_of(fixture("qwen2"), 128);
+    EXPECT_EQ(r.arch, "qwen2");
+    EXPECT_EQ(r.n_vocab, 151936);
+    expect_f32_parity(r);
+}
+
+TEST(arch_parity, qwen2_without_its_qkv_biases_is_outside_the_bound) {
+    const gguf_file file(fixture("qwen2"));
+    gguf_weights exact(file);
+    edited_weights no_bias(file, unchanged, unchanged, [](const std::string & n) { return n.ends_with(".bias"); });
+    EXPECT_LE(rel_diff_against_libllama(fixture("qwen2"), exact, 64), 1e-3);
+    EXPECT_GT(rel_diff_against_libllama(fixture("qwen2"), no_bias, 64), 1e-3);
+}
+
+TEST(arch_bad_input, qwen2_rope_over_part_of_the_head_is_refused_naming_the_key) {
+    const std::string e = build_error("qwen2", [](gguf_context * c) { gguf_set_val_u32(c, "qwen2.rope.dimension_count", 32); });
+    expect_contains(e, "'qwen2.rope.dimension_count' = 32 must equal the head size 64");
+}
+
+TEST(arch_bad_input, qwen2_yarn_and_unknown_rope_scaling_are_refused_naming_the_key) {
+    std::string e = build_error("qwen2", [](gguf_context * c) { gguf_set_val_str(c, "qwen2.rope.scaling.type", "yarn"); });
+    expect_contains(e, "'qwen2.rope.scaling.type' = 'yarn' is not supported yet");
+    e = build_error("qwen2", [](gguf_context * c) { gguf_set_val_str(c, "qwen2.rope.scaling.type", "spiral"); });
+    expect_contains(e, "unknown rope scaling type 'spiral' in 'qwen2.rope.scaling.type'");
+}
+
+TEST(arch_bad_input, qwen2_head_count_kv_disagreeing_with_attn_k_names_the_tensor_and_the_key) {
+    const std::string e = build_error("qwen2", [](gguf_context * c) { gguf_set_val_u32(c, "qwen2.attention.head_count_kv", 4); });
+    expect_contains(e, "blk.0.attn_k.weight");
+    expect_contains(e, "head_count_kv 4");
+}
+
+// ---- qwen3 ----
+
+TEST(arch_parity, qwen3_f32_head_dim_96_matches_libllama_within_1e_3_of_max_logit) {
+    const parity_report r = parity_of(fixture("qwen3"), 128);
+    EXPECT_EQ(r.arch, "qwen3");
+    const gguf_file file(fixture("qwen3"));
+    EXPECT_EQ(build_model(file)->hparams().n_embd_head_k, 96);
+    expect_f32_parity(r);
+}
+
+TEST(arch_parity, qwen3_with_its_q_k_norm_weights_ignored_is_outside_the_bound) {
+    const gguf_file file(fixture("qwen3"));
+    edited_weights plain_norm(file, [](const std::string & n, torch::Tensor t) {
+        return n.ends_with("attn_q_norm.weight") || n.ends_with("attn_k_norm.weight") ? torch::ones_like(t) : t;
+    });
+    EXPECT_GT(rel_diff_against_libllama(fixture("qwen3"), plain_norm, 64), 1e-3);
+}
+
+TEST(arch_bad_input, qwen3_missing_k_norm_is_named) {
+    const std::string e = build_error("qwen3", [](gguf_context *) {}, "blk.1.attn_k_norm.weight");
+    expect_contains(e, "missing tensor 'blk.1.attn_k_norm.weight'");
+}
+
+TEST(arch_bad_input, qwen3_without_key_length_names_the_key_in_the_shape_error) {
+    // Without it the head size falls back to n_embd / n_head = 64, which the 96-wide heads contradict.
+    const std::string e = build_error("qwen3", [](gguf_context * c) {
+        gguf_remove_key(c, "qwen3.attention.key_length");
+        gguf_remove_key(c, "qwen3.attention.value_length");
+        gguf_remove_key(c, "qwen3.rope.dimension_count");
+    });
+    expect_contains(e, "blk.0.attn_q.weight");
+    expect_contains(e, "key_length 64");
+}
+
+TEST(arch_bad_input, qwen3_mixture_of_experts_is_refused_naming_the_key) {
+    const std::string e = build_error("qwen3", [](gguf_context * c) { gguf_set_val_u32(c, "qwen3.expert_count", 8); });
+    expect_contains(e, "'qwen3.expert_count' = 8");
+}
+
+// ---- gemma3 ----
+
+TEST(arch_parity, gemma3_f32_sliding_and_global_layers_match_libllama_within_1e_3_of_max_logit) {
+    const parity_report r = parity_of(fixture("gemma3"), 128);
+    EXPECT_EQ(r.arch, "gemma3");
+    EXPECT_EQ(r.n_vocab, 32000);
+    const gguf_file file(fixture("gemma3"));
+    const model_hparams hp = build_model(file)->hparams();
+    EXPECT_EQ(hp.n_swa, 16);
+    EXPECT_EQ(hp.swa_layers, (std::vector<bool>{true, true, false}));
+    expect_f32_parity(r);
+}
+
+TEST(arch_parity, gemma3_sliding_window_changes_the_logits_of_the_test_sequence) {
+    // The same file with a window longer than the sequence (same layer kinds, same rope bases): libllama's own
+    // logits move by far more than the bound after the first window, so the parity above would fail if we
+    // ignored the window; within the first window nothing differs.
+    test::temp_dir dir;
+    const std::string wide = dir.file("wide.gguf");
+    test::rewrite_gguf(fixture("gemma3"), wide, [](gguf_context * c) { gguf_set_val_u32(c, "gemma3.attention.sliding_window", 4096); });
+    const torch::Tensor windowed = libllama_logits(fixture("gemma3"), 128);
+    const torch::Tensor unbounded = libllama_logits(wide, 128);
+    const double scale = windowed.abs().max().item<double>();
+    EXPECT_GT((windowed - unbounded).abs().max().item<double>() / scale, 1e-2);
+    EXPECT_LE((windowed.slice(0, 0, 16) - unbounded.slice(0, 0, 16)).abs().max().item<double>() / scale, 1e-5);
+    EXPECT_LE(parity_of(wide, 128).rel_diff, 1e-3);
+}
+
+TEST(arch_parity, gemma3_without_the_embedding_scale_is_outside_the_bound) {
+    const gguf_file file(fixture("gemma3"));
+    edited_weights unscaled(file, unchanged, [](const std::string &, torch::Tensor t) { return t / 16.0f; });
+    EXPECT_GT(rel_diff_against_libllama(fixture("gemma3"), unscaled, 64), 1e-3);
+}
+
+TEST(arch_parity, gemma3_final_logit_softcapping_matches_libllama) {
+    const parity_report r = parity_of(fixture("gemma3-softcap"), 64);
+    EXPECT_LE(r.max_abs_logit, 3.0);
+    expect_f32_parity(r);
+    // Without the cap our logits would exceed 3: the cap is applied, not just harmless.
+    const gguf_file file(fixture("gemma3-softcap"));
+    auto model = build_model(file);
+    gguf_weights w(file);
+    torch::NoGradGuard no_grad;
+    const torch::Tensor h = model->hidden(torch::zeros({1, 4}, torch::kLong), w);
+    EXPECT_GT(model->causal_lm::head(h, w).abs().max().item<double>(), 3.0);
+}
+
+TEST(arch_bad_input, gemma3_per_layer_sliding_window_pattern_array_is_refused_naming_the_key) {
+    const std::string e = build_error("gemma3", [](gguf_context * c) {
+        const std::vector<uint8_t> pattern = {1, 1, 0};
+        gguf_set_arr_data(c, "gemma3.attention.sliding_window_pattern", GGUF_TYPE_BOOL, pattern.data(), pattern.size());
+    });
+    expect_contains(e, "'gemma3.attention.sliding_window_pattern' is a per-layer array");
+}
+
+TEST(arch_bad_input, gemma3_sliding_layers_of_another_head_size_are_refused_naming_the_key) {
+    const std::string e = build_error("gemma3", [](gguf_context * c) { gguf_set_val_u32(c, "gemma3.attention.key_length_swa", 128); });
+    expect_contains(e, "'gemma3.attention.key_length_swa' differs");
+}
+
+TEST(arch_bad_input, gemma3_missing_post_ffw_norm_is_named) {
+    const std::string e = build_error("gemma3", [](gguf_context *) {}, "blk.2.post_ffw_norm.weight");
+    expect_contains(e, "missing tensor 'blk.2.post_ffw_norm.weight'");
+}
+
+// ---- phi3 ----
+
+TEST(arch_parity, phi3_f32_fused_qkv_partial_rope_short_factors_match_libllama_within_1e_3_of_max_logit) {
+    const parity_report r = parity_of(fixture("phi3"), 128);
+    EXPECT_EQ(r.arch, "phi3");
+    EXPECT_EQ(r.n_vocab, 32064);
+    const gguf_file file(fixture("phi3"));
+    EXPECT_EQ(build_model(file)->hparams().n_rot, 48);
+    expect_f32_parity(r);
+}
+
+TEST(arch_parity, phi3_beyond_the_original_context_takes_the_long_factors_and_matches_libllama) {
+    expect_f32_parity(parity_of(fixture("phi3"), 300));
+}
+
+TEST(arch_parity, phi3_with_the_long_factors_at_short_context_is_outside_the_bound) {
+    const gguf_file file(fixture("phi3"));
+    gguf_weights dense(file);
+    edited_weights swapped(file, [&](const std::string & n, torch::Tensor t) {
+        return n == "rope_factors_short.weight" ? dense.get("rope_factors_long.weight") : t;
+    });
+    EXPECT_GT(rel_diff_against_libllama(fixture("phi3"), swapped, 128), 1e-3);
+}
+
+TEST(arch_bad_input, phi3_longrope_scaling_type_is_refused_naming_the_key) {
+    const std::string e = build_error("phi3", [](gguf_context * c) { gguf_set_val_str(c, "phi3.rope.scaling.type", "longrope"); });
+    expect_contains(e, "'phi3.rope.scaling.type' = 'longrope' is not supported yet");
+}
+
+TEST(arch_bad_input, phi3_fused_qkv_of_the_wrong_size_names_the_tensor_and_the_keys) {
+    const std::string e = build_error("phi3", [](gguf_context * c) { gguf_set_val_u32(c, "phi3.attention.head_count_kv", 1); });
+    expect_contains(e, "blk.0.attn_qkv.weight");
+    expect_contains(e, "head_count_kv 1");
+}
+
+TEST(arch_bad_input, phi3_rope_factors_of_the_wrong_length_name_the_tensor) {
+    const std::string e = build_error("phi3", [](gguf_context * c) { gguf_set_val_u32(c, "phi3.rope.dimension_count", 32); });
+    expect_contains(e, "rope_factors_long.weight");
+    expect_contains(e, "phi3.rope.dimension_count = 32");
+}

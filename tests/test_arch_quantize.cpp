@@ -1,0 +1,161 @@
+// `voodoo quantize` (run_quantize: data → imatrix → train → export → eval) on a tiny fixture of each new
+// architecture: the export loads and runs in libllama, every tensor llama.cpp would not quantize (biases,
+// norms, rope factors) is copied byte for byte, fused tensors (phi3's attn_qkv, its gate+up ffn_up) are one
+// recipe entry with one gate, and the file keeps the stock recipe's size.
+#include "export/recipe.h"
+#include "ggml/gguf.h"
+#include "ggml/llama_logits.h"
+#include "ggml/selection.h"
+#include "model/fixture.h"
+#include "model/parity.h"
+#include "pipeline/quantize.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <set>
+
+using namespace voodoo;
+
+namespace {
+
+/// 64 wide (32-block types fit), 2 layers, 4 heads of 16: small enough that the whole chain takes seconds even
+/// with a 151936-token vocabulary.
+fixture_spec tiny(const std::string & arch) {
+    fixture_spec s;
+    s.arch = arch;
+    s.n_embd = 64;
+    s.n_layer = 2;
+    s.n_head = 4;
+    s.n_head_kv = 2;
+    s.head_dim = 16;
+    s.n_ff = 128;
+    s.seed = 5;
+    s.tied_output = arch != "phi3";
+    const std::string models = VOODOO_LLAMA_MODELS_DIR;
+    s.vocab_path = models + (arch == "gemma3" ? "/ggml-vocab-llama-spm.gguf"
+                             : arch == "phi3" ? "/ggml-vocab-phi-3.gguf"
+                                              : "/ggml-vocab-qwen2.gguf");
+    if (arch == "gemma3") {
+        s.sliding_window = 8;
+        s.sliding_window_pattern = 2;
+    }
+    if (arch == "phi3") {
+        s.n_rot = 12;
+        s.rope_factors = true;
+    }
+    return s;
+}
+
+struct quantized {
+    std::string source;
+    quantize_result result;
+    recipe final_recipe;
+};
+
+/// Writes the tiny fixture of `arch` and runs the chain on it, at stock Q4_0's size, menu Q4_0 / Q8_0.
+quantized run_chain(const test::temp_dir & dir, const std::string & arch) {
+    quantized q;
+    q.source = dir.file(arch + ".gguf");
+    write_fixture(tiny(arch), q.source);
+    quantize_options o;
+    o.model = q.source;
+    o.texts = {test::shared_data() + "/text/gutenberg/pg11.txt"};
+    o.like = "Q4_0";
+    o.work = dir.file("work");
+    o.baselines = "none";
+    o.ctx = 64;
+    o.imatrix_chunks = 4;
+    o.eval_ctx = 64;
+    o.eval_chunks = 2;
+    o.train.steps = 3;
+    o.train.batch = 1;
+    o.train.seq = 32;
+    o.train.probe_sequences = 1;
+    o.train.menu.types = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0};
+    q.result = run_quantize(o);
+    q.final_recipe = recipe_load(dir.file("work/run/recipe.json"));
+    return q;
+}
+
+/// What every architecture's run must show.
+void expect_a_good_export(const quantized & q) {
+    const gguf_file src(q.source);
+    const gguf_file out(q.result.out);
+    ASSERT_EQ(src.tensors().size(), out.tensors().size());
+    // Tensors llama.cpp would not quantize are the source's bytes; the others are what the recipe says.
+    std::map<std::string, const recipe_tensor *> chosen;
+    for (const recipe_tensor & t : q.final_recipe.tensors) {
+        chosen[t.name] = &t;
+    }
+    int n_copied = 0;
+    for (const gguf_tensor & t : src.tensors()) {
+        const gguf_tensor & e = out.tensor(t.name);
+        if (!tensor_is_selectable(t.name, t.n_dims)) {
+            EXPECT_EQ(chosen.count(t.name), 0u) << t.name << " must never be selectable";
+            EXPECT_EQ(e.type, t.type) << t.name;
+            const auto a = src.data(t), b = out.data(e);
+            ASSERT_EQ(a.size(), b.size()) << t.name;
+            EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0) << t.name << " was not copied exactly";
+            ++n_copied;
+        } else {
+            ASSERT_EQ(chosen.count(t.name), 1u) << t.name << " has no recipe entry";
+            EXPECT_EQ(e.type, chosen.at(t.name)->type) << t.name;
+            EXPECT_EQ(chosen.at(t.name)->probs.size(), 2u) << t.name << ": one gate over the menu";
+        }
+    }
+    EXPECT_GT(n_copied, 0);
+    // Stock Q4_0's size is the budget.
+    EXPECT_LE(q.result.file_bytes, std::filesystem::file_size(std::filesystem::path(q.result.out).parent_path() /
+                                                              "baselines" / (std::filesystem::path(q.source).stem().string() + "-Q4_0.gguf")));
+    // libllama loads and runs the export (the eval stage did: a finite KLD against the source), and our runtime
+    // reads it as libllama does, within check-parity's bound for quantized weights.
+    ASSERT_EQ(q.result.eval.files.size(), 1u);
+    EXPECT_TRUE(std::isfinite(q.result.eval.files[0].kld_mean));
+    parity_options po;
+    po.n_tokens = 48;
+    const parity_report r = check_parity(q.result.out, po);
+    EXPECT_TRUE(r.within) << parity_to_text(r);
+}
+
+}  // namespace
+
+TEST(arch_quantize, qwen2_export_loads_in_libllama_and_copies_the_biases_exactly) {
+    test::temp_dir dir;
+    const quantized q = run_chain(dir, "qwen2");
+    expect_a_good_export(q);
+    const gguf_file out(q.result.out);
+    EXPECT_EQ(out.tensor("blk.0.attn_q.bias").type, GGML_TYPE_F32);
+}
+
+TEST(arch_quantize, qwen3_export_loads_in_libllama_and_copies_the_q_k_norms_exactly) {
+    test::temp_dir dir;
+    const quantized q = run_chain(dir, "qwen3");
+    expect_a_good_export(q);
+    EXPECT_NE(gguf_file(q.result.out).find_tensor("blk.1.attn_k_norm.weight"), nullptr);
+}
+
+TEST(arch_quantize, gemma3_export_loads_in_libllama_and_copies_the_post_norms_exactly) {
+    test::temp_dir dir;
+    const quantized q = run_chain(dir, "gemma3");
+    expect_a_good_export(q);
+    EXPECT_EQ(gguf_file(q.result.out).get_int("gemma3.attention.sliding_window"), 8);
+}
+
+TEST(arch_quantize, phi3_fused_qkv_and_gate_up_are_one_gated_tensor_each) {
+    test::temp_dir dir;
+    const quantized q = run_chain(dir, "phi3");
+    expect_a_good_export(q);
+    std::set<std::string> names;
+    for (const recipe_tensor & t : q.final_recipe.tensors) {
+        names.insert(t.name);
+    }
+    EXPECT_TRUE(names.count("blk.0.attn_qkv.weight"));
+    EXPECT_TRUE(names.count("blk.0.ffn_up.weight"));
+    EXPECT_FALSE(names.count("blk.0.attn_q.weight"));
+    EXPECT_FALSE(names.count("rope_factors_long.weight"));
+    EXPECT_EQ(q.final_recipe.tensors.size(), 2u + 2u * 4u);  // token_embd, output; qkv, attn_output, ffn_up, ffn_down per layer
+}
