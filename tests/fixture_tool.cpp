@@ -17,7 +17,7 @@ int main(int argc, char ** argv) {
     std::string type = "f32";
     app.add_option("-o,--output", out, "Output GGUF")->required();
     app.add_option("--vocab", s.vocab_path, "Vocab GGUF whose tokenizer.* keys are copied (ggml-vocab-*.gguf)")->required();
-    app.add_option("--arch", s.arch, "Architecture")->capture_default_str();
+    app.add_option("--arch", s.arch, "Architecture: llama, qwen2, qwen3, gemma3 or phi3")->capture_default_str();
     app.add_option("--n-embd", s.n_embd, "Model width")->capture_default_str();
     app.add_option("--n-layer", s.n_layer, "Layers")->capture_default_str();
     app.add_option("--n-head", s.n_head, "Attention heads")->capture_default_str();
@@ -28,6 +28,7 @@ int main(int argc, char ** argv) {
     app.add_option("--seed", s.seed, "Random seed")->capture_default_str();
     app.add_flag("--tied", s.tied_output, "No output.weight: tie the head to token_embd");
     app.add_option("--rope-freq-base", s.rope_freq_base, "rope.freq_base")->capture_default_str();
+    app.add_option("--rms-eps", s.rms_eps, "attention.layer_norm_rms_epsilon")->capture_default_str();
     app.add_option("--n-rot", s.n_rot, "Rotated dims per head (phi3; 0 = head size)")->capture_default_str();
     app.add_option("--sliding-window", s.sliding_window, "gemma3: attention.sliding_window (0 = none)")->capture_default_str();
     app.add_option("--sliding-window-pattern", s.sliding_window_pattern, "gemma3: every n-th layer global (0 = llama.cpp's 6)")->capture_default_str();

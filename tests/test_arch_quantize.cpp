@@ -2,10 +2,12 @@
 // architecture: the export loads and runs in libllama, every tensor llama.cpp would not quantize (biases,
 // norms, rope factors) is copied byte for byte, fused tensors (phi3's attn_qkv, its gate+up ffn_up) are one
 // recipe entry with one gate, and the file keeps the stock recipe's size.
+#include "export/export.h"
 #include "export/recipe.h"
 #include "ggml/gguf.h"
 #include "ggml/llama_logits.h"
 #include "ggml/selection.h"
+#include "ggml/types.h"
 #include "model/fixture.h"
 #include "model/parity.h"
 #include "pipeline/quantize.h"
@@ -79,6 +81,25 @@ quantized run_chain(const test::temp_dir & dir, const std::string & arch) {
     q.result = run_quantize(o);
     q.final_recipe = recipe_load(dir.file("work/run/recipe.json"));
     return q;
+}
+
+/// Export of a recipe cycling through the 32-block types and F16 equals llama_model_quantize with that recipe as
+/// tensor-type overrides (exactness contract, item 4), on `arch`'s tiny fixture.
+void expect_export_equals_llama_model_quantize(const std::string & arch) {
+    test::temp_dir dir;
+    const std::string path = dir.file(arch + ".gguf");
+    write_fixture(tiny(arch), path);
+    const gguf_file src(path);
+    recipe r = recipe_from_model(src);
+    const std::vector<ggml_type> cycle = {GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q8_0,
+                                          GGML_TYPE_Q5_0, GGML_TYPE_Q4_1, GGML_TYPE_F16};
+    for (size_t i = 0; i < r.tensors.size(); ++i) {
+        r.tensors[i].type = cycle[i % cycle.size()];
+        r.tensors[i].bytes = tensor_bytes(r.tensors[i].type, r.tensors[i].shape, r.tensors[i].name);
+    }
+    export_gguf(src, r, dir.file("ours.gguf"), {});
+    ASSERT_TRUE(test::llama_quantize_with_recipe(path, dir.file("theirs.gguf"), r, nullptr));
+    test::expect_same_tensor_data(dir.file("ours.gguf"), dir.file("theirs.gguf"));
 }
 
 /// What every architecture's run must show.
@@ -158,4 +179,11 @@ TEST(arch_quantize, phi3_fused_qkv_and_gate_up_are_one_gated_tensor_each) {
     EXPECT_FALSE(names.count("blk.0.attn_q.weight"));
     EXPECT_FALSE(names.count("rope_factors_long.weight"));
     EXPECT_EQ(q.final_recipe.tensors.size(), 2u + 2u * 4u);  // token_embd, output; qkv, attn_output, ffn_up, ffn_down per layer
+}
+
+TEST(arch_export, equals_llama_model_quantize_with_overrides_for_qwen2_qwen3_gemma3_phi3) {
+    for (const char * arch : {"qwen2", "qwen3", "gemma3", "phi3"}) {
+        SCOPED_TRACE(arch);
+        expect_export_equals_llama_model_quantize(arch);
+    }
 }

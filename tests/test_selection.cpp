@@ -56,3 +56,16 @@ TEST(selection, the_iq1_iq2_iq3_xxs_family_needs_an_imatrix) {
     EXPECT_EQ(with.size(), default_menu_types().size());
     EXPECT_EQ(without.size(), with.size() - 6);
 }
+
+TEST(selection, qwen_gemma_phi_extras_are_copied_and_fused_tensors_are_selectable_whole) {
+    // qwen2's biases, qwen3/gemma3's per-head Q/K norms, gemma3's post norms, phi3's rope factors: copied,
+    // as llama.cpp's tensor_allows_quantization leaves them (1-D, a bias, or "_norm.weight").
+    for (const char * name : {"blk.0.attn_k.bias", "blk.0.attn_qkv.bias", "output.bias", "blk.1.attn_k_norm.weight",
+                              "blk.1.post_attention_norm.weight", "blk.1.post_ffw_norm.weight",
+                              "rope_factors_long.weight", "rope_factors_short.weight"}) {
+        EXPECT_FALSE(tensor_is_selectable(name, 1)) << name;
+    }
+    // phi3's fused attn_qkv and gate+up ffn_up are one 2-D weight each, as llama-quantize sees them.
+    EXPECT_TRUE(tensor_is_selectable("blk.0.attn_qkv.weight", 2));
+    EXPECT_TRUE(tensor_is_selectable("blk.0.ffn_up.weight", 2));
+}
