@@ -1,10 +1,13 @@
 #include "common/error.h"
+#include "model/fixture.h"
 #include "train/budget.h"
 #include "ggml/types.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <map>
 #include <random>
 
 using namespace voodoo;
@@ -209,4 +212,35 @@ TEST(budget, a_same_cost_type_with_a_lower_estimated_loss_is_taken) {
     b.limit = 10;
     EXPECT_EQ(finalize_choice(b, {{0, 1}}, {{0.001, 0.01}}), (std::vector<int>{0}));
     EXPECT_EQ(finalize_choice(b, {{1, 0}}, {{0.001, 0.01}}), (std::vector<int>{0}));
+}
+
+TEST(budget, a_tensor_the_imatrix_does_not_cover_gets_no_type_that_needs_one) {
+    // llama-quantize refuses IQ1/IQ2/IQ3_XXS for a tensor without imatrix data; token_embd has none (no matmul
+    // reads it), so with an imatrix only the covered tensors are offered those types.
+    test::temp_dir dir;
+    fixture_spec s;
+    s.vocab_path = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf";
+    s.n_layer = 1;
+    write_fixture(s, dir.file("m.gguf"));
+    const gguf_file file(dir.file("m.gguf"));
+    importance_map importance;
+    for (const gguf_tensor & t : file.tensors()) {
+        if (t.name.starts_with("blk.") || t.name == "output.weight") {
+            importance[t.name] = std::vector<float>(static_cast<size_t>(t.ne[0]), 1.0f);
+        }
+    }
+    menu_options o;
+    o.has_imatrix = true;
+    o.importance = &importance;
+    std::map<std::string, std::vector<ggml_type>> menu;
+    for (const tensor_menu & m : build_menus(file, o)) {
+        menu[m.tensor->name] = m.types;
+    }
+    auto has = [](const std::vector<ggml_type> & types, ggml_type t) { return std::count(types.begin(), types.end(), t) > 0; };
+    EXPECT_TRUE(has(menu.at("blk.0.attn_q.weight"), GGML_TYPE_IQ1_S));
+    EXPECT_TRUE(has(menu.at("output.weight"), GGML_TYPE_IQ2_XXS));
+    EXPECT_FALSE(has(menu.at("token_embd.weight"), GGML_TYPE_IQ1_S));
+    EXPECT_FALSE(has(menu.at("token_embd.weight"), GGML_TYPE_IQ2_XXS));
+    EXPECT_FALSE(has(menu.at("token_embd.weight"), GGML_TYPE_IQ2_XS));
+    EXPECT_TRUE(has(menu.at("token_embd.weight"), GGML_TYPE_IQ3_S));
 }

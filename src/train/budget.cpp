@@ -77,7 +77,8 @@ std::vector<tensor_menu> build_menus(const gguf_file & file, const menu_options 
                 break;
             }
         }
-        tensor_menu m{&t, menu_for(*types, t.ne[0], opts.has_imatrix), false};
+        const bool covered = opts.has_imatrix && (!opts.importance || opts.importance->count(t.name));
+        tensor_menu m{&t, menu_for(*types, t.ne[0], covered), false};
         if (m.types.empty()) {
             continue;
         }

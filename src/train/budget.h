@@ -18,6 +18,10 @@ struct menu_options {
     std::vector<ggml_type> types;                                        // empty = default_menu_types()
     std::vector<std::pair<std::string, std::vector<ggml_type>>> per_role; // regex on the tensor name → its menu
     bool has_imatrix = false;
+    /// The imatrix's entries, when known: a tensor without one (token_embd: no matmul reads it) gets no
+    /// IQ1/IQ2/IQ3_XXS type even with has_imatrix, since llama-quantize refuses it ("Missing importance matrix
+    /// for tensor … in a very low-bit quantization"). nullptr: every tensor counts as covered.
+    const importance_map * importance = nullptr;
 };
 
 /// Parses "--menu Q4_K,Q5_K,Q6_K" (comma-separated ggml type names). Throws voodoo::error naming the flag.
@@ -35,7 +39,7 @@ struct tensor_menu {
 
 /// Every selectable tensor whose menu is not empty, in source order. A tensor's menu is the first
 /// --menu-for pattern that matches its name (std::regex_search), else the --menu, filtered by
-/// menu_for (block fits ne0; IQ1/IQ2/IQ3_XXS only with an imatrix). A tensor with an empty menu keeps
+/// menu_for (block fits ne0; IQ1/IQ2/IQ3_XXS only with an imatrix entry for the tensor). A tensor with an empty menu keeps
 /// its source type (counted as fixed bytes). Throws voodoo::error when a type the user named (--menu,
 /// --menu-for) fits no tensor of the model, naming the type.
 std::vector<tensor_menu> build_menus(const gguf_file & file, const menu_options & opts);

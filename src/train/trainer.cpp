@@ -311,7 +311,11 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
 
     // Everything that can be refused is refused before any work.
-    const std::vector<tensor_menu> menus = build_menus(src, o.menu);
+    menu_options menu = o.menu;
+    if (importance) {
+        menu.importance = importance;
+    }
+    const std::vector<tensor_menu> menus = build_menus(src, menu);
     // The budget counts the header export will write: the same metadata, imatrix keys included.
     export_options eopts = o.export_opts;
     eopts.importance = importance;
