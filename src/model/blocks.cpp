@@ -1,5 +1,7 @@
 #include "model/blocks.h"
 
+#include <torch/version.h>
+
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -81,6 +83,16 @@ torch::Tensor causal_attention(const torch::Tensor & q, const torch::Tensor & k,
     const int64_t B = q.size(0), T = q.size(1), n_head = q.size(2), d_k = q.size(3);
     const int64_t n_head_kv = k.size(2), d_v = v.size(3);
     const int64_t group = n_head / n_head_kv;
+#if TORCH_VERSION_MAJOR >= 2
+    // On a GPU in bf16 (training): PyTorch's fused attention (flash / memory-efficient), f32 softmax inside,
+    // no T×T score matrix kept for backward. The CPU and f32 path below stays the parity reference.
+    if (q.is_cuda() && q.scalar_type() == torch::kBFloat16 && d_k == d_v) {
+        const torch::Tensor kr = k.repeat_interleave(group, 2), vr = v.repeat_interleave(group, 2);
+        const torch::Tensor out = at::scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2),
+                                                                   std::nullopt, 0.0, true, static_cast<double>(kq_scale));
+        return out.transpose(1, 2).reshape({B, T, n_head * d_v});
+    }
+#endif
     // [B, n_head_kv, group, T, d]: query head h = g · group + j reads KV head g.
     const torch::Tensor qh = q.permute({0, 2, 1, 3}).reshape({B, n_head_kv, group, T, d_k});
     const torch::Tensor kh = k.permute({0, 2, 1, 3}).unsqueeze(2);
