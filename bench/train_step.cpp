@@ -125,7 +125,11 @@ int main(int argc, char ** argv) {
             fail("--shape '{}': expected qwen3-0.6b, llama3-8b or tiny", shape_name);
         }
         const model_shape & sh = it->second;
-        const torch::Device device = device_str == "cpu" ? torch::Device(torch::kCPU) : torch::Device(device_str);
+        torch::Device device = device_str == "cpu" ? torch::Device(torch::kCPU) : torch::Device(device_str);
+        if (device.is_cuda() && !device.has_index()) {
+            device = torch::Device(torch::kCUDA, 0);
+        }
+        torch::empty({1}, torch::TensorOptions().device(device));  // initializes the device and its allocator
         const torch::ScalarType compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat;
         if (vocab_dir.empty()) {
             vocab_dir = VOODOO_LLAMA_MODELS_DIR;

@@ -28,7 +28,13 @@ build)
     ;;
 test)
     log test
-    build-cuda/bin/voodoo_tests --gtest_filter='cuda*:gated*:train.the_loss*' 2>&1 | tee "$OUT/test-cuda.log" | grep -E "^\[|Failure|Expected|Which|error" | head -80
+    build-cuda/bin/voodoo_tests --gtest_filter='cuda*:gated*:train.the_loss*:train.finishes*' 2>&1 | tee "$OUT/test-cuda.log" | grep -E "^\[|Failure|Expected|Which|error" | head -80
+    if [ "${PIPESTATUS[0]}" -ge 128 ]; then
+        log "the tests crashed: the training test again under cuda-gdb for a backtrace"
+        cuda-gdb -batch -ex run -ex bt -ex "info threads" --args build-cuda/bin/voodoo_tests \
+            --gtest_filter='cuda.training*' > "$OUT/gdb.log" 2>&1
+        grep -E "^#|signal|Thread" "$OUT/gdb.log" | head -60
+    fi
     ;;
 e2e)
     log e2e stories260K

@@ -3,6 +3,7 @@
 #include "common/error.h"
 #include "ggml/types.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -75,7 +76,7 @@ void dequantize_by_rule(ggml_type type, std::span<const uint8_t> bytes, int64_t 
         fail("no GPU dequantization rule for type {}", type_name(type));
     }
     const int64_t bs = deq::block_size(type);
-    if (ne0 % bs != 0 || ne0 % 8 != 0) {
+    if (ne0 % bs != 0 || ne0 < 1) {
         fail("a row of {} weights does not fit type {} (block size {})", ne0, type_name(type), bs);
     }
     const int64_t row_bytes = ne0 / bs * deq::block_bytes(type);
@@ -88,7 +89,10 @@ void dequantize_by_rule(ggml_type type, std::span<const uint8_t> bytes, int64_t 
     const deq::tables & tb = host_deq_tables();
     for (int64_t r = 0; r < n_rows; ++r) {
         for (int64_t i0 = 0; i0 < ne0; i0 += 8) {
-            deq::deq8(type, bytes.data() + r * row_bytes, i0, out.data() + r * ne0 + i0, tb);
+            float y[8];
+            const int n = static_cast<int>(std::min<int64_t>(8, ne0 - i0));
+            deq::deq_upto8(type, bytes.data() + r * row_bytes, i0, n, y, tb);
+            std::memcpy(out.data() + r * ne0 + i0, y, static_cast<size_t>(n) * sizeof(float));
         }
     }
 }

@@ -129,6 +129,23 @@ VOODOO_HD void scale_min_k4(int j, const uint8_t * q, int & sc, int & m) {
     }
 }
 
+/// to_float of weight i of a row of a float type (F32, F16, BF16): the tail of a row whose length is not a
+/// multiple of 8 (only float types allow such rows; every block type's block is a multiple of 8).
+VOODOO_HD float deq1_float(int t, const uint8_t * row, int64_t i) {
+    if (t == F16) {
+        return fp16(row + i * 2);
+    }
+    if (t == BF16) {
+        return bf16(row + i * 2);
+    }
+    float f;
+    memcpy(&f, row + i * 4, 4);
+    return f;
+}
+
+/// The n ≤ 8 weights i0 .. i0+n-1 of one row: deq8 when n = 8, else (float types) one at a time.
+VOODOO_HD void deq_upto8(int t, const uint8_t * row, int64_t i0, int n, float * y, const tables & tb);
+
 /// y[0..8) = to_float of weights i0 .. i0+7 of one row, whose bytes start at `row`. i0 is a multiple of 8.
 /// `t` must satisfy has_rule(t).
 VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tables & tb) {
@@ -411,6 +428,19 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
         default:
             for (int j = 0; j < 8; ++j) y[j] = 0.0f;
             return;
+    }
+}
+
+VOODOO_HD void deq_upto8(int t, const uint8_t * row, int64_t i0, int n, float * y, const tables & tb) {
+    if (n == 8) {
+        deq8(t, row, i0, y, tb);
+        return;
+    }
+    for (int j = 0; j < n; ++j) {
+        y[j] = deq1_float(t, row, i0 + j);
+    }
+    for (int j = n; j < 8; ++j) {
+        y[j] = 0.0f;
     }
 }
 

@@ -87,16 +87,22 @@ int sm_count() {
     return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
 }
 
+// Rows whose length is not a multiple of 8 (float types only, e.g. 172) take the scalar tail and stores.
+__device__ __forceinline__ int group_size(const launch_args & a, int64_t i0) {
+    return a.ne0 - i0 < 8 ? static_cast<int>(a.ne0 - i0) : 8;
+}
+
 __global__ void dequantize_kernel(launch_args a, float * out) {
-    const int64_t per_row = a.ne0 / 8, total = a.n_rows * per_row;
+    const int64_t per_row = (a.ne0 + 7) / 8, total = a.n_rows * per_row;
     for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < total;
          g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int64_t r = g / per_row, i0 = (g % per_row) * 8;
+        const int n = group_size(a, i0);
         float v[8];
-        deq::deq8(a.type[0], a.q[0] + r * a.row_bytes[0], i0, v, a.tb);
-        float4 * o = reinterpret_cast<float4 *>(out + r * a.ne0 + i0);
-        o[0] = make_float4(v[0], v[1], v[2], v[3]);
-        o[1] = make_float4(v[4], v[5], v[6], v[7]);
+        deq::deq_upto8(a.type[0], a.q[0] + r * a.row_bytes[0], i0, n, v, a.tb);
+        for (int j = 0; j < n; ++j) {
+            out[r * a.ne0 + i0 + j] = v[j];
+        }
     }
 }
 
@@ -121,10 +127,12 @@ __device__ __forceinline__ void store8<__nv_bfloat16>(__nv_bfloat16 * dst, const
 
 template <typename Out>
 __global__ void mixture_kernel(launch_args a, Out * out) {
-    const int64_t per_row = a.ne0 / 8, total = a.n_rows * per_row;
+    const int64_t per_row = (a.ne0 + 7) / 8, total = a.n_rows * per_row;
+    const bool vec = a.ne0 % 8 == 0;
     for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < total;
          g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int64_t r = g / per_row, i0 = (g % per_row) * 8;
+        const int n = group_size(a, i0);
         const int64_t src = a.ids ? a.ids[r] : r;
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int k = 0; k < a.K; ++k) {
@@ -133,13 +141,19 @@ __global__ void mixture_kernel(launch_args a, Out * out) {
                 continue;
             }
             float v[8];
-            deq::deq8(a.type[k], a.q[k] + src * a.row_bytes[k], i0, v, a.tb);
+            deq::deq_upto8(a.type[k], a.q[k] + src * a.row_bytes[k], i0, n, v, a.tb);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 acc[j] = fmaf(pk, v[j], acc[j]);
             }
         }
-        store8(out + r * a.ne0 + i0, acc);
+        if (vec) {
+            store8(out + r * a.ne0 + i0, acc);
+        } else {
+            for (int j = 0; j < n; ++j) {
+                out[r * a.ne0 + i0 + j] = static_cast<Out>(acc[j]);
+            }
+        }
     }
 }
 
@@ -174,16 +188,24 @@ __global__ void gate_grad_kernel(launch_args a, const G * grad, double * out) {
     for (int k = 0; k < a.K; ++k) {
         part[k] = 0.0f;
     }
-    const int64_t per_row = a.ne0 / 8, total = a.n_rows * per_row;
+    const int64_t per_row = (a.ne0 + 7) / 8, total = a.n_rows * per_row;
+    const bool vec = a.ne0 % 8 == 0;
     for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < total;
          g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int64_t r = g / per_row, i0 = (g % per_row) * 8;
+        const int n = group_size(a, i0);
         const int64_t src = a.ids ? a.ids[r] : r;
-        float gv[8];
-        load8(grad + r * a.ne0 + i0, gv);  // G is read once, for all K candidates
+        float gv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (vec) {
+            load8(grad + r * a.ne0 + i0, gv);  // G is read once, for all K candidates
+        } else {
+            for (int j = 0; j < n; ++j) {
+                gv[j] = static_cast<float>(grad[r * a.ne0 + i0 + j]);
+            }
+        }
         for (int k = 0; k < a.K; ++k) {
             float v[8];
-            deq::deq8(a.type[k], a.q[k] + src * a.row_bytes[k], i0, v, a.tb);
+            deq::deq_upto8(a.type[k], a.q[k] + src * a.row_bytes[k], i0, n, v, a.tb);
             float dot = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -244,7 +266,7 @@ candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std:
         if (!deq::has_rule(t)) {
             fail("tensor '{}': candidate type {} has no GPU dequantizer; use --device cpu or a menu without it", name, t);
         }
-        if (ne0 % 8 != 0 || ne0 % deq::block_size(t) != 0) {
+        if (ne0 < 1 || ne0 % deq::block_size(t) != 0) {
             fail("tensor '{}': rows of {} weights do not fit the GPU dequantizer of type {}", name, ne0, t);
         }
         const int64_t expect = rows * (ne0 / deq::block_size(t)) * deq::block_bytes(t);
@@ -267,7 +289,7 @@ torch::Tensor dequantize(const candidate_set & c, int k) {
     launch_args a = make_args(one, torch::Tensor(), c.rows);
     torch::Tensor out = torch::empty({c.rows, c.ne0}, c.bytes.front().options().dtype(torch::kFloat));
     auto stream = at::cuda::getCurrentCUDAStream();
-    dequantize_kernel<<<blocks_for(c.rows * c.ne0 / 8, sm_count() * 16), k_threads, 0, stream>>>(a, out.data_ptr<float>());
+    dequantize_kernel<<<blocks_for(c.rows * ((c.ne0 + 7) / 8), sm_count() * 16), k_threads, 0, stream>>>(a, out.data_ptr<float>());
     check(cudaGetLastError(), "dequantize_kernel");
     return out;
 }
@@ -283,7 +305,7 @@ torch::Tensor mixture(const candidate_set & c, const torch::Tensor & p, const to
     launch_args a = make_args(c, i, n);
     a.p = pf.data_ptr<float>();
     auto stream = at::cuda::getCurrentCUDAStream();
-    const int blocks = blocks_for(n * c.ne0 / 8, sm_count() * 16);
+    const int blocks = blocks_for(n * ((c.ne0 + 7) / 8), sm_count() * 16);
     torch::Tensor out = torch::empty({n, c.ne0}, c.bytes.front().options().dtype(dtype));
     if (n == 0) {
         return out;
@@ -316,7 +338,7 @@ torch::Tensor gate_grad(const candidate_set & c, const torch::Tensor & grad, con
     }
     auto stream = at::cuda::getCurrentCUDAStream();
     // A few blocks per multiprocessor: each thread walks many groups, so the f64 atomics stay rare.
-    const int blocks = blocks_for(n * c.ne0 / 8, sm_count() * 4);
+    const int blocks = blocks_for(n * ((c.ne0 + 7) / 8), sm_count() * 4);
     if (g.scalar_type() == torch::kFloat) {
         gate_grad_kernel<float><<<blocks, k_threads, 0, stream>>>(a, g.data_ptr<float>(), out.data_ptr<double>());
     } else if (g.scalar_type() == torch::kBFloat16) {

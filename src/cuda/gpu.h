@@ -29,7 +29,8 @@ struct candidate_set {
 };
 
 /// Uploads host bytes of K candidates to `device`. Throws voodoo::error naming `name` when a type has no
-/// GPU rule, K exceeds max_candidates, ne0 is not a multiple of 8 or of a type's block, or a size disagrees.
+/// GPU rule, K exceeds max_candidates, ne0 is not a multiple of a type's block, or a size disagrees.
+/// (Rows of any length work for F32/F16/BF16, e.g. 172; block types need whole blocks.)
 candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
                      int64_t ne0, torch::Device device, const std::string & name);
 
