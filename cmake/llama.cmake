@@ -17,6 +17,7 @@ set(VOODOO_LLAMA_DIR "${VOODOO_LLAMA_DIR}" CACHE PATH "A llama.cpp build or inst
 
 if(VOODOO_LLAMA_DIR)
     set(_inc_hints "${VOODOO_LLAMA_DIR}/include" "${VOODOO_LLAMA_DIR}/ggml/include")
+    set(_common_hints "${VOODOO_LLAMA_DIR}/ggml/src" "${VOODOO_LLAMA_DIR}/include")
     set(_lib_hints "${VOODOO_LLAMA_DIR}/lib" "${VOODOO_LLAMA_DIR}/lib64" "${VOODOO_LLAMA_DIR}/build/bin"
                    "${VOODOO_LLAMA_DIR}/build/lib" "${VOODOO_LLAMA_DIR}/bin")
     set(VOODOO_LLAMA_SOURCE "VOODOO_LLAMA_DIR=${VOODOO_LLAMA_DIR}")
@@ -47,6 +48,7 @@ else()
         file(TOUCH "${_src}/.voodoo-commit-${VOODOO_LLAMA_COMMIT}")
     endif()
     set(_inc_hints "${_src}/include" "${_src}/ggml/include")
+    set(_common_hints "${_src}/ggml/src")
     set(_lib_hints "${_bins}")
     set(VOODOO_LLAMA_SOURCE "npm node-llama-cpp@3.21.1 (llama.cpp ${VOODOO_LLAMA_RELEASE})")
     set(VOODOO_LLAMA_SRC_DIR "${_src}" CACHE INTERNAL "")
@@ -57,7 +59,10 @@ find_path(GGML_INCLUDE_DIR ggml.h HINTS ${_inc_hints} NO_DEFAULT_PATH)
 find_library(GGML_BASE_LIBRARY NAMES ggml-base HINTS ${_lib_hints} NO_DEFAULT_PATH)
 find_library(GGML_LIBRARY NAMES ggml ggml.v0.4.0 HINTS ${_lib_hints} NO_DEFAULT_PATH)
 find_library(LLAMA_LIBRARY NAMES llama llama.v0.4.0 HINTS ${_lib_hints} NO_DEFAULT_PATH)
-foreach(_v LLAMA_INCLUDE_DIR GGML_INCLUDE_DIR GGML_BASE_LIBRARY GGML_LIBRARY LLAMA_LIBRARY)
+# ggml-common.h (block layouts and the i-quant tables) is not installed with the libraries: the GPU
+# dequantizers read it from the source tree (ggml/src of a checkout).
+find_path(GGML_COMMON_INCLUDE_DIR ggml-common.h HINTS ${_common_hints} NO_DEFAULT_PATH)
+foreach(_v LLAMA_INCLUDE_DIR GGML_INCLUDE_DIR GGML_COMMON_INCLUDE_DIR GGML_BASE_LIBRARY GGML_LIBRARY LLAMA_LIBRARY)
     if(NOT ${_v})
         message(FATAL_ERROR "llama.cpp: ${_v} not found (searched ${_inc_hints} ${_lib_hints}). "
                             "Point VOODOO_LLAMA_DIR at a llama.cpp build with include/ and its shared libraries, or unset it.")

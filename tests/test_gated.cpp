@@ -100,3 +100,49 @@ TEST(gated, rows_mix_only_the_rows_asked_for_with_the_same_gradient_rule) {
     EXPECT_TRUE(torch::allclose(grad_rows, g.gate.grad(), 1e-4, 1e-5));
     EXPECT_THROW(gated_mixture_rows(p.detach(), torch::tensor({512}, torch::kLong), g), std::exception);
 }
+
+TEST(gated, the_reference_path_equals_the_cpu_path_in_value_and_gate_gradient) {
+    // The reference path (dense candidates, plain LibTorch) is the oracle of the GPU's fused kernels; here
+    // it is checked against the streaming CPU path on the CPU, in f32.
+    gguf_file f(test::stories260k());
+    auto cpu = make_gated(f, "blk.1.attn_q.weight", {GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0});
+    auto ref = make_gated(f, "blk.1.attn_q.weight", {GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0});
+    const int64_t dense_bytes = place_candidates(ref, mixture_path::reference, torch::kCPU, torch::kFloat, torch::kFloat);
+    EXPECT_EQ(dense_bytes, 3 * 64 * 64 * 4);
+    torch::manual_seed(11);
+    const auto x = torch::randn({8, 64});
+    auto loss = [&](gated_tensor & g) {
+        const auto w = gated_mixture(torch::softmax(g.gate, 0), g);
+        torch::mm(x, w.t()).pow(2).sum().backward();
+        return w.detach();
+    };
+    const auto w_cpu = loss(cpu), w_ref = loss(ref);
+    EXPECT_TRUE(torch::allclose(w_cpu, w_ref, 1e-6, 1e-6));
+    EXPECT_TRUE(torch::allclose(cpu.gate.grad(), ref.gate.grad(), 1e-4, 1e-5)) << cpu.gate.grad() << ref.gate.grad();
+    // Rows of the embedding: the same rule over the rows used.
+    auto ecpu = make_gated(f, "token_embd.weight", {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0});
+    auto eref = make_gated(f, "token_embd.weight", {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0});
+    place_candidates(eref, mixture_path::reference, torch::kCPU, torch::kFloat, torch::kFloat);
+    const auto ids = torch::tensor({3, 400, 3, 17}, torch::kLong);
+    const auto r_cpu = gated_mixture_rows(torch::softmax(ecpu.gate, 0), ids, ecpu);
+    const auto r_ref = gated_mixture_rows(torch::softmax(eref.gate, 0), ids, eref);
+    EXPECT_TRUE(torch::allclose(r_cpu, r_ref, 1e-6, 1e-6));
+    r_cpu.pow(2).sum().backward();
+    r_ref.pow(2).sum().backward();
+    EXPECT_TRUE(torch::allclose(ecpu.gate.grad(), eref.gate.grad(), 1e-4, 1e-5));
+}
+
+TEST(gated, paths_a_build_or_device_cannot_run_are_refused_by_name) {
+    gguf_file f(test::stories260k());
+    auto g = make_gated(f, "blk.1.attn_q.weight", {GGML_TYPE_Q4_0});
+    EXPECT_NE(test::error_of([] { parse_mixture_path("dense"); }).find("--mixture 'dense'"), std::string::npos);
+#if !defined(VOODOO_HAVE_CUDA)
+    EXPECT_NE(test::error_of([&] { place_candidates(g, mixture_path::fused, torch::kCPU, torch::kFloat, torch::kFloat); })
+                  .find("CUDA build"),
+              std::string::npos);
+#else
+    EXPECT_NE(test::error_of([&] { place_candidates(g, mixture_path::fused, torch::kCPU, torch::kFloat, torch::kFloat); })
+                  .find("CUDA device"),
+              std::string::npos);
+#endif
+}

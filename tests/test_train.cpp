@@ -242,3 +242,61 @@ TEST(train, with_an_imatrix_the_exported_file_still_fits_the_target_to_the_byte)
     EXPECT_LE(res.file_bytes, 304352u);
     EXPECT_EQ(gguf_file(dir.file("out.gguf")).get_string("quantize.imatrix.file"), im_path);
 }
+
+namespace {
+
+std::vector<nlohmann::json> log_of(const std::string & run_dir) {
+    std::ifstream in(run_dir + "/log.jsonl");
+    std::vector<nlohmann::json> out;
+    for (std::string line; std::getline(in, line);) {
+        out.push_back(nlohmann::json::parse(line));
+    }
+    return out;
+}
+
+}  // namespace
+
+TEST(train, the_loss_taken_a_few_positions_at_a_time_equals_the_whole_and_the_reference_path_the_cpu_path) {
+    // Chunks of 7 positions (sequences of 32) and dense reference candidates: the same losses, step by step,
+    // as the default run (one chunk, streaming CPU mixture), up to f32 summation order.
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    token_data data(stories_data());
+    train_options a = quick(dir.file("a"));
+    a.steps = 3;
+    train_options b = a;
+    b.run_dir = dir.file("b");
+    b.loss_chunk = 7;
+    b.mixture = "reference";
+    const train_result ra = train_gates(src, src, data.train(), nullptr, a);
+    const train_result rb = train_gates(src, src, data.train(), nullptr, b);
+    EXPECT_EQ(ra.mixture, "cpu");
+    EXPECT_EQ(rb.mixture, "reference");
+    const auto la = log_of(a.run_dir), lb = log_of(b.run_dir);
+    ASSERT_EQ(la.size(), 3u);
+    ASSERT_EQ(lb.size(), 3u);
+    for (size_t i = 0; i < la.size(); ++i) {
+        for (const char * key : {"ce", "kl", "bytes"}) {
+            const double x = la[i][key], y = lb[i][key];
+            EXPECT_NEAR(x, y, 1e-5 * std::max(1.0, std::abs(x))) << key << " at step " << i;
+        }
+    }
+}
+
+TEST(train, a_device_this_build_or_machine_lacks_is_refused_before_any_work) {
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    token_data data(stories_data());
+    train_options o = quick(dir.file("run"));
+    o.device = "tpu";
+    EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, o); }).find("--device 'tpu'"), std::string::npos);
+    o.device = "cpu";
+    o.mixture = "fused";
+    EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, o); }).find("--mixture fused"), std::string::npos);
+#if !defined(VOODOO_HAVE_CUDA)
+    o.device = "cuda";
+    o.mixture.clear();
+    EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, o); }).find("built without CUDA"), std::string::npos);
+#endif
+    EXPECT_FALSE(std::filesystem::exists(dir.file("run/journal.pt")));
+}

@@ -6,6 +6,7 @@
 #include "imatrix/imatrix.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <memory>

@@ -48,6 +48,9 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--seq", o->q.train.seq, "Tokens per training sequence (0 = --ctx)")->capture_default_str();
     sub->add_option("--threads", o->q.threads, "Threads for LibTorch and quantization (0 = all cores)")->capture_default_str();
     sub->add_option("--ggml-threads", o->q.ggml_threads, "Threads for libllama (imatrix, eval)")->capture_default_str();
+    sub->add_option("--device", o->q.train.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
+    sub->add_option("--mixture", o->q.train.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
+    sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
     sub->add_option("--seed", o->q.train.seed, "Seed")->capture_default_str();
     return {sub, [o, bpw, size, ratio, like] {
         quantize_options q = o->q;

@@ -57,6 +57,9 @@ command add_train(CLI::App & app) {
     sub->add_option("--gate-init", o->t.gate_init, "Start logit of the probe's allocation")->capture_default_str();
     sub->add_option("--journal-every", o->t.journal_every, "Steps between journals")->capture_default_str();
     sub->add_flag("--resume", o->t.resume, "Continue the run in --out from its journal");
+    sub->add_option("--device", o->t.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
+    sub->add_option("--mixture", o->t.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
+    sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
     sub->add_option("--seed", o->t.seed, "Seed (data order, Gumbel noise)")->capture_default_str();
     sub->add_option("--threads", o->t.threads, "Threads (0 = all cores)")->capture_default_str();
     return {sub, [o, bpw, size, ratio] {

@@ -1,7 +1,10 @@
 #include "model/blocks.h"
 
+#include <torch/version.h>
+
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace voodoo {
@@ -86,22 +89,43 @@ torch::Tensor apply_rope(const torch::Tensor & x, const rope_tables & tables, co
     return out.to(x.scalar_type());
 }
 
+namespace {
+
+/// [T, T] bool, true where query position p1 (row) must not see key position p0 (column): the future, and with a
+/// sliding window also p1 − p0 ≥ n_swa (the lower triangle below diagonal −n_swa + 1).
+torch::Tensor masked_positions(int64_t T, int64_t n_swa, torch::Device device) {
+    const torch::Tensor ones = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(device));
+    const torch::Tensor future = ones.triu(1);
+    return n_swa > 0 ? future | ones.tril(-n_swa) : future;
+}
+
+}  // namespace
+
 torch::Tensor causal_attention(const torch::Tensor & q, const torch::Tensor & k, const torch::Tensor & v,
                                float kq_scale, int64_t n_swa) {
     const int64_t B = q.size(0), T = q.size(1), n_head = q.size(2), d_k = q.size(3);
     const int64_t n_head_kv = k.size(2), d_v = v.size(3);
     const int64_t group = n_head / n_head_kv;
+#if TORCH_VERSION_MAJOR >= 2
+    // On a GPU in bf16 (training): PyTorch's fused attention (flash / memory-efficient), f32 softmax inside,
+    // no T×T score matrix kept for backward. The CPU and f32 path below stays the parity reference.
+    if (q.is_cuda() && q.scalar_type() == torch::kBFloat16 && d_k == d_v) {
+        const torch::Tensor kr = k.repeat_interleave(group, 2), vr = v.repeat_interleave(group, 2);
+        // A sliding window needs an explicit mask (true = attend); plain causal uses the kernel's own.
+        const std::optional<torch::Tensor> allowed =
+            n_swa > 0 ? std::optional<torch::Tensor>(masked_positions(T, n_swa, q.device()).logical_not()) : std::nullopt;
+        const torch::Tensor out = at::scaled_dot_product_attention(q.transpose(1, 2), kr.transpose(1, 2), vr.transpose(1, 2),
+                                                                   allowed, 0.0, !allowed.has_value(),
+                                                                   static_cast<double>(kq_scale));
+        return out.transpose(1, 2).reshape({B, T, n_head * d_v});
+    }
+#endif
     // [B, n_head_kv, group, T, d]: query head h = g · group + j reads KV head g.
     const torch::Tensor qh = q.permute({0, 2, 1, 3}).reshape({B, n_head_kv, group, T, d_k});
     const torch::Tensor kh = k.permute({0, 2, 1, 3}).unsqueeze(2);
     const torch::Tensor vh = v.permute({0, 2, 1, 3}).unsqueeze(2);
     torch::Tensor scores = torch::matmul(qh, kh.transpose(-1, -2)).to(torch::kFloat) * kq_scale;
-    torch::Tensor masked = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
-    if (n_swa > 0) {
-        // [p1, p0] is masked when p1 − p0 ≥ n_swa: the lower triangle below diagonal −n_swa + 1.
-        masked = masked | torch::ones_like(masked).tril(-n_swa);
-    }
-    scores = scores.masked_fill(masked, -std::numeric_limits<float>::infinity());
+    scores = scores.masked_fill(masked_positions(T, n_swa, q.device()), -std::numeric_limits<float>::infinity());
     const torch::Tensor probs = torch::softmax(scores, -1).to(v.scalar_type());
     const torch::Tensor out = torch::matmul(probs, vh);  // [B, n_head_kv, group, T, d_v]
     return out.reshape({B, n_head, T, d_v}).permute({0, 2, 1, 3}).reshape({B, T, n_head * d_v});

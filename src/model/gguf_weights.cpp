@@ -40,8 +40,9 @@ torch::ScalarType torch_dtype_of(int ggml_type_id, const std::string & tensor_na
     return torch::kFloat;
 }
 
-gguf_weights::gguf_weights(const gguf_file & file, torch::Device device, int n_threads)
-    : file_(file), device_(device), n_threads_(n_threads) {}
+gguf_weights::gguf_weights(const gguf_file & file, torch::Device device, int n_threads,
+                           std::optional<torch::ScalarType> matrix_dtype)
+    : file_(file), device_(device), n_threads_(n_threads), matrix_dtype_(matrix_dtype) {}
 
 bool gguf_weights::has(const std::string & name) const { return file_.find_tensor(name) != nullptr; }
 
@@ -65,10 +66,11 @@ torch::Tensor gguf_weights::get(const std::string & name) {
     }
     const gguf_tensor & t = file_.tensor(name);
     torch::Tensor host = host_tensor(name);
-    if (device_.is_cpu() && is_float_type(t.type)) {
+    const bool convert = matrix_dtype_ && t.n_dims >= 2 && host.scalar_type() != *matrix_dtype_;
+    if (device_.is_cpu() && is_float_type(t.type) && !convert) {
         return host;  // a view of the map: nothing to keep
     }
-    torch::Tensor kept = device_.is_cpu() ? host : host.to(device_);
+    torch::Tensor kept = host.to(device_, convert ? *matrix_dtype_ : host.scalar_type(), false, device_.is_cpu() && convert);
     cache_.emplace(name, kept);
     return kept;
 }

@@ -3,6 +3,7 @@
 
 #include "model/weights.h"
 
+#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -18,8 +19,11 @@ class gguf_file;
 /// once and kept. The gguf_file must outlive this object and every tensor it returned.
 class gguf_weights : public weight_source {
 public:
-    /// `n_threads` for dequantization (0 = all cores).
-    explicit gguf_weights(const gguf_file & file, torch::Device device = torch::kCPU, int n_threads = 0);
+    /// `n_threads` for dequantization (0 = all cores). `matrix_dtype` (e.g. kBFloat16 for a GPU teacher):
+    /// tensors of two or more dimensions are kept in that dtype on the device (converted once), 1-D tensors
+    /// (norms, biases) keep f32; unset keeps every tensor's own dtype.
+    explicit gguf_weights(const gguf_file & file, torch::Device device = torch::kCPU, int n_threads = 0,
+                          std::optional<torch::ScalarType> matrix_dtype = std::nullopt);
 
     /// [ne1, ne0] for 2-D tensors, [ne0] for 1-D, reversed ggml order in general. Throws voodoo::error
     /// naming the file and tensor when it is absent or of a type that is not a weight type (I8, I32, …).
@@ -38,6 +42,7 @@ private:
     const gguf_file & file_;
     torch::Device device_;
     int n_threads_;
+    std::optional<torch::ScalarType> matrix_dtype_;
     std::unordered_map<std::string, torch::Tensor> cache_;  // dequantized or device copies
 };
 

@@ -4,6 +4,10 @@
 #include "ggml/quant.h"
 #include "ggml/types.h"
 
+#if defined(VOODOO_HAVE_CUDA)
+#include "cuda/gpu.h"
+#endif
+
 #include <cstring>
 #include <random>
 
@@ -42,11 +46,57 @@ std::vector<double> probs_of(const torch::Tensor & p) {
     return {c.data_ptr<double>(), c.data_ptr<double>() + c.numel()};
 }
 
+// ⟨G, deq(Q_k)[ids]⟩ for every k on the device paths: [K] f64 on G's device. ids undefined = every row.
+torch::Tensor device_gate_grad(const gated_tensor & t, const torch::Tensor & grad, const torch::Tensor & ids) {
+    if (t.path == mixture_path::reference) {
+        const int64_t K = t.dense.size(0);
+        const torch::Tensor d = ids.defined() ? t.dense.index_select(1, ids) : t.dense;
+        const torch::Tensor g = grad.to(d.dtype()).contiguous().view({-1, 1});
+        return torch::matmul(d.reshape({K, -1}), g).view({K}).to(torch::kDouble);
+    }
+#if defined(VOODOO_HAVE_CUDA)
+    return gpu::gate_grad(*std::static_pointer_cast<gpu::candidate_set>(t.device_bytes), grad, ids);
+#else
+    fail("tensor '{}': the fused mixture needs a CUDA build of voodoo", t.tensor->name);
+#endif
+}
+
+// Rows ids of the mixture on the device paths: [n, ne0] in t.dtype.
+torch::Tensor device_rows(const gated_tensor & t, const torch::Tensor & p, const torch::Tensor & ids) {
+    if (ids.numel() > 0) {
+        const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+        if (lo < 0 || hi >= rows_of(t)) {
+            fail("tensor '{}': row {} is out of range (the tensor has {} rows)", t.tensor->name, lo < 0 ? lo : hi, rows_of(t));
+        }
+    }
+    if (t.path == mixture_path::reference) {
+        const int64_t K = t.dense.size(0);
+        const torch::Tensor d = t.dense.index_select(1, ids);
+        return torch::matmul(p.to(d.dtype()).view({1, K}), d.reshape({K, -1})).view({ids.numel(), t.tensor->ne[0]}).to(t.dtype);
+    }
+#if defined(VOODOO_HAVE_CUDA)
+    return gpu::mixture(*std::static_pointer_cast<gpu::candidate_set>(t.device_bytes), p, ids, t.dtype);
+#else
+    (void)p;
+    fail("tensor '{}': the fused mixture needs a CUDA build of voodoo", t.tensor->name);
+#endif
+}
+
 class mixture_fn : public torch::autograd::Function<mixture_fn> {
 public:
     static torch::Tensor forward(AutogradContext * ctx, const torch::Tensor & p, int64_t handle) {
         auto & t = *reinterpret_cast<gated_tensor *>(handle);
         ctx->saved_data["t"] = handle;
+        if (t.path == mixture_path::reference) {
+            // Σ_k p_k · D_k as one product over the stacked dense candidates.
+            const int64_t K = t.dense.size(0);
+            return torch::matmul(p.to(t.dense.dtype()).view({1, K}), t.dense.view({K, -1})).view({t.dense.size(1), t.dense.size(2)}).to(t.dtype);
+        }
+#if defined(VOODOO_HAVE_CUDA)
+        if (t.path == mixture_path::fused) {
+            return gpu::mixture(*std::static_pointer_cast<gpu::candidate_set>(t.device_bytes), p, torch::Tensor(), t.dtype);
+        }
+#endif
         const auto w = probs_of(p);
         torch::Tensor out = torch::zeros({rows_of(t), t.tensor->ne[0]}, torch::kFloat);
         std::vector<float> buf;
@@ -62,6 +112,11 @@ public:
 
     static tensor_list backward(AutogradContext * ctx, tensor_list grads) {
         auto & t = *from_handle(ctx);
+        if (t.path != mixture_path::cpu) {
+            const torch::Tensor grad_p = device_gate_grad(t, grads[0], torch::Tensor());
+            t.grad_p = t.grad_p.defined() ? t.grad_p + grad_p : grad_p;
+            return {grad_p.to(torch::kFloat), torch::Tensor()};
+        }
         const torch::Tensor g = grads[0].to(torch::kFloat).contiguous().view(-1);
         auto grad_p = torch::empty({static_cast<int64_t>(t.types.size())}, torch::kDouble);
         std::vector<float> buf;
@@ -81,6 +136,11 @@ public:
                                  int64_t handle) {
         auto & t = *reinterpret_cast<gated_tensor *>(handle);
         ctx->saved_data["t"] = handle;
+        if (t.path != mixture_path::cpu) {
+            const torch::Tensor id = ids.to(p.device(), torch::kLong).contiguous().view(-1);
+            ctx->save_for_backward({id});
+            return device_rows(t, p, id);
+        }
         const torch::Tensor id = ids.to(torch::kLong).contiguous().cpu();
         ctx->save_for_backward({id});
         const int64_t n = id.numel();
@@ -106,6 +166,11 @@ public:
     static tensor_list backward(AutogradContext * ctx, tensor_list grads) {
         auto & t = *from_handle(ctx);
         const torch::Tensor id = ctx->get_saved_variables()[0];
+        if (t.path != mixture_path::cpu) {
+            const torch::Tensor grad_p = device_gate_grad(t, grads[0], id);
+            t.grad_p = t.grad_p.defined() ? t.grad_p + grad_p : grad_p;
+            return {grad_p.to(torch::kFloat), torch::Tensor(), torch::Tensor()};
+        }
         const torch::Tensor g = grads[0].to(torch::kFloat).contiguous().view(-1);
         auto grad_p = torch::empty({static_cast<int64_t>(t.types.size())}, torch::kDouble);
         std::vector<float> buf;
@@ -127,6 +192,81 @@ torch::Tensor gated_mixture(const torch::Tensor & p, gated_tensor & t) {
 
 torch::Tensor gated_mixture_rows(const torch::Tensor & p, const torch::Tensor & ids, gated_tensor & t) {
     return mixture_rows_fn::apply(p, ids, reinterpret_cast<int64_t>(&t));
+}
+
+mixture_path parse_mixture_path(const std::string & s) {
+    if (s == "cpu") {
+        return mixture_path::cpu;
+    }
+    if (s == "fused") {
+        return mixture_path::fused;
+    }
+    if (s == "reference") {
+        return mixture_path::reference;
+    }
+    fail("--mixture '{}': expected fused (the GPU kernels), reference (dense candidates, plain LibTorch) or cpu", s);
+}
+
+std::string mixture_path_name(mixture_path p) {
+    switch (p) {
+        case mixture_path::cpu: return "cpu";
+        case mixture_path::fused: return "fused";
+        case mixture_path::reference: return "reference";
+    }
+    return "?";
+}
+
+int64_t place_candidates(gated_tensor & t, mixture_path path, torch::Device device, torch::ScalarType w_dtype,
+                         torch::ScalarType dense_dtype) {
+    t.path = path;
+    t.dtype = w_dtype;
+    t.dense = torch::Tensor();
+    t.device_bytes.reset();
+    const int64_t rows = rows_of(t), ne0 = t.tensor->ne[0];
+    switch (path) {
+        case mixture_path::cpu:
+            t.dtype = torch::kFloat;
+            return 0;
+        case mixture_path::reference: {
+            const int64_t K = static_cast<int64_t>(t.types.size());
+            t.dense = torch::empty({K, rows, ne0}, torch::TensorOptions().dtype(dense_dtype).device(device));
+            std::vector<float> buf;
+            for (size_t k = 0; k < t.types.size(); ++k) {
+                dequantize_candidate(t, k, buf);
+                t.dense[static_cast<int64_t>(k)].copy_(torch::from_blob(buf.data(), {rows, ne0}, torch::kFloat));
+            }
+            return t.dense.numel() * t.dense.element_size();
+        }
+        case mixture_path::fused: {
+#if defined(VOODOO_HAVE_CUDA)
+            if (!device.is_cuda()) {
+                fail("tensor '{}': the fused mixture runs on a CUDA device, not {}", t.tensor->name, device.str());
+            }
+            std::vector<int> types(t.types.begin(), t.types.end());
+            auto c = std::make_shared<gpu::candidate_set>(gpu::upload(t.bytes, types, rows, ne0, device, t.tensor->name));
+            const int64_t n = gpu::resident_bytes(*c);
+            t.device_bytes = c;
+            return n;
+#else
+            fail("tensor '{}': --mixture fused needs a CUDA build of voodoo (README: building for the GPU)", t.tensor->name);
+#endif
+        }
+    }
+    return 0;
+}
+
+torch::Tensor candidate_weights(const gated_tensor & t, size_t k, torch::Device device) {
+#if defined(VOODOO_HAVE_CUDA)
+    if (t.path == mixture_path::fused) {
+        return gpu::dequantize(*std::static_pointer_cast<gpu::candidate_set>(t.device_bytes), static_cast<int>(k));
+    }
+#endif
+    if (t.path == mixture_path::reference && t.dense.scalar_type() == torch::kFloat) {
+        return t.dense[static_cast<int64_t>(k)];
+    }
+    std::vector<float> buf;
+    dequantize_candidate(t, k, buf);
+    return torch::from_blob(buf.data(), {rows_of(t), t.tensor->ne[0]}, torch::kFloat).to(device, torch::kFloat, false, true);
 }
 
 gated_weights::gated_weights(weight_source & dense, std::vector<gated_tensor> & tensors)
@@ -159,7 +299,7 @@ torch::Tensor gated_weights::forward_probs(size_t i) {
     for (int64_t j = 0; j < k; ++j) {
         noise[j] = static_cast<float>(-std::log(-std::log(u(rng))));
     }
-    const auto pick = (tensors_[i].gate.detach() / tau_ + noise).argmax();
+    const auto pick = (tensors_[i].gate.detach() / tau_ + noise.to(soft.device())).argmax();
     auto hard = torch::zeros_like(soft);
     hard[pick] = 1.0f;
     return hard - soft.detach() + soft;

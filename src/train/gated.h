@@ -9,21 +9,49 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 namespace voodoo {
 
+/// How W_eff and ∂L/∂p are computed (the same function three ways).
+enum class mixture_path {
+    cpu,        // host bytes, ggml's to_float on the CPU in forward and again in backward (no dense copies)
+    fused,      // CUDA builds: bytes resident on the GPU, the fused kernels of src/cuda/gpu.h
+    reference,  // plain LibTorch ops on K dense dequantized candidates ([K, rows, ne0] on the device): the
+                // oracle of the fused path, and the baseline of bench/train_step; any device
+};
+
+/// "cpu", "fused", "reference" → the path; throws voodoo::error naming the flag value otherwise.
+mixture_path parse_mixture_path(const std::string & s);
+std::string mixture_path_name(mixture_path p);
+
 /// The candidates of one selectable tensor: the menu's types and their exact bytes.
 struct gated_tensor {
     const gguf_tensor * tensor;                 // the source tensor (shape, name)
     std::vector<ggml_type> types;               // the menu, K types
     std::vector<std::vector<uint8_t>> bytes;    // K candidates, tensor_bytes(types[k], shape) each
-    torch::Tensor gate;                         // [K] f32 logits g, a leaf that requires grad
+    torch::Tensor gate;                         // [K] f32 logits g, a leaf that requires grad (on the device)
     torch::Tensor grad_p;                       // [K] f64: last backward's ∂L/∂p_k = ⟨∂L/∂W_eff, deq(Q_k)⟩
     int n_threads = 0;                          // dequantization threads (0 = all cores)
+    mixture_path path = mixture_path::cpu;
+    torch::ScalarType dtype = torch::kFloat;    // of W_eff (fused: kFloat or kBFloat16, formed in that dtype)
+    torch::Tensor dense;                        // reference path: [K, rows, ne0] dequantized candidates
+    std::shared_ptr<void> device_bytes;         // fused path: the gpu::candidate_set (CUDA builds)
 };
+
+/// Moves the candidates of `t` to `device` for `path`: fused uploads the quantized bytes (CUDA builds only;
+/// the host bytes are kept for export and the probe); reference dequantizes every candidate with ggml on the
+/// CPU and keeps them dense in `dense_dtype`; cpu keeps the host bytes. Returns the device bytes the
+/// candidates now take. Throws voodoo::error when the path needs CUDA this build lacks, or a type has no
+/// GPU dequantizer (fused).
+int64_t place_candidates(gated_tensor & t, mixture_path path, torch::Device device, torch::ScalarType w_dtype,
+                         torch::ScalarType dense_dtype);
+
+/// deq(Q_k) of t as [rows, ne0] f32 on the path's device (the probe's single-candidate weights).
+torch::Tensor candidate_weights(const gated_tensor & t, size_t k, torch::Device device);
 
 /// W_eff = Σ_k p_k · deq(Q_k) as a [ne1, ne0] f32 tensor, differentiable in p ([K] f32). Backward gives
 /// ∂L/∂p_k = ⟨∂L/∂W_eff, deq(Q_k)⟩ (DESIGN.md), computed by dequantizing each candidate again, and stores

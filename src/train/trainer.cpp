@@ -10,6 +10,7 @@
 #include "model/gguf_weights.h"
 #include "model/registry.h"
 #include "train/gated.h"
+#include "train/loss.h"
 
 #include <torch/torch.h>
 
@@ -127,7 +128,7 @@ void save_journal(const std::string & path, const std::string & fp, int step, co
     a.write("fingerprint", c10::IValue(fp));
     a.write("step", torch::tensor(static_cast<int64_t>(step)));
     for (size_t i = 0; i < g.size(); ++i) {
-        a.write(fmt::format("gate.{}", i), g[i].gate.detach());
+        a.write(fmt::format("gate.{}", i), g[i].gate.detach().cpu());
     }
     torch::serialize::OutputArchive o;
     opt.save(o);
@@ -228,20 +229,19 @@ private:
     torch::Tensor w_;
 };
 
-torch::Tensor mean_kl(const torch::Tensor & t_logp, const torch::Tensor & s_logits) {
-    const torch::Tensor s_logp = torch::log_softmax(s_logits, -1);
-    return (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean();
-}
-
 // ΔKL(teacher ‖ student) of every candidate alone, on `tokens`: [tensor][menu type], nats per token.
 // The sensitivities rank the choices before training (the gates start at the allocation they suggest)
-// and estimate the loss of each move in the final exact-budget repair.
+// and estimate the loss of each move in the final exact-budget repair. The KL is taken a chunk of
+// positions at a time (chunked_distill), so a large vocabulary never holds all logits.
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
-                                                   const torch::Tensor & tokens) {
+                                                   const torch::Tensor & tokens, torch::Device device, int64_t chunk) {
     torch::NoGradGuard no_grad;
-    const torch::Tensor t_logp = torch::log_softmax(model.forward(tokens, teacher), -1);
-    const double base = mean_kl(t_logp, model.forward(tokens, dense)).item<double>();
+    const torch::Tensor h_t = model.hidden(tokens, teacher);
+    auto kl_of = [&](weight_source & w) {
+        return chunked_distill(model, model.hidden(tokens, w), w, h_t, teacher, tokens, 1.0, 0.0, chunk).kl;
+    };
+    const double base = kl_of(dense);
     int64_t n_candidates = 0;
     for (const auto & g : gated) {
         n_candidates += static_cast<int64_t>(g.types.size());
@@ -249,7 +249,6 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
     progress bar("probe", n_candidates, "cand");
     swap_weights swap(dense);
     std::vector<std::vector<double>> out;
-    std::vector<float> buf;
     for (const gated_tensor & g : gated) {
         std::vector<int64_t> shape;
         for (int d = g.tensor->n_dims - 1; d >= 0; --d) {
@@ -257,10 +256,8 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
         }
         std::vector<double> row;
         for (size_t k = 0; k < g.types.size(); ++k) {
-            buf.resize(static_cast<size_t>(g.tensor->n_elements()));
-            dequantize_into(g.types[k], g.bytes[k], g.tensor->ne[0], buf, 0, g.tensor->name);
-            swap.set(g.tensor->name, torch::from_blob(buf.data(), shape, torch::kFloat));
-            row.push_back(mean_kl(t_logp, model.forward(tokens, swap)).item<double>() - base);
+            swap.set(g.tensor->name, candidate_weights(g, k, device).view(shape));
+            row.push_back(kl_of(swap) - base);
             bar.add(1);
         }
         out.push_back(std::move(row));
@@ -311,6 +308,15 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
 
     // Everything that can be refused is refused before any work.
+    const torch::Device device = parse_train_device(o.device);
+    const mixture_path path = o.mixture.empty() ? (device.is_cuda() ? mixture_path::fused : mixture_path::cpu)
+                                                : parse_mixture_path(o.mixture);
+    if (path == mixture_path::cpu && !device.is_cpu()) {
+        fail("--mixture cpu runs on the CPU; with --device {} use fused or reference", o.device);
+    }
+    if (path == mixture_path::fused && !device.is_cuda()) {
+        fail("--mixture fused runs on a CUDA device; pass --device cuda (a CUDA build), or --mixture cpu");
+    }
     menu_options menu = o.menu;
     if (importance) {
         menu.importance = importance;
@@ -337,10 +343,20 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     torch::set_num_threads(n_threads);
     const candidate_cache cache(o.cache_dir.empty() ? (fs::path(o.run_dir) / "candidates").string() : o.cache_dir);
     std::vector<gated_tensor> gated = build_candidates(src, menus, importance, cache, n_threads);
+    // On a GPU: bf16 compute, the teacher's matrices resident in bf16, the candidates resident as the path
+    // wants them (quantized bytes for fused, dense bf16 for reference).
+    const torch::ScalarType compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat;
+    int64_t candidate_device_bytes = 0;
+    for (gated_tensor & g : gated) {
+        candidate_device_bytes += place_candidates(g, path, device, compute, compute);
+    }
 
     std::unique_ptr<causal_lm> model = build_model(src);
-    gguf_weights dense(src);
-    gguf_weights teacher_weights(teacher);
+    model->set_compute_dtype(compute);
+    const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(compute) : std::nullopt;
+    gguf_weights dense(src, device, 0, keep);
+    gguf_weights teacher_weights(teacher, device, 0, keep);
+    const int64_t loss_chunk = o.loss_chunk > 0 ? o.loss_chunk : distill_chunk(model->hparams().n_vocab);
     const int64_t n_chunks = train.n_chunks();
     auto chunk_tokens = [&](const std::vector<int64_t> & chunks) {
         auto tokens = torch::empty({static_cast<int64_t>(chunks.size()), seq}, torch::kLong);
@@ -351,14 +367,14 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 acc[static_cast<int64_t>(j)][p] = c[static_cast<size_t>(p)];
             }
         }
-        return tokens;
+        return tokens.to(device);
     };
 
     // Sensitivities, and the allocation they suggest: from every tensor's dearest type, the cheapest ΔKL
     // per byte saved until the budget holds. The gates start there.
     const std::vector<int64_t> order0 = epoch_order(n_chunks, o.seed, 0);
     const std::vector<int64_t> probe_chunks(order0.begin(), order0.begin() + std::min<int64_t>(o.probe_sequences, n_chunks));
-    const auto sens = probe_sensitivity(*model, dense, teacher_weights, gated, chunk_tokens(probe_chunks));
+    const auto sens = probe_sensitivity(*model, dense, teacher_weights, gated, chunk_tokens(probe_chunks), device, loss_chunk);
     for (size_t i = 0; i < gated.size(); ++i) {
         for (size_t k = 0; k < gated[i].types.size(); ++k) {
             if (!std::isfinite(sens[i][k])) {
@@ -384,10 +400,10 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     for (size_t i = 0; i < gated.size(); ++i) {
         auto gate = torch::zeros({static_cast<int64_t>(gated[i].types.size())}, torch::kFloat);
         gate[start[i]] = static_cast<float>(o.gate_init);
-        gated[i].gate = gate.requires_grad_(true);
+        gated[i].gate = gate.to(device).requires_grad_(true);
         gated[i].n_threads = 1;
         params.push_back(gated[i].gate);
-        costs.push_back(torch::tensor(b.cost[i], torch::kDouble));
+        costs.push_back(torch::tensor(b.cost[i], torch::kDouble).to(device));
     }
     gated_weights student(dense, gated);
     torch::optim::AdamW opt(params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
@@ -448,26 +464,23 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         double ce_sum = 0, kl_sum = 0, size_term = 0, bytes = 0;
         for (int micro = 0; micro < o.accum; ++micro) {
             const torch::Tensor tokens = batch_tokens(step, micro);
-            torch::Tensor t_logp;
+            torch::Tensor h_t;
             {
-                torch::NoGradGuard no_grad;
-                t_logp = torch::log_softmax(model->forward(tokens, teacher_weights), -1);
+                torch::NoGradGuard no_grad;  // the teacher: no autograd, compute dtype (bf16 on a GPU)
+                h_t = model->hidden(tokens, teacher_weights);
             }
-            const torch::Tensor s_logp = torch::log_softmax(model->forward(tokens, student), -1);
-            const int64_t v = s_logp.size(-1);
-            const torch::Tensor ce = torch::nll_loss(s_logp.slice(1, 0, seq - 1).reshape({-1, v}),
-                                                     tokens.slice(1, 1, seq).reshape({-1}));
-            const torch::Tensor kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean();
-            torch::Tensor expected = torch::tensor(b.fixed, torch::kDouble);
+            const torch::Tensor h_s = model->hidden(tokens, student);
+            torch::Tensor expected = torch::tensor(b.fixed, torch::TensorOptions().dtype(torch::kDouble).device(device));
             for (size_t i = 0; i < gated.size(); ++i) {
                 expected = expected + torch::dot(student.probs(i).to(torch::kDouble), costs[i]);
             }
             const torch::Tensor rel = expected / b.limit - 1.0;
             const torch::Tensor pen = torch::relu(rel.abs() - o.size_tol).pow(2);
-            const torch::Tensor loss = (ce + o.lambda_kl * kl + o.lambda_size * pen.to(torch::kFloat)) / o.accum;
-            loss.backward();
-            ce_sum += ce.item<double>() / o.accum;
-            kl_sum += kl.item<double>() / o.accum;
+            // (CE + λ_KL·KL + λ_size·penalty) / accum, the vocabulary a chunk at a time, in one backward.
+            const distill_values v = chunked_distill(*model, h_s, student, h_t, teacher_weights, tokens, o.lambda_kl,
+                                                     1.0 / o.accum, loss_chunk, pen * (o.lambda_size / o.accum));
+            ce_sum += v.ce / o.accum;
+            kl_sum += v.kl / o.accum;
             size_term = pen.item<double>();
             bytes = expected.item<double>();
         }
@@ -512,7 +525,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     std::vector<std::vector<double>> probs;
     student.set_temperature(temperature(o, o.steps - 1));
     for (size_t i = 0; i < gated.size(); ++i) {
-        const torch::Tensor p = student.probs(i).detach().to(torch::kDouble).contiguous();
+        const torch::Tensor p = student.probs(i).detach().to(torch::kCPU, torch::kDouble).contiguous();
         probs.emplace_back(p.data_ptr<double>(), p.data_ptr<double>() + p.numel());
     }
     const std::vector<int> choice = finalize_choice(b, probs, sens);
@@ -525,8 +538,46 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         write_file_atomic((fs::path(o.run_dir) / "recipe.tensor-types.txt").string(),
                           recipe_tensor_types(res.final_recipe));
     }
+    res.summary += fmt::format("  trained on {} ({} mixture{})\n", device.str(), mixture_path_name(path),
+                               candidate_device_bytes > 0 ? fmt::format(", candidates {:.1f} MiB on the device",
+                                                                        candidate_device_bytes / 1048576.0)
+                                                          : std::string());
+    res.device = device.str();
+    res.mixture = mixture_path_name(path);
+    res.candidate_device_bytes = candidate_device_bytes;
     res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     return res;
+}
+
+torch::Device parse_train_device(const std::string & s) {
+    if (s == "cpu") {
+        return torch::kCPU;
+    }
+    if (s == "cuda" || s.rfind("cuda:", 0) == 0) {
+#if !defined(VOODOO_HAVE_CUDA)
+        fail("--device {}: this voodoo was built without CUDA; build it against a CUDA LibTorch with -DVOODOO_CUDA=ON "
+             "(README: building for the GPU), or use --device cpu", s);
+#else
+        int index = 0;
+        if (s.size() > 5) {
+            try {
+                size_t used = 0;
+                index = std::stoi(s.substr(5), &used);
+                if (used != s.size() - 5 || index < 0) {
+                    throw std::invalid_argument(s);
+                }
+            } catch (const std::exception &) {
+                fail("--device '{}': expected cpu, cuda or cuda:N with N a device number", s);
+            }
+        }
+        if (!torch::cuda::is_available() || index >= static_cast<int>(torch::cuda::device_count())) {
+            fail("--device {}: no such CUDA device here ({} visible); use --device cpu", s,
+                 torch::cuda::is_available() ? torch::cuda::device_count() : 0);
+        }
+        return torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(index));
+#endif
+    }
+    fail("--device '{}': expected cpu, cuda or cuda:N", s);
 }
 
 }  // namespace voodoo

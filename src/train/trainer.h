@@ -7,6 +7,8 @@
 #include "train/budget.h"
 #include "train/candidates.h"
 
+#include <torch/torch.h>
+
 #include <functional>
 #include <string>
 #include <vector>
@@ -41,6 +43,9 @@ struct train_options {
     bool resume = false;                // continue from <run_dir>/journal.pt
     uint64_t seed = 42;
     int threads = 0;                    // 0 = every core
+    std::string device = "cpu";         // "cpu", "cuda" or "cuda:N" (CUDA builds): where the student trains
+    std::string mixture;                // "fused", "reference" or "cpu" ("" = fused on CUDA, cpu on the CPU)
+    int64_t loss_chunk = 0;             // positions per chunk of the CE/KL over the vocabulary (0 = ~512 MB of logits)
     /// Asked after every step; true stops the run after writing a journal (Ctrl-C uses it too).
     std::function<bool(int step)> should_stop;
 };
@@ -53,7 +58,14 @@ struct train_result {
     double limit_bytes;
     double seconds;
     std::string summary;                // the table printed at the end
+    std::string device;                 // where it trained, and how the mixture was formed
+    std::string mixture;
+    int64_t candidate_device_bytes = 0; // what the candidates took on the device (0 on the cpu path)
 };
+
+/// The torch device of a --device value: "cpu", "cuda" or "cuda:N". Throws voodoo::error naming the flag
+/// when the value is malformed, or when CUDA is asked of a build or machine without it.
+torch::Device parse_train_device(const std::string & s);
 
 /// Trains the gates of `src` on `train` chunks with `teacher` as the distillation target (usually src
 /// itself) and writes the run directory. `importance` (optional) is the imatrix's per-tensor importance.

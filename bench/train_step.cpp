@@ -1,0 +1,336 @@
+// bench/train_step: one gate-training step (bf16 teacher forward without autograd, gated student forward
+// and backward, CE + KL over the vocabulary in chunks, AdamW on the gates) on a synthetic llama-architecture
+// model of a real model's shape, with the fused GPU mixture and with the reference path (dense candidates,
+// plain LibTorch), in the same run. Reports step time, tokens/s, model FLOP utilisation, peak GPU memory and
+// the candidates' GPU memory, as a table and as JSON (docs/BENCHMARKS.md says how it was run).
+//
+// The candidates' bytes are real ggml quantizations of the tensor's first --tile-rows rows, repeated down
+// the rows: every row is valid data of its type and the kernels do the same work as on a real model, while
+// the benchmark does not spend an hour quantizing billions of weights on the CPU. Timing does not depend on
+// the values; the training tests and `voodoo quantize --device cuda` use real candidates.
+#include "common/error.h"
+#include "ggml/gguf.h"
+#include "ggml/quant.h"
+#include "ggml/types.h"
+#include "model/fixture.h"
+#include "model/gguf_weights.h"
+#include "model/registry.h"
+#include "train/budget.h"
+#include "train/gated.h"
+#include "train/loss.h"
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/torch.h>
+
+#if defined(VOODOO_HAVE_CUDA)
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+using namespace voodoo;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct model_shape {
+    std::string name;
+    int64_t n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
+    std::string vocab;  // file name under the vocab folder
+    bool tied;
+};
+
+const std::map<std::string, model_shape> & shapes() {
+    // Qwen3-0.6B (tied embeddings) and Llama-3-8B, on the llama architecture.
+    static const std::map<std::string, model_shape> s = {
+        {"qwen3-0.6b", {"qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, "ggml-vocab-qwen2.gguf", true}},
+        {"llama3-8b", {"llama3-8b", 4096, 32, 32, 8, 128, 14336, "ggml-vocab-llama-bpe.gguf", false}},
+        {"tiny", {"tiny", 256, 2, 4, 2, 64, 512, "ggml-vocab-llama-spm.gguf", false}},
+    };
+    return s;
+}
+
+void sync(torch::Device d) {
+#if defined(VOODOO_HAVE_CUDA)
+    if (d.is_cuda()) {
+        torch::cuda::synchronize(d.index());
+    }
+#else
+    (void)d;
+#endif
+}
+
+int64_t peak_bytes(torch::Device d) {
+#if defined(VOODOO_HAVE_CUDA)
+    if (d.is_cuda()) {
+        const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(d.index());
+        return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+    }
+#endif
+    (void)d;
+    return 0;
+}
+
+void reset_peak(torch::Device d) {
+#if defined(VOODOO_HAVE_CUDA)
+    if (d.is_cuda()) {
+        c10::cuda::CUDACachingAllocator::emptyCache();
+        c10::cuda::CUDACachingAllocator::resetPeakStats(d.index());
+    }
+#endif
+    (void)d;
+}
+
+// The first `tile` rows of tensor t as f32.
+std::vector<float> tile_f32(const gguf_file & f, const gguf_tensor & t, int64_t tile) {
+    const int64_t ne0 = t.ne[0], rows = std::min<int64_t>(tile, t.n_rows());
+    const auto all = f.data(t);
+    const size_t row_bytes = ggml_row_size(t.type, ne0);
+    return dequantize(t.type, all.subspan(0, row_bytes * static_cast<size_t>(rows)), ne0);
+}
+
+}  // namespace
+
+int main(int argc, char ** argv) {
+    CLI::App app{"bench/train_step: one gate-training step, fused GPU mixture vs the reference path"};
+    std::string shape_name = "qwen3-0.6b", work = "runs/bench", json_out, vocab_dir, device_str = "cuda";
+    std::string paths_str = "fused,reference", menu_str;
+    int64_t layers = 0, seq = 2048, batch = 1, tile = 64;
+    int steps = 5, warmup = 2;
+    double peak_tflops = 989.0;
+    app.add_option("--shape", shape_name, "qwen3-0.6b, llama3-8b or tiny")->capture_default_str();
+    app.add_option("--layers", layers, "Layers (0 = the shape's own)")->capture_default_str();
+    app.add_option("--seq", seq, "Tokens per sequence")->capture_default_str();
+    app.add_option("--batch", batch, "Sequences per step")->capture_default_str();
+    app.add_option("--steps", steps, "Timed steps (the median is reported)")->capture_default_str();
+    app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
+    app.add_option("--paths", paths_str, "Mixture paths to time: fused, reference, cpu")->capture_default_str();
+    app.add_option("--menu", menu_str, "Candidate types (default: the default menu, no imatrix)");
+    app.add_option("--tile-rows", tile, "Rows really quantized per tensor shape, repeated down the rows")->capture_default_str();
+    app.add_option("--work", work, "Folder for the fixture")->capture_default_str();
+    app.add_option("--vocab-dir", vocab_dir, "Folder of ggml-vocab-*.gguf (default: the llama.cpp models folder)");
+    app.add_option("--device", device_str, "cuda, cuda:N or cpu")->capture_default_str();
+    app.add_option("--peak-tflops", peak_tflops, "Dense bf16 peak for MFU (H200 SXM datasheet: 989)")->capture_default_str();
+    app.add_option("--json", json_out, "Write the results here as JSON");
+    CLI11_PARSE(app, argc, argv);
+    try {
+        const auto it = shapes().find(shape_name);
+        if (it == shapes().end()) {
+            fail("--shape '{}': expected qwen3-0.6b, llama3-8b or tiny", shape_name);
+        }
+        const model_shape & sh = it->second;
+        torch::Device device = device_str == "cpu" ? torch::Device(torch::kCPU) : torch::Device(device_str);
+        if (device.is_cuda() && !device.has_index()) {
+            device = torch::Device(torch::kCUDA, 0);
+        }
+        torch::empty({1}, torch::TensorOptions().device(device));  // initializes the device and its allocator
+        const torch::ScalarType compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat;
+        if (vocab_dir.empty()) {
+            vocab_dir = VOODOO_LLAMA_MODELS_DIR;
+        }
+        fixture_spec spec;
+        spec.n_embd = sh.n_embd;
+        spec.n_layer = layers > 0 ? layers : sh.n_layer;
+        spec.n_head = sh.n_head;
+        spec.n_head_kv = sh.n_head_kv;
+        spec.head_dim = sh.head_dim;
+        spec.n_ff = sh.n_ff;
+        spec.tied_output = sh.tied;
+        spec.vocab_path = (fs::path(vocab_dir) / sh.vocab).string();
+        spec.weight_type = GGML_TYPE_BF16;
+        fs::create_directories(work);
+        const std::string fixture = (fs::path(work) / fmt::format("{}-L{}.gguf", sh.name, spec.n_layer)).string();
+        if (!fs::exists(fixture)) {
+            fmt::print(stderr, "writing the fixture {}\n", fixture);
+            write_fixture(spec, fixture);
+        }
+        const gguf_file src(fixture);
+        auto model = build_model(src);
+        model->set_compute_dtype(compute);
+        const model_hparams & hp = model->hparams();
+
+        menu_options mo;
+        if (!menu_str.empty()) {
+            mo.types = parse_menu(menu_str, "--menu");
+        }
+        const std::vector<tensor_menu> menus = build_menus(src, mo);
+
+        // Candidate bytes: each (shape, type) tile quantized once, repeated down the rows.
+        const auto t0 = std::chrono::steady_clock::now();
+        std::map<std::tuple<int64_t, int64_t, int>, std::vector<uint8_t>> tiles;
+        std::vector<gated_tensor> gated(menus.size());
+        int64_t n_weights_gated = 0;
+        for (size_t i = 0; i < menus.size(); ++i) {
+            const gguf_tensor & t = *menus[i].tensor;
+            gated[i].tensor = &t;
+            gated[i].types = menus[i].types;
+            n_weights_gated += t.n_elements();
+            std::vector<float> f32;
+            for (ggml_type type : menus[i].types) {
+                const auto key = std::make_tuple(t.ne[0], t.n_rows(), static_cast<int>(type));
+                if (!tiles.count(key)) {
+                    if (f32.empty()) {
+                        f32 = tile_f32(src, t, tile);
+                    }
+                    tiles[key] = quantize(type, f32, t.ne[0], {}, 0, t.name);
+                }
+            }
+        }
+        const double quant_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const size_t K = menus.empty() ? 0 : menus.front().types.size();
+        fmt::print(stderr, "{}: {} layers, {} gated tensors, {} candidates each ({}), {:.2f} B weights gated; tiles in {:.1f} s\n",
+                   sh.name, spec.n_layer, menus.size(), K,
+                   menus.empty() ? "" : [&] { std::string s; for (auto t : menus.front().types) s += type_name(t) + " "; return s; }(),
+                   n_weights_gated / 1e9, quant_s);
+
+        auto expand = [&](const gguf_tensor & t, ggml_type type) {
+            const std::vector<uint8_t> & tb = tiles.at(std::make_tuple(t.ne[0], t.n_rows(), static_cast<int>(type)));
+            const size_t row = ggml_row_size(type, t.ne[0]);
+            const size_t tile_rows = tb.size() / row;
+            std::vector<uint8_t> out(row * static_cast<size_t>(t.n_rows()));
+            for (int64_t r = 0; r < t.n_rows(); ++r) {
+                std::memcpy(out.data() + static_cast<size_t>(r) * row, tb.data() + (static_cast<size_t>(r) % tile_rows) * row, row);
+            }
+            return out;
+        };
+
+        // Model FLOPs of one step: teacher forward + student forward + student backward (inputs and weights)
+        // = 4 forwards; a forward is 2 FLOPs per matmul weight per token plus causal attention's
+        // 2 · n_head · head_dim · T per layer per token (QKᵀ and PV over T/2 keys on average).
+        double matmul_weights = 0;
+        for (const gguf_tensor & t : src.tensors()) {
+            if (t.n_dims >= 2 && t.name != "token_embd.weight") {
+                matmul_weights += static_cast<double>(t.n_elements());
+            }
+        }
+        if (hp.tied_output) {
+            matmul_weights += static_cast<double>(src.tensor("token_embd.weight").n_elements());
+        }
+        const double tokens = static_cast<double>(batch * seq);
+        const double fwd = tokens * (2.0 * matmul_weights +
+                                     2.0 * hp.n_layer * hp.n_head * hp.n_embd_head_k * static_cast<double>(seq));
+        const double step_flops = 4.0 * fwd;
+
+        std::vector<std::string> paths;
+        for (size_t a = 0; a <= paths_str.size();) {
+            const size_t b = std::min(paths_str.find(',', a), paths_str.size());
+            paths.push_back(paths_str.substr(a, b - a));
+            a = b + 1;
+        }
+        nlohmann::json results = nlohmann::json::array();
+        const int64_t loss_chunk = distill_chunk(hp.n_vocab);
+        for (const std::string & path_name : paths) {
+            const mixture_path path = parse_mixture_path(path_name);
+            reset_peak(device);
+            int64_t cand_bytes = 0;
+            for (gated_tensor & g : gated) {
+                g.bytes.clear();
+                for (ggml_type type : g.types) {
+                    g.bytes.push_back(expand(*g.tensor, type));
+                }
+                if (path == mixture_path::reference) {
+                    // Dense candidates: ggml's to_float of each tile, repeated down the rows on the device.
+                    g.path = path;
+                    g.dtype = compute;
+                    const int64_t rows = g.tensor->n_rows(), ne0 = g.tensor->ne[0];
+                    g.dense = torch::empty({static_cast<int64_t>(g.types.size()), rows, ne0},
+                                           torch::TensorOptions().dtype(compute).device(device));
+                    for (size_t k = 0; k < g.types.size(); ++k) {
+                        const auto & tb = tiles.at(std::make_tuple(ne0, rows, static_cast<int>(g.types[k])));
+                        auto d = dequantize(g.types[k], tb, ne0);
+                        const int64_t tr = static_cast<int64_t>(d.size()) / ne0;
+                        const torch::Tensor td = torch::from_blob(d.data(), {tr, ne0}).to(device, compute);
+                        g.dense[static_cast<int64_t>(k)].copy_(td.repeat({(rows + tr - 1) / tr, 1}).slice(0, 0, rows));
+                    }
+                    cand_bytes += g.dense.numel() * g.dense.element_size();
+                } else {
+                    cand_bytes += place_candidates(g, path, device, compute, compute);
+                }
+                if (path != mixture_path::cpu) {
+                    g.bytes.clear();
+                    g.bytes.shrink_to_fit();
+                }
+                g.gate = torch::zeros({static_cast<int64_t>(g.types.size())},
+                                      torch::TensorOptions().device(device)).requires_grad_(true);
+            }
+            std::vector<torch::Tensor> params;
+            for (auto & g : gated) {
+                params.push_back(g.gate);
+            }
+            torch::optim::AdamW opt(params, torch::optim::AdamWOptions(0.05));
+            const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(compute) : std::nullopt;
+            gguf_weights teacher(src, device, 0, keep);
+            gguf_weights dense(src, device, 0, keep);
+            gated_weights student(dense, gated);
+            torch::manual_seed(1);
+            std::vector<double> times;
+            for (int s = 0; s < warmup + steps; ++s) {
+                const torch::Tensor tok = torch::randint(0, hp.n_vocab, {batch, seq}, torch::kLong).to(device);
+                sync(device);
+                const auto a = std::chrono::steady_clock::now();
+                opt.zero_grad();
+                torch::Tensor h_t;
+                {
+                    torch::NoGradGuard no_grad;
+                    h_t = model->hidden(tok, teacher);
+                }
+                const torch::Tensor h_s = model->hidden(tok, student);
+                const distill_values v = chunked_distill(*model, h_s, student, h_t, teacher, tok, 1.0, 1.0, loss_chunk);
+                opt.step();
+                sync(device);
+                const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+                if (s >= warmup) {
+                    times.push_back(dt);
+                }
+                fmt::print(stderr, "  {} step {}: {:.3f} s (CE {:.3f}, KL {:.4f})\n", path_name, s, dt, v.ce, v.kl);
+            }
+            std::sort(times.begin(), times.end());
+            const double med = times[times.size() / 2];
+            const nlohmann::json r = {
+                {"shape", sh.name},         {"layers", spec.n_layer},     {"path", path_name},
+                {"candidates", K},          {"seq", seq},                  {"batch", batch},
+                {"step_s", med},            {"step_s_min", times.front()}, {"step_s_max", times.back()},
+                {"tokens_per_s", tokens / med},
+                {"tflops", step_flops / med / 1e12},
+                {"mfu", step_flops / med / (peak_tflops * 1e12)},
+                {"peak_gib", peak_bytes(device) / 1073741824.0},
+                {"candidate_gib", cand_bytes / 1073741824.0},
+                {"weights_gated", n_weights_gated},
+                {"step_flops", step_flops}};
+            results.push_back(r);
+            for (gated_tensor & g : gated) {
+                g.dense = torch::Tensor();
+                g.device_bytes.reset();
+                g.gate = torch::Tensor();
+            }
+        }
+        fmt::print("| shape | layers | path | K | seq | step (s) | tokens/s | TFLOP/s | MFU | peak GPU (GiB) | candidates (GiB) |\n");
+        fmt::print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        for (const auto & r : results) {
+            fmt::print("| {} | {} | {} | {} | {} | {:.3f} | {:.0f} | {:.0f} | {:.1f}% | {:.1f} | {:.2f} |\n",
+                       r["shape"].get<std::string>(), r["layers"].get<int64_t>(), r["path"].get<std::string>(),
+                       r["candidates"].get<size_t>(), r["seq"].get<int64_t>(), r["step_s"].get<double>(),
+                       r["tokens_per_s"].get<double>(), r["tflops"].get<double>(), 100 * r["mfu"].get<double>(),
+                       r["peak_gib"].get<double>(), r["candidate_gib"].get<double>());
+        }
+        if (results.size() == 2) {
+            fmt::print("fused vs reference: {:.2f}x faster per step, {:.2f}x less candidate memory, {:.2f}x less peak memory\n",
+                       results[1]["step_s"].get<double>() / results[0]["step_s"].get<double>(),
+                       results[1]["candidate_gib"].get<double>() / results[0]["candidate_gib"].get<double>(),
+                       results[1]["peak_gib"].get<double>() / results[0]["peak_gib"].get<double>());
+        }
+        if (!json_out.empty()) {
+            std::ofstream(json_out) << results.dump(2) << "\n";
+        }
+    } catch (const voodoo::error & e) {
+        fmt::print(stderr, "error: {}\n", e.what());
+        return 1;
+    }
+    return 0;
+}

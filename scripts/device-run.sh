@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# What the project runs on the GPU machine (the workplace's device tool): a CUDA build against that
+# machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
+# scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
+# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, bench-small, bench-large. Logs and
+# results go to $OUT (or ./out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+D=$PWD/.device
+export VOODOO_PROGRESS=0
+log() { echo "== $(date +%T) $*"; }
+
+for stage in "$@"; do
+case "$stage" in
+build)
+    log build
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
+    TORCH_PREFIX=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+    cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DVOODOO_CUDA=ON \
+        -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DVOODOO_LLAMA_DIR="$D/llama" \
+        -DXXHASH_INCLUDE_DIR="$D/include" -DXXHASH_LIBRARY=/lib/x86_64-linux-gnu/libxxhash.so.0 \
+        -DVOODOO_SHARED_DATA="$D/data" > "$OUT/configure.log" 2>&1 || { tail -40 "$OUT/configure.log"; exit 1; }
+    # -k 0: build every target that can be built, so one failing target still leaves the others to run.
+    cmake --build build-cuda -j "$(nproc)" -- -k 0 > "$OUT/build.log" 2>&1 || grep -E "error|Error" -A5 "$OUT/build.log" | head -80
+    log built
+    ;;
+test)
+    log test
+    build-cuda/bin/voodoo_tests --gtest_filter='cuda*:gated*:train.the_loss*:train.finishes*' 2>&1 | tee "$OUT/test-cuda.log" | grep -E "^\[|Failure|Expected|Which|error" | head -80
+    if [ "${PIPESTATUS[0]}" -ge 128 ]; then
+        log "the tests crashed: the training test again under cuda-gdb for a backtrace"
+        cuda-gdb -batch -ex run -ex bt -ex "info threads" --args build-cuda/bin/voodoo_tests \
+            --gtest_filter='cuda.training*' > "$OUT/gdb.log" 2>&1
+        grep -E "^#|signal|Thread" "$OUT/gdb.log" | head -60
+    fi
+    ;;
+e2e)
+    log e2e stories260K
+    T=$D/data/text/tinystories/tinystories_val.txt
+    n=$(wc -l < "$T"); k=$((n * 4 / 5)); mkdir -p "$OUT/e2e"
+    head -n $k "$T" > /tmp/calib.txt; tail -n +$((k + 1)) "$T" > /tmp/heldout.txt
+    /usr/bin/time -v build-cuda/bin/voodoo quantize "$D/data/models/stories260K/stories260K.gguf" --text /tmp/calib.txt \
+        --eval-text /tmp/heldout.txt --like Q4_K_M --ctx 256 --eval-ctx 256 --baselines Q4_K_M --device cuda \
+        --work /tmp/e2e-stories --threads 16 --ggml-threads 8 > "$OUT/e2e/stories.log" 2>&1
+    tail -25 "$OUT/e2e/stories.log"; cp /tmp/e2e-stories/eval.json "$OUT/e2e/stories-eval.json" 2>/dev/null
+    cp /tmp/e2e-stories/run/log.jsonl "$OUT/e2e/stories-train-log.jsonl" 2>/dev/null
+    ;;
+e2e-0.6b)
+    log e2e qwen3-0.6b shape
+    build-cuda/bin/voodoo-fixture --vocab "$D/llama/models/ggml-vocab-qwen2.gguf" --n-embd 1024 --n-layer 28 --n-head 16 \
+        --n-head-kv 8 --head-dim 128 --n-ff 3072 --type bf16 --tied -o /tmp/qwen3-0.6b-shape.gguf
+    W=$D/data/text/tinystories/tinystories_val.txt
+    # A short run: a 7-type menu, 16 imatrix chunks, 50 steps; the eval (libllama on the CPU) loads the
+    # exported file beside stock Q4_K_M on 8 chunks.
+    mkdir -p "$OUT/e2e"
+    /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/qwen3-0.6b-shape.gguf --text "$W" --ratio 0.6 --ctx 512 \
+        --menu Q2_K,Q3_K,IQ4_XS,Q4_K,Q5_K,Q6_K,Q8_0 --imatrix-chunks 16 --steps 50 --batch 4 --baselines Q4_K_M \
+        --eval-ctx 512 --eval-chunks 8 --device cuda --work /tmp/e2e-06b --threads 16 --ggml-threads 16 \
+        > "$OUT/e2e/qwen3-0.6b.log" 2>&1
+    tail -30 "$OUT/e2e/qwen3-0.6b.log"
+    ls -la /tmp/e2e-06b/*.gguf
+    build-cuda/bin/voodoo inspect /tmp/e2e-06b/*Voodoo*.gguf > "$OUT/e2e/qwen3-0.6b-inspect.txt" 2>&1; tail -5 "$OUT/e2e/qwen3-0.6b-inspect.txt"
+    ;;
+bench-small)
+    log bench qwen3-0.6b
+    build-cuda/bin/train_step --shape qwen3-0.6b --work /tmp/bench --json "$OUT/bench-qwen3-0.6b.json" 2>&1 | tee "$OUT/bench-qwen3-0.6b.log" | tail -8
+    ;;
+bench-large)
+    log bench llama3-8b shape
+    build-cuda/bin/train_step --shape llama3-8b --layers 4 --work /tmp/bench --json "$OUT/bench-llama3-8b.json" 2>&1 | tee "$OUT/bench-llama3-8b.log" | tail -8
+    ;;
+*)
+    echo "unknown stage $stage"; exit 2 ;;
+esac
+done
+log done

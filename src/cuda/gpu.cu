@@ -1,0 +1,363 @@
+// The fused kernels of src/cuda/gpu.h. One thread owns eight consecutive weights of one row (16-byte
+// stores of W_eff; 16- or 32-byte loads of G) and walks the K candidates, dequantizing its eight weights
+// of each straight from the quantized bytes. The per-candidate branch is uniform across a warp (all
+// threads read the same candidate at the same time), so the type switch costs no divergence.
+#include "cuda/gpu.h"
+
+#include "common/error.h"
+#include "cuda/deq_host.h"
+#include "cuda/deq_rules.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+
+#include <map>
+#include <mutex>
+
+namespace voodoo::gpu {
+
+namespace {
+
+constexpr int k_threads = 256;
+
+// Everything a launch reads besides the output and G, passed by value (the kernel parameter space; indexed
+// with a warp-uniform k).
+struct launch_args {
+    const uint8_t * q[max_candidates];
+    int64_t row_bytes[max_candidates];
+    int type[max_candidates];
+    int K;
+    const float * p;          // [K] on the device, or nullptr (dequantize: one candidate, p = 1)
+    const int64_t * ids;      // [n] rows to read, or nullptr: row r reads row r
+    int64_t n_rows;           // rows of the output / of G
+    int64_t ne0;
+    deq::tables tb;
+};
+
+void check(cudaError_t e, const char * what) {
+    if (e != cudaSuccess) {
+        fail("CUDA error in {}: {}", what, cudaGetErrorString(e));
+    }
+}
+
+// ggml's i-quant tables, uploaded once per device.
+const deq::tables & device_tables(int device) {
+    static std::mutex mutex;
+    static std::map<int, std::pair<torch::Tensor, deq::tables>> per_device;
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = per_device.find(device);
+    if (it == per_device.end()) {
+        const packed_deq_tables & h = packed_host_deq_tables();
+        torch::Tensor host = torch::from_blob(const_cast<uint8_t *>(h.bytes.data()),
+                                              {static_cast<int64_t>(h.bytes.size())}, torch::kUInt8);
+        torch::Tensor dev = host.to(torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(device)));
+        const uint8_t * base = dev.data_ptr<uint8_t>();
+        deq::tables t = {
+            reinterpret_cast<const uint64_t *>(base + h.offsets[0]), reinterpret_cast<const uint64_t *>(base + h.offsets[1]),
+            reinterpret_cast<const uint64_t *>(base + h.offsets[2]), reinterpret_cast<const uint32_t *>(base + h.offsets[3]),
+            reinterpret_cast<const uint32_t *>(base + h.offsets[4]), reinterpret_cast<const uint64_t *>(base + h.offsets[5]),
+            reinterpret_cast<const uint8_t *>(base + h.offsets[6]),  reinterpret_cast<const int8_t *>(base + h.offsets[7]),
+        };
+        it = per_device.emplace(device, std::make_pair(dev, t)).first;
+    }
+    return it->second.second;
+}
+
+launch_args make_args(const candidate_set & c, const torch::Tensor & ids, int64_t n_rows) {
+    launch_args a{};
+    a.K = static_cast<int>(c.types.size());
+    for (int k = 0; k < a.K; ++k) {
+        a.q[k] = c.bytes[static_cast<size_t>(k)].data_ptr<uint8_t>();
+        a.row_bytes[k] = c.ne0 / deq::block_size(c.types[static_cast<size_t>(k)]) * deq::block_bytes(c.types[static_cast<size_t>(k)]);
+        a.type[k] = c.types[static_cast<size_t>(k)];
+    }
+    a.ids = ids.defined() ? ids.data_ptr<int64_t>() : nullptr;
+    a.n_rows = n_rows;
+    a.ne0 = c.ne0;
+    a.tb = device_tables(c.bytes.front().device().index());
+    return a;
+}
+
+int blocks_for(int64_t work, int max_blocks) {
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((work + k_threads - 1) / k_threads, max_blocks)));
+}
+
+int sm_count() {
+    return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
+// Rows whose length is not a multiple of 8 (float types only, e.g. 172) take the scalar tail and stores.
+__device__ __forceinline__ int group_size(const launch_args & a, int64_t i0) {
+    return a.ne0 - i0 < 8 ? static_cast<int>(a.ne0 - i0) : 8;
+}
+
+__global__ void dequantize_kernel(launch_args a, float * out) {
+    const int64_t per_row = (a.ne0 + 7) / 8, total = a.n_rows * per_row;
+    for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < total;
+         g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = g / per_row, i0 = (g % per_row) * 8;
+        const int n = group_size(a, i0);
+        float v[8];
+        deq::deq_upto8(a.type[0], a.q[0] + r * a.row_bytes[0], i0, n, v, a.tb);
+        for (int j = 0; j < n; ++j) {
+            out[r * a.ne0 + i0 + j] = v[j];
+        }
+    }
+}
+
+template <typename Out>
+__device__ __forceinline__ void store8(Out * dst, const float * v);
+
+template <>
+__device__ __forceinline__ void store8<float>(float * dst, const float * v) {
+    float4 * o = reinterpret_cast<float4 *>(dst);
+    o[0] = make_float4(v[0], v[1], v[2], v[3]);
+    o[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+template <>
+__device__ __forceinline__ void store8<__nv_bfloat16>(__nv_bfloat16 * dst, const float * v) {
+    __nv_bfloat162 h[4];
+    for (int j = 0; j < 4; ++j) {
+        h[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+    }
+    *reinterpret_cast<uint4 *>(dst) = *reinterpret_cast<const uint4 *>(h);
+}
+
+template <typename Out>
+__global__ void mixture_kernel(launch_args a, Out * out) {
+    const int64_t per_row = (a.ne0 + 7) / 8, total = a.n_rows * per_row;
+    const bool vec = a.ne0 % 8 == 0;
+    for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < total;
+         g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = g / per_row, i0 = (g % per_row) * 8;
+        const int n = group_size(a, i0);
+        const int64_t src = a.ids ? a.ids[r] : r;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int k = 0; k < a.K; ++k) {
+            const float pk = a.p[k];
+            if (pk == 0.0f) {
+                continue;
+            }
+            float v[8];
+            deq::deq_upto8(a.type[k], a.q[k] + src * a.row_bytes[k], i0, n, v, a.tb);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                acc[j] = fmaf(pk, v[j], acc[j]);
+            }
+        }
+        if (vec) {
+            store8(out + r * a.ne0 + i0, acc);
+        } else {
+            for (int j = 0; j < n; ++j) {
+                out[r * a.ne0 + i0 + j] = static_cast<Out>(acc[j]);
+            }
+        }
+    }
+}
+
+template <typename G>
+__device__ __forceinline__ void load8(const G * src, float * v);
+
+template <>
+__device__ __forceinline__ void load8<float>(const float * src, float * v) {
+    const float4 a = reinterpret_cast<const float4 *>(src)[0], b = reinterpret_cast<const float4 *>(src)[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+template <>
+__device__ __forceinline__ void load8<__nv_bfloat16>(const __nv_bfloat16 * src, float * v) {
+    const uint4 raw = *reinterpret_cast<const uint4 *>(src);
+    const __nv_bfloat162 * h = reinterpret_cast<const __nv_bfloat162 *>(&raw);
+    for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(h[j]);
+        v[2 * j] = f.x;
+        v[2 * j + 1] = f.y;
+    }
+}
+
+template <typename G>
+__global__ void gate_grad_kernel(launch_args a, const G * grad, double * out) {
+    __shared__ double block_sum[max_candidates];
+    if (threadIdx.x < max_candidates) {
+        block_sum[threadIdx.x] = 0.0;
+    }
+    __syncthreads();
+    float part[max_candidates];
+    for (int k = 0; k < a.K; ++k) {
+        part[k] = 0.0f;
+    }
+    const int64_t per_row = (a.ne0 + 7) / 8, total = a.n_rows * per_row;
+    const bool vec = a.ne0 % 8 == 0;
+    for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < total;
+         g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = g / per_row, i0 = (g % per_row) * 8;
+        const int n = group_size(a, i0);
+        const int64_t src = a.ids ? a.ids[r] : r;
+        float gv[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        if (vec) {
+            load8(grad + r * a.ne0 + i0, gv);  // G is read once, for all K candidates
+        } else {
+            for (int j = 0; j < n; ++j) {
+                gv[j] = static_cast<float>(grad[r * a.ne0 + i0 + j]);
+            }
+        }
+        for (int k = 0; k < a.K; ++k) {
+            float v[8];
+            deq::deq_upto8(a.type[k], a.q[k] + src * a.row_bytes[k], i0, n, v, a.tb);
+            float dot = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                dot = fmaf(gv[j], v[j], dot);
+            }
+            part[k] += dot;
+        }
+    }
+    const unsigned lane = threadIdx.x % 32;
+    for (int k = 0; k < a.K; ++k) {
+        double s = part[k];
+        for (int off = 16; off > 0; off /= 2) {
+            s += __shfl_down_sync(0xffffffffu, s, off);
+        }
+        if (lane == 0) {
+            atomicAdd(&block_sum[k], s);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < a.K) {
+        atomicAdd(&out[threadIdx.x], block_sum[threadIdx.x]);
+    }
+}
+
+void require_device_tensor(const torch::Tensor & t, const candidate_set & c, const char * what) {
+    if (!t.is_cuda() || t.device() != c.bytes.front().device()) {
+        fail("gpu::{}: tensor on {} but the candidates are on {}", what, t.device().str(), c.bytes.front().device().str());
+    }
+}
+
+torch::Tensor checked_ids(const candidate_set & c, const torch::Tensor & ids) {
+    if (!ids.defined()) {
+        return ids;
+    }
+    torch::Tensor i = ids.to(c.bytes.front().device(), torch::kLong).contiguous().view(-1);
+    if (i.numel() > 0) {
+        const auto lo = i.min().item<int64_t>(), hi = i.max().item<int64_t>();
+        if (lo < 0 || hi >= c.rows) {
+            fail("gpu: row {} is out of range (the tensor has {} rows)", lo < 0 ? lo : hi, c.rows);
+        }
+    }
+    return i;
+}
+
+}  // namespace
+
+candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
+                     int64_t ne0, torch::Device device, const std::string & name) {
+    if (types.empty() || types.size() != bytes.size() || types.size() > static_cast<size_t>(max_candidates)) {
+        fail("tensor '{}': {} candidates for the GPU (1 to {} are supported)", name, types.size(), max_candidates);
+    }
+    candidate_set c;
+    c.rows = rows;
+    c.ne0 = ne0;
+    c.types = types;
+    for (size_t k = 0; k < types.size(); ++k) {
+        const int t = types[k];
+        if (!deq::has_rule(t)) {
+            fail("tensor '{}': candidate type {} has no GPU dequantizer; use --device cpu or a menu without it", name, t);
+        }
+        if (ne0 < 1 || ne0 % deq::block_size(t) != 0) {
+            fail("tensor '{}': rows of {} weights do not fit the GPU dequantizer of type {}", name, ne0, t);
+        }
+        const int64_t expect = rows * (ne0 / deq::block_size(t)) * deq::block_bytes(t);
+        if (static_cast<int64_t>(bytes[k].size()) != expect) {
+            fail("tensor '{}': candidate {} has {} bytes, expected {}", name, k, bytes[k].size(), expect);
+        }
+        torch::Tensor host = torch::from_blob(const_cast<uint8_t *>(bytes[k].data()), {expect}, torch::kUInt8);
+        c.bytes.push_back(host.to(device));
+    }
+    return c;
+}
+
+torch::Tensor dequantize(const candidate_set & c, int k) {
+    const c10::cuda::CUDAGuard guard(c.bytes.front().device());
+    candidate_set one;
+    one.bytes = {c.bytes[static_cast<size_t>(k)]};
+    one.types = {c.types[static_cast<size_t>(k)]};
+    one.rows = c.rows;
+    one.ne0 = c.ne0;
+    launch_args a = make_args(one, torch::Tensor(), c.rows);
+    torch::Tensor out = torch::empty({c.rows, c.ne0}, c.bytes.front().options().dtype(torch::kFloat));
+    auto stream = at::cuda::getCurrentCUDAStream();
+    dequantize_kernel<<<blocks_for(c.rows * ((c.ne0 + 7) / 8), sm_count() * 16), k_threads, 0, stream>>>(a, out.data_ptr<float>());
+    check(cudaGetLastError(), "dequantize_kernel");
+    return out;
+}
+
+torch::Tensor mixture(const candidate_set & c, const torch::Tensor & p, const torch::Tensor & ids, torch::ScalarType dtype) {
+    const c10::cuda::CUDAGuard guard(c.bytes.front().device());
+    const torch::Tensor pf = p.to(c.bytes.front().device(), torch::kFloat).contiguous();
+    if (pf.numel() != static_cast<int64_t>(c.types.size())) {
+        fail("gpu::mixture: {} probabilities for {} candidates", pf.numel(), c.types.size());
+    }
+    const torch::Tensor i = checked_ids(c, ids);
+    const int64_t n = i.defined() ? i.numel() : c.rows;
+    launch_args a = make_args(c, i, n);
+    a.p = pf.data_ptr<float>();
+    auto stream = at::cuda::getCurrentCUDAStream();
+    const int blocks = blocks_for(n * ((c.ne0 + 7) / 8), sm_count() * 16);
+    torch::Tensor out = torch::empty({n, c.ne0}, c.bytes.front().options().dtype(dtype));
+    if (n == 0) {
+        return out;
+    }
+    if (dtype == torch::kFloat) {
+        mixture_kernel<float><<<blocks, k_threads, 0, stream>>>(a, out.data_ptr<float>());
+    } else if (dtype == torch::kBFloat16) {
+        mixture_kernel<__nv_bfloat16><<<blocks, k_threads, 0, stream>>>(
+            a, reinterpret_cast<__nv_bfloat16 *>(out.data_ptr<at::BFloat16>()));
+    } else {
+        fail("gpu::mixture: output dtype {} (float32 or bfloat16 are supported)", c10::toString(dtype));
+    }
+    check(cudaGetLastError(), "mixture_kernel");
+    return out;
+}
+
+torch::Tensor gate_grad(const candidate_set & c, const torch::Tensor & grad, const torch::Tensor & ids) {
+    const c10::cuda::CUDAGuard guard(c.bytes.front().device());
+    require_device_tensor(grad, c, "gate_grad");
+    const torch::Tensor i = checked_ids(c, ids);
+    const int64_t n = i.defined() ? i.numel() : c.rows;
+    const torch::Tensor g = grad.contiguous().view({-1});
+    if (g.numel() != n * c.ne0) {
+        fail("gpu::gate_grad: gradient of {} values for {} rows of {}", g.numel(), n, c.ne0);
+    }
+    launch_args a = make_args(c, i, n);
+    torch::Tensor out = torch::zeros({static_cast<int64_t>(c.types.size())}, g.options().dtype(torch::kDouble));
+    if (n == 0) {
+        return out;
+    }
+    auto stream = at::cuda::getCurrentCUDAStream();
+    // A few blocks per multiprocessor: each thread walks many groups, so the f64 atomics stay rare.
+    const int blocks = blocks_for(n * ((c.ne0 + 7) / 8), sm_count() * 4);
+    if (g.scalar_type() == torch::kFloat) {
+        gate_grad_kernel<float><<<blocks, k_threads, 0, stream>>>(a, g.data_ptr<float>(), out.data_ptr<double>());
+    } else if (g.scalar_type() == torch::kBFloat16) {
+        gate_grad_kernel<__nv_bfloat16><<<blocks, k_threads, 0, stream>>>(
+            a, reinterpret_cast<const __nv_bfloat16 *>(g.data_ptr<at::BFloat16>()), out.data_ptr<double>());
+    } else {
+        const torch::Tensor gf = g.to(torch::kFloat);
+        gate_grad_kernel<float><<<blocks, k_threads, 0, stream>>>(a, gf.data_ptr<float>(), out.data_ptr<double>());
+    }
+    check(cudaGetLastError(), "gate_grad_kernel");
+    return out;
+}
+
+int64_t resident_bytes(const candidate_set & c) {
+    int64_t n = 0;
+    for (const auto & b : c.bytes) {
+        n += b.numel();
+    }
+    return n;
+}
+
+}  // namespace voodoo::gpu

@@ -1,0 +1,55 @@
+// The GPU path of gate training (CUDA builds only: VOODOO_HAVE_CUDA): candidates stay on the GPU in their
+// quantized bytes, and two fused kernels read them there.
+//
+//   mixture:    W_eff = Σ_k p_k · deq(Q_k)            one pass over the K candidates' bytes, W written once
+//   gate_grad:  ∂L/∂p_k = ⟨G, deq(Q_k)⟩, k = 1..K      one pass over G = ∂L/∂W_eff for all K at once
+//
+// deq is ggml's to_float, eight weights per thread, by the rules of src/cuda/deq_rules.h (bit for bit:
+// tests/test_cuda.cpp). Candidate memory is Σ_k bpw_k / 8 bytes per weight instead of K dense copies.
+#pragma once
+
+#if defined(VOODOO_HAVE_CUDA)
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace voodoo::gpu {
+
+/// The most candidates one tensor may have on the GPU path (the kernels' argument block holds this many).
+constexpr int max_candidates = 32;
+
+/// The K quantized candidates of one [rows, ne0] tensor, resident on one CUDA device.
+struct candidate_set {
+    std::vector<torch::Tensor> bytes;   // K uint8 tensors on the device, rows · ggml_row_size(type_k, ne0) each
+    std::vector<int> types;             // K ggml types, each with a rule (deq::has_rule)
+    int64_t rows = 0;
+    int64_t ne0 = 0;
+};
+
+/// Uploads host bytes of K candidates to `device`. Throws voodoo::error naming `name` when a type has no
+/// GPU rule, K exceeds max_candidates, ne0 is not a multiple of a type's block, or a size disagrees.
+/// (Rows of any length work for F32/F16/BF16, e.g. 172; block types need whole blocks.)
+candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
+                     int64_t ne0, torch::Device device, const std::string & name);
+
+/// to_float of one candidate on the GPU: [rows, ne0] f32, equal to ggml's bit for bit.
+torch::Tensor dequantize(const candidate_set & c, int k);
+
+/// Σ_k p_k · deq(Q_k) over rows `ids` ([n] int64 on the device; undefined = every row, in order):
+/// [n, ne0] in `dtype` (kFloat or kBFloat16), accumulated in f32 (fmaf, k ascending), rounded once.
+/// p: [K] f32 on the device; candidates with p_k = 0 are skipped (a hard one-hot reads one candidate).
+torch::Tensor mixture(const candidate_set & c, const torch::Tensor & p, const torch::Tensor & ids,
+                      torch::ScalarType dtype);
+
+/// ⟨G, deq(Q_k)[ids]⟩ for every k in one pass over G ([n, ne0], f32 or bf16, on the device): [K] f64 on the
+/// device. Per-thread partial sums in f32 over at most a few thousand products, reduced in f64.
+torch::Tensor gate_grad(const candidate_set & c, const torch::Tensor & grad, const torch::Tensor & ids);
+
+/// Device bytes of the candidates (what they cost in GPU memory).
+int64_t resident_bytes(const candidate_set & c);
+
+}  // namespace voodoo::gpu
+
+#endif

@@ -1,0 +1,106 @@
+#include "train/loss.h"
+
+#include "common/error.h"
+
+#include <algorithm>
+
+namespace voodoo {
+
+namespace {
+
+// The student with its head weight replaced by a fixed tensor (a detached leaf the chunks backpropagate into).
+class fixed_head : public weight_source {
+public:
+    fixed_head(weight_source & base, std::string name, torch::Tensor w) : base_(base), name_(std::move(name)), w_(std::move(w)) {}
+    torch::Tensor get(const std::string & name) override { return name == name_ ? w_ : base_.get(name); }
+    torch::Tensor rows(const std::string & name, const torch::Tensor & ids) override {
+        return name == name_ ? w_.index_select(0, ids.reshape({-1})) : base_.rows(name, ids);
+    }
+    bool has(const std::string & name) const override { return base_.has(name); }
+
+private:
+    weight_source & base_;
+    std::string name_;
+    torch::Tensor w_;
+};
+
+}  // namespace
+
+int64_t distill_chunk(int64_t n_vocab, int64_t budget_bytes) {
+    return std::max<int64_t>(1, budget_bytes / (4 * std::max<int64_t>(1, n_vocab)));
+}
+
+distill_values chunked_distill(causal_lm & model, const torch::Tensor & h_s, weight_source & student,
+                               const torch::Tensor & h_t, weight_source & teacher, const torch::Tensor & tokens,
+                               double lambda_kl, double scale, int64_t chunk, const torch::Tensor & extra) {
+    if (h_s.dim() != 3 || h_s.sizes() != h_t.sizes() || tokens.dim() != 2 || tokens.size(0) != h_s.size(0) ||
+        tokens.size(1) != h_s.size(1)) {
+        fail("chunked_distill: hidden states [B, T, n_embd] of student and teacher and tokens [B, T] must agree");
+    }
+    if (chunk < 1) {
+        fail("chunked_distill: chunk must be at least 1 position (got {})", chunk);
+    }
+    const int64_t B = h_s.size(0), T = h_s.size(1), D = h_s.size(2), N = B * T;
+    const bool backward = scale != 0.0 && h_s.requires_grad();
+    const torch::Tensor hs = h_s.reshape({N, D});
+    const torch::Tensor ht = h_t.reshape({N, D}).detach();
+    // Next-token targets; the last position of each sequence has none (−100 is ignored by nll_loss).
+    const torch::Tensor tok = tokens.to(h_s.device(), torch::kLong);
+    const torch::Tensor target =
+        torch::cat({tok.slice(1, 1, T), torch::full({B, 1}, -100, tok.options())}, 1).reshape({N});
+    const double n_ce = static_cast<double>(B * (T - 1)), n_kl = static_cast<double>(N);
+
+    const std::string head = model.head_weight();
+    torch::Tensor w_head, w_leaf, hs_leaf;
+    if (backward) {
+        w_head = student.get(head);
+        w_leaf = w_head.detach().requires_grad_(true);
+        hs_leaf = hs.detach().requires_grad_(true);
+    } else {
+        torch::NoGradGuard no_grad;
+        w_leaf = student.get(head).detach();
+        hs_leaf = hs.detach();
+    }
+    fixed_head s_head(student, head, w_leaf);
+
+    torch::Tensor ce_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(h_s.device()));
+    torch::Tensor kl_sum = ce_sum.clone();
+    for (int64_t a = 0; a < N; a += chunk) {
+        const int64_t b = std::min(N, a + chunk);
+        torch::Tensor t_logp;
+        {
+            torch::NoGradGuard no_grad;
+            t_logp = torch::log_softmax(model.head(ht.slice(0, a, b), teacher).to(torch::kFloat), -1);
+        }
+        torch::AutoGradMode grad_mode(backward);
+        const torch::Tensor s_logp = torch::log_softmax(model.head(hs_leaf.slice(0, a, b), s_head).to(torch::kFloat), -1);
+        const torch::Tensor ce = torch::nll_loss(s_logp, target.slice(0, a, b), {}, at::Reduction::Sum, -100);
+        const torch::Tensor kl = (t_logp.exp() * (t_logp - s_logp)).sum();
+        if (backward) {
+            ((ce / n_ce + lambda_kl * kl / n_kl) * scale).backward();
+        }
+        ce_sum += ce.detach().to(torch::kDouble);
+        kl_sum += kl.detach().to(torch::kDouble);
+    }
+    if (backward) {
+        std::vector<torch::Tensor> outs = {hs};
+        std::vector<torch::Tensor> grads = {hs_leaf.grad()};
+        if (w_head.requires_grad()) {  // a gated head; a dense one has nothing to learn
+            outs.push_back(w_head);
+            grads.push_back(w_leaf.grad());
+        }
+        if (extra.defined() && extra.requires_grad()) {
+            outs.push_back(extra);
+            grads.push_back(torch::ones_like(extra));
+        }
+        torch::autograd::backward(outs, grads);
+    } else if (extra.defined() && extra.requires_grad()) {
+        extra.backward();
+    }
+    distill_values v;
+    v.ce = ce_sum.item<double>() / n_ce;
+    v.kl = kl_sum.item<double>() / n_kl;
+    return v;
+}
+
+}  // namespace voodoo

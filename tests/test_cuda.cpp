@@ -1,0 +1,232 @@
+// The GPU path on the GPU machine (CUDA builds; the CPU build compiles none of this, and
+// tests/test_cuda_rules.cpp checks the same dequantization rules on the CPU in CI).
+#if defined(VOODOO_HAVE_CUDA)
+
+#include "cuda/gpu.h"
+#include "data/dataset.h"
+#include "ggml/quant.h"
+#include "ggml/selection.h"
+#include "ggml/types.h"
+#include "test_util.h"
+#include "train/candidates.h"
+#include "train/gated.h"
+#include "train/trainer.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+using namespace voodoo;
+
+namespace {
+
+const torch::Device k_gpu(torch::kCUDA, 0);
+
+std::vector<float> importance(int64_t ne0) {
+    auto v = test::gaussian(static_cast<size_t>(ne0), 9);
+    for (float & x : v) {
+        x = 0.1f + x * x;
+    }
+    return v;
+}
+
+std::vector<uint8_t> quantized(ggml_type type, int64_t ne0, int64_t rows, uint32_t seed) {
+    std::vector<float> w = test::gaussian(static_cast<size_t>(ne0 * rows), seed);
+    for (size_t i = 0; i < w.size(); i += 97) {
+        w[i] *= 20.0f;
+    }
+    const auto im = importance(ne0);
+    return quantize(type, w, ne0, type_info_of(type).needs_imatrix ? std::span<const float>(im) : std::span<const float>());
+}
+
+// Equal bit for bit, or both NaN. Index of the first difference, or -1.
+int64_t first_difference(const std::vector<float> & want, const torch::Tensor & got_dev) {
+    const torch::Tensor got = got_dev.to(torch::kCPU).contiguous();
+    const float * g = got.data_ptr<float>();
+    for (size_t i = 0; i < want.size(); ++i) {
+        if (!(std::isnan(want[i]) && std::isnan(g[i])) && std::memcmp(&want[i], &g[i], 4) != 0) {
+            return static_cast<int64_t>(i);
+        }
+    }
+    return -1;
+}
+
+std::vector<ggml_type> menu_and_f32() {
+    std::vector<ggml_type> t = default_menu_types();
+    t.push_back(GGML_TYPE_F32);
+    return t;
+}
+
+// K candidates of one random [rows, ne0] tensor, uploaded, with the dense f32 reference beside them.
+struct fixture_set {
+    gpu::candidate_set c;
+    torch::Tensor dense;  // [K, rows, ne0] f32 on the GPU, from ggml's to_float
+};
+
+fixture_set make_set(const std::vector<ggml_type> & types, int64_t rows, int64_t ne0) {
+    std::vector<std::vector<uint8_t>> bytes;
+    std::vector<int> ids;
+    fixture_set f;
+    f.dense = torch::empty({static_cast<int64_t>(types.size()), rows, ne0});
+    for (size_t k = 0; k < types.size(); ++k) {
+        bytes.push_back(quantized(types[k], ne0, rows, static_cast<uint32_t>(100 + k)));
+        ids.push_back(types[k]);
+        const auto d = dequantize(types[k], bytes.back(), ne0);
+        f.dense[static_cast<int64_t>(k)].copy_(torch::from_blob(const_cast<float *>(d.data()), {rows, ne0}));
+    }
+    f.c = gpu::upload(bytes, ids, rows, ne0, k_gpu, "test");
+    f.dense = f.dense.to(k_gpu);
+    return f;
+}
+
+double rel_err(const torch::Tensor & got, const torch::Tensor & want) {
+    return ((got.to(torch::kDouble) - want.to(torch::kDouble)).norm() / want.to(torch::kDouble).norm()).item<double>();
+}
+
+}  // namespace
+
+TEST(cuda, every_menu_type_dequantizes_on_the_gpu_equal_to_ggml_bit_for_bit) {
+    ASSERT_TRUE(torch::cuda::is_available());
+    const int64_t ne0 = 1024, rows = 96;
+    std::mt19937 rng(3);
+    for (const ggml_type type : menu_and_f32()) {
+        for (int variant = 0; variant < 2; ++variant) {
+            // Quantized gaussians with outliers, then raw random bytes (every grid index, sign and scale).
+            std::vector<uint8_t> bytes = quantized(type, ne0, rows, 1);
+            if (variant == 1) {
+                for (auto & b : bytes) {
+                    b = static_cast<uint8_t>(rng());
+                }
+            }
+            const std::vector<float> want = dequantize(type, bytes, ne0);
+            const auto c = gpu::upload({bytes}, {type}, rows, ne0, k_gpu, "t");
+            const int64_t at = first_difference(want, gpu::dequantize(c, 0));
+            EXPECT_EQ(at, -1) << type_name(type) << (variant ? " random bytes" : " quantized") << ": weight " << at;
+        }
+    }
+}
+
+TEST(cuda, the_fused_mixture_equals_the_reference_within_f32_and_bf16_rounding) {
+    const std::vector<ggml_type> types = {GGML_TYPE_IQ2_XXS, GGML_TYPE_Q2_K, GGML_TYPE_IQ3_S, GGML_TYPE_Q4_K,
+                                          GGML_TYPE_IQ4_XS, GGML_TYPE_Q5_0, GGML_TYPE_Q6_K, GGML_TYPE_Q8_0,
+                                          GGML_TYPE_BF16};
+    const int64_t rows = 512, ne0 = 2048;
+    const fixture_set f = make_set(types, rows, ne0);
+    for (int trial = 0; trial < 3; ++trial) {
+        torch::manual_seed(trial);
+        const torch::Tensor p = torch::softmax(torch::randn({static_cast<int64_t>(types.size())}) * 2, 0).to(k_gpu);
+        const torch::Tensor want = torch::tensordot(p.to(torch::kDouble), f.dense.to(torch::kDouble), {0}, {0});
+        const torch::Tensor w32 = gpu::mixture(f.c, p, torch::Tensor(), torch::kFloat);
+        EXPECT_LT(rel_err(w32, want), 1e-6);
+        const torch::Tensor w16 = gpu::mixture(f.c, p, torch::Tensor(), torch::kBFloat16);
+        EXPECT_EQ(w16.scalar_type(), torch::kBFloat16);
+        // The bf16 output is the f32 accumulation rounded once, to nearest.
+        EXPECT_TRUE(torch::equal(w16, w32.to(torch::kBFloat16)));
+    }
+    // A one-hot p gives one candidate's to_float exactly.
+    torch::Tensor hot = torch::zeros({static_cast<int64_t>(types.size())}, torch::TensorOptions().device(k_gpu));
+    hot[3] = 1.0f;
+    EXPECT_TRUE(torch::equal(gpu::mixture(f.c, hot, torch::Tensor(), torch::kFloat), f.dense[3]));
+}
+
+TEST(cuda, the_gate_gradients_of_one_pass_equal_the_reference_for_every_candidate) {
+    const std::vector<ggml_type> types = {GGML_TYPE_IQ1_S, GGML_TYPE_IQ2_S, GGML_TYPE_IQ3_XXS, GGML_TYPE_Q3_K,
+                                          GGML_TYPE_IQ4_NL, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_1,
+                                          GGML_TYPE_Q5_K, GGML_TYPE_F16};
+    const int64_t rows = 384, ne0 = 4096;
+    const fixture_set f = make_set(types, rows, ne0);
+    torch::manual_seed(5);
+    const torch::Tensor g = torch::randn({rows, ne0}, torch::TensorOptions().device(k_gpu));
+    const torch::Tensor want = (f.dense.to(torch::kDouble) * g.to(torch::kDouble)).sum({1, 2});
+    const torch::Tensor got = gpu::gate_grad(f.c, g, torch::Tensor());
+    EXPECT_LT(rel_err(got, want), 1e-5) << got << want;
+    // G in bf16, as the student's bf16 backward hands it over: the same up to G's own rounding.
+    const torch::Tensor g16 = g.to(torch::kBFloat16);
+    const torch::Tensor want16 = (f.dense.to(torch::kDouble) * g16.to(torch::kDouble)).sum({1, 2});
+    EXPECT_LT(rel_err(gpu::gate_grad(f.c, g16, torch::Tensor()), want16), 1e-5);
+    // Rows (the embedding of a batch), repeated ids included.
+    const torch::Tensor ids = torch::tensor({5, 300, 5, 0, 383}, torch::TensorOptions().dtype(torch::kLong).device(k_gpu));
+    const torch::Tensor gr = torch::randn({5, ne0}, torch::TensorOptions().device(k_gpu));
+    const torch::Tensor want_r = (f.dense.index_select(1, ids).to(torch::kDouble) * gr.to(torch::kDouble)).sum({1, 2});
+    EXPECT_LT(rel_err(gpu::gate_grad(f.c, gr, ids), want_r), 1e-5);
+    const torch::Tensor p = torch::softmax(torch::randn({static_cast<int64_t>(types.size())}), 0).to(k_gpu);
+    const torch::Tensor want_rows = torch::tensordot(p.to(torch::kDouble), f.dense.index_select(1, ids).to(torch::kDouble), {0}, {0});
+    EXPECT_LT(rel_err(gpu::mixture(f.c, p, ids, torch::kFloat), want_rows), 1e-6);
+    EXPECT_NE(test::error_of([&] { gpu::mixture(f.c, p, torch::tensor({384}, torch::kLong), torch::kFloat); }).find("out of range"),
+              std::string::npos);
+}
+
+TEST(cuda, rows_of_any_length_work_for_float_types) {
+    // stories260K's ffn_down has rows of 172 weights: only F16/BF16 fit, and 172 is not a multiple of 8.
+    const int64_t rows = 64, ne0 = 172;
+    const fixture_set f = make_set({GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_F32}, rows, ne0);
+    for (int k = 0; k < 3; ++k) {
+        EXPECT_TRUE(torch::equal(gpu::dequantize(f.c, k), f.dense[k])) << k;
+    }
+    const torch::Tensor p = torch::tensor({0.2f, 0.5f, 0.3f}).to(k_gpu);
+    const torch::Tensor want = torch::tensordot(p.to(torch::kDouble), f.dense.to(torch::kDouble), {0}, {0});
+    const torch::Tensor w32 = gpu::mixture(f.c, p, torch::Tensor(), torch::kFloat);
+    EXPECT_LT(rel_err(w32, want), 1e-6);
+    EXPECT_TRUE(torch::equal(gpu::mixture(f.c, p, torch::Tensor(), torch::kBFloat16), w32.to(torch::kBFloat16)));
+    const torch::Tensor g = torch::randn({rows, ne0}, torch::TensorOptions().device(k_gpu)).to(torch::kBFloat16);
+    const torch::Tensor want_g = (f.dense.to(torch::kDouble) * g.to(torch::kDouble)).sum({1, 2});
+    EXPECT_LT(rel_err(gpu::gate_grad(f.c, g, torch::Tensor()), want_g), 1e-5);
+}
+
+TEST(cuda, fused_and_reference_paths_train_the_same_gates_through_autograd) {
+    gguf_file file(test::stories260k());
+    const std::vector<ggml_type> types = {GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0, GGML_TYPE_F16};
+    auto make = [&](mixture_path path) {
+        gated_tensor g;
+        g.tensor = &file.tensor("blk.2.ffn_up.weight");
+        g.types = types;
+        for (ggml_type t : types) {
+            g.bytes.push_back(quantize_tensor(file, *g.tensor, t, {}));
+        }
+        g.gate = torch::tensor({0.3f, -0.2f, 0.5f, 0.1f}).to(k_gpu).requires_grad_(true);
+        place_candidates(g, path, k_gpu, torch::kFloat, torch::kFloat);
+        return g;
+    };
+    gated_tensor fused = make(mixture_path::fused), ref = make(mixture_path::reference);
+    torch::manual_seed(2);
+    const torch::Tensor x = torch::randn({16, 64}, torch::TensorOptions().device(k_gpu));
+    torch::Tensor wf = gated_mixture(torch::softmax(fused.gate, 0), fused);
+    torch::Tensor wr = gated_mixture(torch::softmax(ref.gate, 0), ref);
+    EXPECT_LT(rel_err(wf, wr), 1e-6);
+    torch::mm(x, wf.t()).pow(2).sum().backward();
+    torch::mm(x, wr.t()).pow(2).sum().backward();
+    EXPECT_LT(rel_err(fused.gate.grad(), ref.gate.grad()), 1e-4) << fused.gate.grad() << ref.gate.grad();
+}
+
+TEST(cuda, training_on_the_gpu_finishes_within_the_budget_on_both_paths) {
+    test::temp_dir dir;
+    data_options d;
+    d.model = test::stories260k();
+    d.texts = {test::shared_data() + "/text/tinystories/tinystories_val.txt"};
+    d.ctx = 64;
+    d.val_fraction = 0.05;
+    d.out_dir = dir.file("data");
+    prepare_data(d);
+    gguf_file src(test::stories260k());
+    token_data data(d.out_dir);
+    for (const char * path : {"fused", "reference"}) {
+        train_options o;
+        o.goal = {target_kind::size, 304352};
+        o.run_dir = dir.file(std::string("run-") + path);
+        o.steps = 6;
+        o.batch = 2;
+        o.seq = 64;
+        o.device = "cuda";
+        o.mixture = path;
+        const train_result r = train_gates(src, src, data.train(), nullptr, o);
+        EXPECT_TRUE(r.finished);
+        EXPECT_EQ(r.mixture, path);
+        EXPECT_EQ(r.device, "cuda:0");
+        EXPECT_LE(r.total_bytes, 304352);
+        EXPECT_GT(r.candidate_device_bytes, 0);
+    }
+}
+
+#endif  // VOODOO_HAVE_CUDA
