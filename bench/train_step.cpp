@@ -256,14 +256,17 @@ int main(int argc, char ** argv) {
                     g.bytes.clear();
                     g.bytes.shrink_to_fit();
                 }
-                g.gate = torch::zeros({static_cast<int64_t>(g.types.size())},
-                                      torch::TensorOptions().device(device)).requires_grad_(true);
             }
-            std::vector<torch::Tensor> params;
-            for (auto & g : gated) {
-                params.push_back(g.gate);
+            // The trainer's layout: every gate a slice of one leaf, one AdamW update per step.
+            int64_t n_gates = 0;
+            for (const auto & g : gated) {
+                n_gates += static_cast<int64_t>(g.types.size());
             }
-            torch::optim::AdamW opt(params, torch::optim::AdamWOptions(0.05));
+            torch::Tensor all_gates = torch::zeros({n_gates}, torch::TensorOptions().device(device)).requires_grad_(true);
+            for (size_t i = 0, at = 0; i < gated.size(); at += gated[i].types.size(), ++i) {
+                gated[i].gate = all_gates.narrow(0, static_cast<int64_t>(at), static_cast<int64_t>(gated[i].types.size()));
+            }
+            torch::optim::AdamW opt(std::vector<torch::Tensor>{all_gates}, torch::optim::AdamWOptions(0.05));
             const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(compute) : std::nullopt;
             gguf_weights teacher(src, device, 0, keep);
             gguf_weights dense(src, device, 0, keep);

@@ -12,6 +12,7 @@
 #include "train/gated.h"
 #include "train/trainer.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -201,16 +202,16 @@ TEST(cuda, fused_and_reference_paths_train_the_same_gates_through_autograd) {
 }
 
 TEST(cuda, training_on_the_gpu_finishes_within_the_budget_on_both_paths) {
+    // The data comes from a child `voodoo data`: libllama must not run in a process whose CUDA runtime
+    // LibTorch has initialized (it crashed so on the GPU machine; docs/BENCHMARKS.md, GPU notes).
     test::temp_dir dir;
-    data_options d;
-    d.model = test::stories260k();
-    d.texts = {test::shared_data() + "/text/tinystories/tinystories_val.txt"};
-    d.ctx = 64;
-    d.val_fraction = 0.05;
-    d.out_dir = dir.file("data");
-    prepare_data(d);
+    const auto made = test::run_voodoo(fmt::format("data --model {} --text {} --ctx 64 --val-fraction 0.05 --out {}",
+                                                   test::stories260k(),
+                                                   test::shared_data() + "/text/tinystories/tinystories_val.txt",
+                                                   dir.file("data")));
+    ASSERT_EQ(made.exit_code, 0) << made.output;
     gguf_file src(test::stories260k());
-    token_data data(d.out_dir);
+    token_data data(dir.file("data"));
     for (const char * path : {"fused", "reference"}) {
         train_options o;
         o.goal = {target_kind::size, 304352};

@@ -66,3 +66,22 @@ TEST(quantize, a_work_folder_of_other_texts_is_refused) {
         EXPECT_NE(std::string(e.what()).find("other texts"), std::string::npos) << e.what();
     }
 }
+
+TEST(quantize, the_train_stage_in_a_child_process_makes_the_same_recipe) {
+    // What --device cuda does (the GPU only in the child's process), run here on the CPU: `voodoo train` in a
+    // child with the same options writes the recipe the in-process stage writes.
+    test::temp_dir dir;
+    auto in_process = small_job(dir.file("a"));
+    in_process.baselines = "none";
+    auto child = in_process;
+    child.work = dir.file("b");
+    child.train_exe = VOODOO_BIN;
+    run_quantize(in_process);
+    run_quantize(child);
+    const std::string a = test::read_file(dir.file("a/run/recipe.tensor-types.txt"));
+    EXPECT_FALSE(a.empty());
+    EXPECT_EQ(a, test::read_file(dir.file("b/run/recipe.tensor-types.txt")));
+    child.train_exe = dir.file("no-such-voodoo");
+    child.work = dir.file("c");
+    EXPECT_NE(test::error_of([&] { run_quantize(child); }).find("train stage"), std::string::npos);
+}

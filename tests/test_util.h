@@ -13,7 +13,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -116,6 +118,12 @@ inline void rewrite_gguf(const std::string & src, const std::string & dst, const
 }
 
 /// The message of the voodoo::error fn throws, "" when it throws none.
+/// The whole file as a string ("" when it cannot be read).
+inline std::string read_file(const std::string & path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
 inline std::string error_of(const std::function<void()> & fn) {
     try {
         fn();

@@ -45,6 +45,8 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES' (repeatable)");
     sub->add_option("--steps", o->q.train.steps, "Training steps")->capture_default_str();
     sub->add_option("--batch", o->q.train.batch, "Sequences per step")->capture_default_str();
+    sub->add_option("--probe-sequences", o->q.train.probe_sequences, "Sequences for each candidate's ΔKL probe")
+        ->capture_default_str();
     sub->add_option("--seq", o->q.train.seq, "Tokens per training sequence (0 = --ctx)")->capture_default_str();
     sub->add_option("--threads", o->q.threads, "Threads for LibTorch and quantization (0 = all cores)")->capture_default_str();
     sub->add_option("--ggml-threads", o->q.ggml_threads, "Threads for libllama (imatrix, eval)")->capture_default_str();
@@ -54,6 +56,9 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--seed", o->q.train.seed, "Seed")->capture_default_str();
     return {sub, [o, bpw, size, ratio, like] {
         quantize_options q = o->q;
+        if (q.train.device != "cpu") {
+            q.train_exe = "/proc/self/exe";  // the GPU only in the train stage's own process
+        }
         if (bpw->count()) {
             q.train.goal = {target_kind::bpw, o->target_bpw};
         } else if (size->count()) {

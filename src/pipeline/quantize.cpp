@@ -6,6 +6,7 @@
 #include "eval/baseline.h"
 #include "eval/report.h"
 #include "export/export.h"
+#include "ggml/types.h"
 #include "imatrix/collect.h"
 #include "imatrix/imatrix.h"
 
@@ -13,9 +14,15 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <set>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace voodoo {
 
@@ -24,6 +31,83 @@ namespace {
 namespace fs = std::filesystem;
 
 void stage(const char * name, const std::string & what) { fmt::print(stderr, "== {}: {}\n", name, what); }
+
+std::string types_list(const std::vector<ggml_type> & types) {
+    std::string s;
+    for (ggml_type t : types) {
+        s += (s.empty() ? "" : ",") + type_name(t);
+    }
+    return s;
+}
+
+// `exe train …` with the same options, in a child process; returns when it has finished. Throws
+// voodoo::error when it cannot start, was interrupted, or failed (its own error is on stderr).
+void train_in_child(const std::string & exe, const quantize_options & o, const train_options & t,
+                    const std::string & data_dir, const std::string & imatrix_path) {
+    std::vector<std::string> args = {exe, "train", "--model", o.model, "--data", data_dir, "--out", t.run_dir,
+                                     "--cache", t.cache_dir, "--imatrix", imatrix_path};
+    switch (t.goal.kind) {
+        case target_kind::bpw: args.insert(args.end(), {"--target-bpw", fmt::format("{:.17g}", t.goal.value)}); break;
+        case target_kind::size: args.insert(args.end(), {"--target-size", fmt::format("{:.0f}", t.goal.value)}); break;
+        case target_kind::ratio: args.insert(args.end(), {"--ratio", fmt::format("{:.17g}", t.goal.value)}); break;
+    }
+    if (!t.menu.types.empty()) {
+        args.insert(args.end(), {"--menu", types_list(t.menu.types)});
+    }
+    for (const auto & [regex, types] : t.menu.per_role) {
+        args.insert(args.end(), {"--menu-for", regex + "=" + types_list(types)});
+    }
+    auto num = [&](const char * flag, auto v) { args.insert(args.end(), {flag, fmt::format("{}", v)}); };
+    num("--steps", t.steps);
+    num("--batch", t.batch);
+    num("--accum", t.accum);
+    num("--seq", t.seq);
+    num("--lr", t.lr);
+    num("--tau0", t.tau0);
+    num("--tau1", t.tau1);
+    num("--lambda-kl", t.lambda_kl);
+    num("--lambda-size", t.lambda_size);
+    num("--size-tol", t.size_tol);
+    num("--st-gumbel-fraction", t.st_gumbel_fraction);
+    num("--probe-sequences", t.probe_sequences);
+    num("--gate-init", t.gate_init);
+    num("--journal-every", t.journal_every);
+    num("--seed", t.seed);
+    num("--threads", t.threads);
+    num("--loss-chunk", t.loss_chunk);
+    args.insert(args.end(), {"--device", t.device});
+    if (!t.mixture.empty()) {
+        args.insert(args.end(), {"--mixture", t.mixture});
+    }
+    if (t.resume) {
+        args.push_back("--resume");
+    }
+    std::vector<char *> argv;
+    for (auto & a : args) {
+        argv.push_back(a.data());
+    }
+    argv.push_back(nullptr);
+    std::fflush(nullptr);
+    const pid_t pid = fork();
+    if (pid < 0) {
+        fail("train stage: cannot start a child process: {}", std::strerror(errno));
+    }
+    if (pid == 0) {
+        execv(exe.c_str(), argv.data());
+        std::fprintf(stderr, "cannot run %s: %s\n", exe.c_str(), std::strerror(errno));
+        _exit(127);
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 130) {
+        fail("training stopped; run the same command again to resume");
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fail("train stage ('{} train' on {}) failed{}", exe, t.device,
+             WIFSIGNALED(status) ? fmt::format(" with signal {}", WTERMSIG(status)) : fmt::format(" (exit {})", WEXITSTATUS(status)));
+    }
+}
 
 // Stock recipes to compare with: every recipe llama.cpp makes for the model (duplicates by tensor types
 // dropped), then the ones nearest in size to ours unless all are asked for.
@@ -140,11 +224,15 @@ quantize_result run_quantize(const quantize_options & o) {
     if (!fs::exists(recipe_path)) {
         t.resume = fs::exists(fs::path(t.run_dir) / "journal.pt");
         stage("train", t.run_dir + (t.resume ? " (resuming)" : ""));
-        const train_result tr = train_gates(src, src, data.train(), &importance, t);
-        if (!tr.finished) {
-            fail("training stopped after step {}; run the same command again to resume", tr.steps_done);
+        if (!o.train_exe.empty()) {
+            train_in_child(o.train_exe, o, t, (fs::path(work) / "data").string(), imatrix_path);
+        } else {
+            const train_result tr = train_gates(src, src, data.train(), &importance, t);
+            if (!tr.finished) {
+                fail("training stopped after step {}; run the same command again to resume", tr.steps_done);
+            }
+            fmt::print(stderr, "{}", tr.summary);
         }
-        fmt::print(stderr, "{}", tr.summary);
     } else {
         stage("train", recipe_path + " (done)");
     }

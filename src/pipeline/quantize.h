@@ -25,6 +25,11 @@ struct quantize_options {
     int threads = 0;
     int ggml_threads = 1;                   // libllama threads (imatrix, eval): see docs/DATA.md on spinning
     train_options train;                    // goal, menus, schedule (run_dir is WORK/run)
+    /// When set (the CLI sets it to itself for --device cuda), the train stage runs as `train_exe train …` in a
+    /// child process: the GPU is initialized there only, and this process's libllama work (imatrix, eval) never
+    /// shares a process with an initialized CUDA runtime (on the GPU machine, libllama's CPU backend crashed
+    /// after LibTorch had initialized CUDA in the same process: docs/BENCHMARKS.md, GPU notes).
+    std::string train_exe;
 };
 
 struct quantize_result {
