@@ -238,3 +238,14 @@ TEST(eval_cli, writes_the_table_json_and_plot_and_fails_in_one_line) {
 }
 
 }  // namespace
+
+TEST(eval_report, gnuplot_is_found_on_path_and_missed_without_it) {
+    // make bootstrap installs gnuplot-nox; a PATH without it is what a machine without gnuplot looks like.
+    const std::string saved = std::getenv("PATH") ? std::getenv("PATH") : "";
+    EXPECT_TRUE(voodoo::gnuplot_available());
+    voodoo::test::temp_dir empty;
+    setenv("PATH", empty.path.c_str(), 1);
+    EXPECT_FALSE(voodoo::gnuplot_available());
+    setenv("PATH", saved.c_str(), 1);
+    EXPECT_TRUE(voodoo::gnuplot_available());
+}

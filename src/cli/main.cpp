@@ -52,7 +52,24 @@ std::vector<command> add_all_commands(CLI::App & app) {
 
 }  // namespace voodoo::cli
 
+namespace {
+
+int run_main(int argc, char ** argv);
+
+}  // namespace
+
 int main(int argc, char ** argv) {
+    const int rc = run_main(argc, argv);
+    // Every command has written and closed its outputs by now. Leave without running static destructors:
+    // in the CUDA build, the teardown of LibTorch's CUDA libraries and libllama's dynamically loaded CPU
+    // backend crashed (SIGSEGV after every output was written, on the GPU machine: docs/BENCHMARKS.md).
+    std::fflush(nullptr);
+    std::_Exit(rc);
+}
+
+namespace {
+
+int run_main(int argc, char ** argv) {
     // LibTorch's CPU allocator returns big blocks to the OS at once: every step then page-faults them in
     // again (3.5x slower training on stories260K). Keep freed memory in the heap instead.
     mallopt(M_MMAP_THRESHOLD, 32 << 20);
@@ -90,3 +107,5 @@ Run `voodoo <command> --help` for a command's options.)");
     }
     return 0;
 }
+
+}  // namespace

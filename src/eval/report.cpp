@@ -137,6 +137,23 @@ nlohmann::json eval_to_json(const eval_result & r) {
     };
 }
 
+bool gnuplot_available() {
+    const char * path = std::getenv("PATH");
+    if (!path) {
+        return false;
+    }
+    const std::string all = path;
+    for (size_t a = 0; a <= all.size();) {
+        const size_t b = std::min(all.find(':', a), all.size());
+        const std::string dir = all.substr(a, b - a);
+        if (!dir.empty() && access((std::filesystem::path(dir) / "gnuplot").c_str(), X_OK) == 0) {
+            return true;
+        }
+        a = b + 1;
+    }
+    return false;
+}
+
 void eval_plot(const eval_result & r, const std::string & png_path) {
     if (r.files.empty()) {
         fail("nothing to plot: the evaluation has no files");

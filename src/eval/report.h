@@ -23,4 +23,7 @@ nlohmann::json eval_to_json(const eval_result & r);
 /// gnuplot is missing or fails (its message included) or the destination cannot be written.
 void eval_plot(const eval_result & r, const std::string & png_path);
 
+/// Whether a `gnuplot` executable is on PATH (what eval_plot runs).
+bool gnuplot_available();
+
 }  // namespace voodoo

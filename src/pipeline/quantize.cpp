@@ -279,7 +279,14 @@ quantize_result run_quantize(const quantize_options & o) {
     res.table = eval_to_markdown(res.eval);
     write_file_atomic((fs::path(work) / "eval.md").string(), res.table);
     write_file_atomic((fs::path(work) / "eval.json").string(), eval_to_json(res.eval).dump(2) + "\n");
-    eval_plot(res.eval, (fs::path(work) / "eval.png").string());
+    // The drawing is the last, optional step: a machine without gnuplot (the GPU machine had none) keeps the
+    // job's results and is told how to get the figure.
+    if (gnuplot_available()) {
+        eval_plot(res.eval, (fs::path(work) / "eval.png").string());
+    } else {
+        fmt::print(stderr, "voodoo: note: gnuplot is not installed: no {}; apt-get install gnuplot-nox, then run "
+                           "the same command again to draw it\n", (fs::path(work) / "eval.png").string());
+    }
     return res;
 }
 
