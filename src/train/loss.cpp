@@ -1,30 +1,11 @@
 #include "train/loss.h"
 
 #include "common/error.h"
+#include "model/replaced_weight.h"
 
 #include <algorithm>
 
 namespace voodoo {
-
-namespace {
-
-// The student with its head weight replaced by a fixed tensor (a detached leaf the chunks backpropagate into).
-class fixed_head : public weight_source {
-public:
-    fixed_head(weight_source & base, std::string name, torch::Tensor w) : base_(base), name_(std::move(name)), w_(std::move(w)) {}
-    torch::Tensor get(const std::string & name) override { return name == name_ ? w_ : base_.get(name); }
-    torch::Tensor rows(const std::string & name, const torch::Tensor & ids) override {
-        return name == name_ ? w_.index_select(0, ids.reshape({-1})) : base_.rows(name, ids);
-    }
-    bool has(const std::string & name) const override { return base_.has(name); }
-
-private:
-    weight_source & base_;
-    std::string name_;
-    torch::Tensor w_;
-};
-
-}  // namespace
 
 int64_t distill_chunk(int64_t n_vocab, int64_t budget_bytes) {
     return std::max<int64_t>(1, budget_bytes / (4 * std::max<int64_t>(1, n_vocab)));
@@ -61,7 +42,7 @@ distill_values chunked_distill(causal_lm & model, const torch::Tensor & h_s, wei
         w_leaf = student.get(head).detach();
         hs_leaf = hs.detach();
     }
-    fixed_head s_head(student, head, w_leaf);
+    replaced_weight s_head(student, head, w_leaf);  // the head: a leaf the chunks backpropagate into
 
     torch::Tensor ce_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(h_s.device()));
     torch::Tensor kl_sum = ce_sum.clone();

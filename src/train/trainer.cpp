@@ -1,6 +1,7 @@
 #include "train/trainer.h"
 
 #include "common/error.h"
+#include "model/replaced_weight.h"
 #include "common/file.h"
 #include "common/progress.h"
 #include "data/token_file.h"
@@ -207,28 +208,6 @@ std::string summary_table(const recipe & r, const budget & b, double total) {
 }
 
 
-// The source model with one tensor replaced by one candidate: what quantizing that tensor alone does.
-class swap_weights : public weight_source {
-public:
-    explicit swap_weights(weight_source & base) : base_(base) {}
-
-    void set(const std::string & name, torch::Tensor w) {
-        name_ = name;
-        w_ = std::move(w);
-    }
-
-    torch::Tensor get(const std::string & name) override { return name == name_ ? w_ : base_.get(name); }
-    torch::Tensor rows(const std::string & name, const torch::Tensor & ids) override {
-        return name == name_ ? w_.index_select(0, ids.reshape({-1})) : base_.rows(name, ids);
-    }
-    bool has(const std::string & name) const override { return base_.has(name); }
-
-private:
-    weight_source & base_;
-    std::string name_;
-    torch::Tensor w_;
-};
-
 // ΔKL(teacher ‖ student) of every candidate alone, on `tokens`: [tensor][menu type], nats per token.
 // The sensitivities rank the choices before training (the gates start at the allocation they suggest)
 // and estimate the loss of each move in the final exact-budget repair. The KL is taken a chunk of
@@ -247,7 +226,7 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
         n_candidates += static_cast<int64_t>(g.types.size());
     }
     progress bar("probe", n_candidates, "cand");
-    swap_weights swap(dense);
+    replaced_weight swap(dense);  // the source model with one tensor as one candidate
     std::vector<std::vector<double>> out;
     for (const gated_tensor & g : gated) {
         std::vector<int64_t> shape;

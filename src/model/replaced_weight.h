@@ -1,0 +1,35 @@
+// A weight_source that answers one tensor with a tensor of the caller's (header-only).
+#pragma once
+
+#include "model/weights.h"
+
+#include <string>
+
+namespace voodoo {
+
+/// `base` with one tensor answered by a given tensor instead: the source model with one tensor quantized
+/// (the sensitivity probe), or the student with its head weight detached (the chunked loss).
+class replaced_weight : public weight_source {
+public:
+    explicit replaced_weight(weight_source & base) : base_(base) {}
+    replaced_weight(weight_source & base, std::string name, torch::Tensor w) : base_(base) { set(std::move(name), std::move(w)); }
+
+    /// From now on `name` is answered with w (same layout as get(name) would give).
+    void set(std::string name, torch::Tensor w) {
+        name_ = std::move(name);
+        w_ = std::move(w);
+    }
+
+    torch::Tensor get(const std::string & name) override { return name == name_ ? w_ : base_.get(name); }
+    torch::Tensor rows(const std::string & name, const torch::Tensor & ids) override {
+        return name == name_ ? w_.index_select(0, ids.reshape({-1})) : base_.rows(name, ids);
+    }
+    bool has(const std::string & name) const override { return base_.has(name); }
+
+private:
+    weight_source & base_;
+    std::string name_;
+    torch::Tensor w_;
+};
+
+}  // namespace voodoo
