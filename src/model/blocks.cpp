@@ -2,12 +2,21 @@
 
 #include <torch/version.h>
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <limits>
 #include <optional>
 #include <vector>
 
 namespace voodoo {
+
+std::string layer_tensor(int64_t il, const char * name) { return fmt::format("blk.{}.{}", il, name); }
+
+torch::Tensor token_embeddings(forward_context & ctx, const torch::Tensor & tokens, int64_t n_embd) {
+    const torch::Tensor x = ctx.w.rows("token_embd.weight", tokens.reshape({-1})).to(tokens.device(), ctx.dtype);
+    return x.view({tokens.size(0), tokens.size(1), n_embd});
+}
 
 torch::Tensor linear(forward_context & ctx, const std::string & name, const torch::Tensor & x) {
     if (ctx.observer && *ctx.observer) {

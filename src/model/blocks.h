@@ -23,6 +23,13 @@ struct forward_context {
     const matmul_observer * observer;   // nullptr: nobody watches
 };
 
+/// "blk.<il>.<name>": the GGUF name of a layer's tensor.
+std::string layer_tensor(int64_t il, const char * name);
+
+/// The token embeddings of tokens [B, T] (rows of token_embd.weight) as [B, T, n_embd] in the compute dtype,
+/// on tokens' device: every architecture's first step (ggml_get_rows).
+torch::Tensor token_embeddings(forward_context & ctx, const torch::Tensor & tokens, int64_t n_embd);
+
 /// y = x · Wᵀ (+ bias): x [..., ne0], weight `name` [ne1, ne0] → [..., ne1] in the compute dtype. The bias is
 /// "<name without .weight>.bias" when the model has it. Every matmul with a weight goes through here.
 torch::Tensor linear(forward_context & ctx, const std::string & name, const torch::Tensor & x);

@@ -22,8 +22,6 @@ namespace voodoo {
 
 namespace {
 
-std::string blk(int64_t il, const char * name) { return fmt::format("blk.{}.{}", il, name); }
-
 class gemma3_model : public causal_lm {
 public:
     explicit gemma3_model(model_hparams hp) : causal_lm(std::move(hp)) {}
@@ -31,12 +29,11 @@ public:
     torch::Tensor hidden(const torch::Tensor & tokens, weight_source & w) override {
         check_tokens(tokens);
         forward_context ctx = context(w);
-        const int64_t B = tokens.size(0), T = tokens.size(1);
+        const int64_t T = tokens.size(1);
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype, scaled as ggml_scale(inpL, sqrtf(n_embd)).
-        torch::Tensor x = w.rows("token_embd.weight", tokens.reshape({-1})).to(tokens.device(), ctx.dtype);
-        x = x.view({B, T, hp.n_embd}) * std::sqrt(static_cast<float>(hp.n_embd));
+        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd) * std::sqrt(static_cast<float>(hp.n_embd));
         const rope_tables rope_global = make_rope_tables(ctx, hp, T, tokens.device());
         rope_config swa;
         swa.freq_base = hp.rope_freq_base_swa;
@@ -47,15 +44,15 @@ public:
         for (int64_t il = 0; il < hp.n_layer; ++il) {
             const bool sliding = hp.is_swa(il);
             const rope_tables & rope = sliding ? rope_swa : rope_global;
-            const torch::Tensor h = rms_norm(ctx, blk(il, "attn_norm.weight"), x, hp.norm_rms_eps);
+            const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
             qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
-            a.q = apply_rope(rms_norm(ctx, blk(il, "attn_q_norm.weight"), a.q, hp.norm_rms_eps), rope, hp);
-            a.k = apply_rope(rms_norm(ctx, blk(il, "attn_k_norm.weight"), a.k, hp.norm_rms_eps), rope, hp);
+            a.q = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_q_norm.weight"), a.q, hp.norm_rms_eps), rope, hp);
+            a.k = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_k_norm.weight"), a.k, hp.norm_rms_eps), rope, hp);
             const torch::Tensor att = causal_attention(a.q, a.k, a.v, hp.kq_scale, sliding ? hp.n_swa : 0);
-            x = x + rms_norm(ctx, blk(il, "post_attention_norm.weight"), linear(ctx, blk(il, "attn_output.weight"), att),
+            x = x + rms_norm(ctx, layer_tensor(il, "post_attention_norm.weight"), linear(ctx, layer_tensor(il, "attn_output.weight"), att),
                              hp.norm_rms_eps);
-            const torch::Tensor f = geglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, blk(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
-            x = x + rms_norm(ctx, blk(il, "post_ffw_norm.weight"), f, hp.norm_rms_eps);
+            const torch::Tensor f = geglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+            x = x + rms_norm(ctx, layer_tensor(il, "post_ffw_norm.weight"), f, hp.norm_rms_eps);
         }
         return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
     }

@@ -16,8 +16,6 @@ namespace voodoo {
 
 namespace {
 
-std::string blk(int64_t il, const char * name) { return fmt::format("blk.{}.{}", il, name); }
-
 class llama_model : public causal_lm {
 public:
     explicit llama_model(model_hparams hp) : causal_lm(std::move(hp)) {}
@@ -29,20 +27,19 @@ public:
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype
-        torch::Tensor x = w.rows("token_embd.weight", tokens.reshape({-1})).to(tokens.device(), ctx.dtype);
-        x = x.view({B, T, hp.n_embd});
+        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd);
         const rope_tables rope = make_rope_tables(ctx, hp, T, tokens.device());
 
         for (int64_t il = 0; il < hp.n_layer; ++il) {
-            const torch::Tensor h = rms_norm(ctx, blk(il, "attn_norm.weight"), x, hp.norm_rms_eps);
-            torch::Tensor q = linear(ctx, blk(il, "attn_q.weight"), h).view({B, T, hp.n_head, hp.n_embd_head_k});
-            torch::Tensor k = linear(ctx, blk(il, "attn_k.weight"), h).view({B, T, hp.n_head_kv, hp.n_embd_head_k});
-            torch::Tensor v = linear(ctx, blk(il, "attn_v.weight"), h).view({B, T, hp.n_head_kv, hp.n_embd_head_v});
+            const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
+            torch::Tensor q = linear(ctx, layer_tensor(il, "attn_q.weight"), h).view({B, T, hp.n_head, hp.n_embd_head_k});
+            torch::Tensor k = linear(ctx, layer_tensor(il, "attn_k.weight"), h).view({B, T, hp.n_head_kv, hp.n_embd_head_k});
+            torch::Tensor v = linear(ctx, layer_tensor(il, "attn_v.weight"), h).view({B, T, hp.n_head_kv, hp.n_embd_head_v});
             q = apply_rope(q, rope, hp);
             k = apply_rope(k, rope, hp);
             const torch::Tensor a = causal_attention(q, k, v, hp.kq_scale);
-            x = x + linear(ctx, blk(il, "attn_output.weight"), a);
-            x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, blk(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+            x = x + linear(ctx, layer_tensor(il, "attn_output.weight"), a);
+            x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
         }
         return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
     }
@@ -73,26 +70,26 @@ void check_tensors(const gguf_file & file, const model_hparams & hp) {
     const std::string v_why = fmt::format("n_embd {} and head_count_kv {} × value_length {}", hp.n_embd, hp.n_head_kv, hp.n_embd_head_v);
     const std::string ff_why = fmt::format("n_embd {} and {}.feed_forward_length = {}", hp.n_embd, arch, hp.n_ff);
     for (int64_t il = 0; il < hp.n_layer; ++il) {
-        if (file.find_tensor(blk(il, "attn_qkv.weight"))) {
+        if (file.find_tensor(layer_tensor(il, "attn_qkv.weight"))) {
             fail("'{}': tensor '{}': fused QKV llama files are not supported yet (split attn_q/attn_k/attn_v are)",
-                 file.path(), blk(il, "attn_qkv.weight"));
+                 file.path(), layer_tensor(il, "attn_qkv.weight"));
         }
-        expect(blk(il, "attn_norm.weight"), {hp.n_embd}, embd);
-        expect(blk(il, "attn_q.weight"), {hp.n_embd, hp.n_embd_q()}, q_why);
-        expect(blk(il, "attn_k.weight"), {hp.n_embd, hp.n_embd_k_gqa()}, k_why);
-        expect(blk(il, "attn_v.weight"), {hp.n_embd, hp.n_embd_v_gqa()}, v_why);
-        expect(blk(il, "attn_output.weight"), {hp.n_embd_head_v * hp.n_head, hp.n_embd}, q_why);
-        optional(blk(il, "attn_q.bias"), {hp.n_embd_q()}, q_why);
-        optional(blk(il, "attn_k.bias"), {hp.n_embd_k_gqa()}, k_why);
-        optional(blk(il, "attn_v.bias"), {hp.n_embd_v_gqa()}, v_why);
-        optional(blk(il, "attn_output.bias"), {hp.n_embd}, embd);
-        expect(blk(il, "ffn_norm.weight"), {hp.n_embd}, embd);
-        expect(blk(il, "ffn_gate.weight"), {hp.n_embd, hp.n_ff}, ff_why);
-        expect(blk(il, "ffn_up.weight"), {hp.n_embd, hp.n_ff}, ff_why);
-        expect(blk(il, "ffn_down.weight"), {hp.n_ff, hp.n_embd}, ff_why);
-        optional(blk(il, "ffn_gate.bias"), {hp.n_ff}, ff_why);
-        optional(blk(il, "ffn_up.bias"), {hp.n_ff}, ff_why);
-        optional(blk(il, "ffn_down.bias"), {hp.n_embd}, embd);
+        expect(layer_tensor(il, "attn_norm.weight"), {hp.n_embd}, embd);
+        expect(layer_tensor(il, "attn_q.weight"), {hp.n_embd, hp.n_embd_q()}, q_why);
+        expect(layer_tensor(il, "attn_k.weight"), {hp.n_embd, hp.n_embd_k_gqa()}, k_why);
+        expect(layer_tensor(il, "attn_v.weight"), {hp.n_embd, hp.n_embd_v_gqa()}, v_why);
+        expect(layer_tensor(il, "attn_output.weight"), {hp.n_embd_head_v * hp.n_head, hp.n_embd}, q_why);
+        optional(layer_tensor(il, "attn_q.bias"), {hp.n_embd_q()}, q_why);
+        optional(layer_tensor(il, "attn_k.bias"), {hp.n_embd_k_gqa()}, k_why);
+        optional(layer_tensor(il, "attn_v.bias"), {hp.n_embd_v_gqa()}, v_why);
+        optional(layer_tensor(il, "attn_output.bias"), {hp.n_embd}, embd);
+        expect(layer_tensor(il, "ffn_norm.weight"), {hp.n_embd}, embd);
+        expect(layer_tensor(il, "ffn_gate.weight"), {hp.n_embd, hp.n_ff}, ff_why);
+        expect(layer_tensor(il, "ffn_up.weight"), {hp.n_embd, hp.n_ff}, ff_why);
+        expect(layer_tensor(il, "ffn_down.weight"), {hp.n_ff, hp.n_embd}, ff_why);
+        optional(layer_tensor(il, "ffn_gate.bias"), {hp.n_ff}, ff_why);
+        optional(layer_tensor(il, "ffn_up.bias"), {hp.n_ff}, ff_why);
+        optional(layer_tensor(il, "ffn_down.bias"), {hp.n_embd}, embd);
     }
     for (const gguf_tensor & t : file.tensors()) {
         if (!known.count(t.name)) {

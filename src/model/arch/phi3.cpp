@@ -21,8 +21,6 @@ namespace voodoo {
 
 namespace {
 
-std::string blk(int64_t il, const char * name) { return fmt::format("blk.{}.{}", il, name); }
-
 class phi3_model : public causal_lm {
 public:
     phi3_model(model_hparams hp, bool has_long, bool has_short)
@@ -31,12 +29,11 @@ public:
     torch::Tensor hidden(const torch::Tensor & tokens, weight_source & w) override {
         check_tokens(tokens);
         forward_context ctx = context(w);
-        const int64_t B = tokens.size(0), T = tokens.size(1);
+        const int64_t T = tokens.size(1);
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype
-        torch::Tensor x = w.rows("token_embd.weight", tokens.reshape({-1})).to(tokens.device(), ctx.dtype);
-        x = x.view({B, T, hp.n_embd});
+        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd);
         rope_config rope;
         rope.freq_base = hp.rope_freq_base;
         rope.freq_scale = hp.rope_freq_scale;
@@ -52,12 +49,12 @@ public:
         const rope_tables tables = make_rope_tables(ctx, hp.n_rot, rope, T, tokens.device());
 
         for (int64_t il = 0; il < hp.n_layer; ++il) {
-            const torch::Tensor h = rms_norm(ctx, blk(il, "attn_norm.weight"), x, hp.norm_rms_eps);
+            const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
             qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
             a.q = apply_rope(a.q, tables, hp);
             a.k = apply_rope(a.k, tables, hp);
-            x = x + linear(ctx, blk(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
-            x = x + fused_swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, blk(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+            x = x + linear(ctx, layer_tensor(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
+            x = x + fused_swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
         }
         return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
     }

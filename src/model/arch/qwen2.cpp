@@ -14,8 +14,6 @@ namespace voodoo {
 
 namespace {
 
-std::string blk(int64_t il, const char * name) { return fmt::format("blk.{}.{}", il, name); }
-
 class qwen2_model : public causal_lm {
 public:
     explicit qwen2_model(model_hparams hp, bool output_bias) : causal_lm(std::move(hp)), output_bias_(output_bias) {}
@@ -23,21 +21,20 @@ public:
     torch::Tensor hidden(const torch::Tensor & tokens, weight_source & w) override {
         check_tokens(tokens);
         forward_context ctx = context(w);
-        const int64_t B = tokens.size(0), T = tokens.size(1);
+        const int64_t T = tokens.size(1);
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype
-        torch::Tensor x = w.rows("token_embd.weight", tokens.reshape({-1})).to(tokens.device(), ctx.dtype);
-        x = x.view({B, T, hp.n_embd});
+        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd);
         const rope_tables rope = make_rope_tables(ctx, hp, T, tokens.device());
 
         for (int64_t il = 0; il < hp.n_layer; ++il) {
-            const torch::Tensor h = rms_norm(ctx, blk(il, "attn_norm.weight"), x, hp.norm_rms_eps);
+            const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
             qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
             a.q = apply_rope(a.q, rope, hp);
             a.k = apply_rope(a.k, rope, hp);
-            x = x + linear(ctx, blk(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
-            x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, blk(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+            x = x + linear(ctx, layer_tensor(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
+            x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
         }
         return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
     }

@@ -14,8 +14,6 @@ namespace voodoo {
 
 namespace {
 
-std::string blk(int64_t il, const char * name) { return fmt::format("blk.{}.{}", il, name); }
-
 class qwen3_model : public causal_lm {
 public:
     explicit qwen3_model(model_hparams hp) : causal_lm(std::move(hp)) {}
@@ -23,22 +21,21 @@ public:
     torch::Tensor hidden(const torch::Tensor & tokens, weight_source & w) override {
         check_tokens(tokens);
         forward_context ctx = context(w);
-        const int64_t B = tokens.size(0), T = tokens.size(1);
+        const int64_t T = tokens.size(1);
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype
-        torch::Tensor x = w.rows("token_embd.weight", tokens.reshape({-1})).to(tokens.device(), ctx.dtype);
-        x = x.view({B, T, hp.n_embd});
+        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd);
         const rope_tables rope = make_rope_tables(ctx, hp, T, tokens.device());
 
         for (int64_t il = 0; il < hp.n_layer; ++il) {
-            const torch::Tensor h = rms_norm(ctx, blk(il, "attn_norm.weight"), x, hp.norm_rms_eps);
+            const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
             qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
             // q, k: [B, T, heads, head_dim]; the norm runs over head_dim, per head.
-            a.q = apply_rope(rms_norm(ctx, blk(il, "attn_q_norm.weight"), a.q, hp.norm_rms_eps), rope, hp);
-            a.k = apply_rope(rms_norm(ctx, blk(il, "attn_k_norm.weight"), a.k, hp.norm_rms_eps), rope, hp);
-            x = x + linear(ctx, blk(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
-            x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, blk(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+            a.q = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_q_norm.weight"), a.q, hp.norm_rms_eps), rope, hp);
+            a.k = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_k_norm.weight"), a.k, hp.norm_rms_eps), rope, hp);
+            x = x + linear(ctx, layer_tensor(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
+            x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
         }
         return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
     }
