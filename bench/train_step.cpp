@@ -27,6 +27,7 @@
 #if defined(VOODOO_HAVE_CUDA)
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
+#include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
 #include <chrono>
@@ -99,7 +100,7 @@ std::vector<float> tile_f32(const gguf_file & f, const gguf_tensor & t, int64_t 
 
 int main(int argc, char ** argv) {
     CLI::App app{"bench/train_step: one gate-training step, fused GPU mixture vs the reference path"};
-    std::string shape_name = "qwen3-0.6b", work = "runs/bench", json_out, vocab_dir, device_str = "cuda";
+    std::string shape_name = "qwen3-0.6b", work = "runs/bench", json_out, vocab_dir, device_str = "cuda", profile_dir;
     std::string paths_str = "fused,reference", menu_str;
     int64_t layers = 0, seq = 2048, batch = 1, tile = 64;
     int steps = 5, warmup = 2;
@@ -118,6 +119,9 @@ int main(int argc, char ** argv) {
     app.add_option("--device", device_str, "cuda, cuda:N or cpu")->capture_default_str();
     app.add_option("--peak-tflops", peak_tflops, "Dense bf16 peak for MFU (H200 SXM datasheet: 989)")->capture_default_str();
     app.add_option("--json", json_out, "Write the results here as JSON");
+    app.add_option("--profile", profile_dir,
+                   "After the timed steps, one more step per path under PyTorch's profiler: its trace goes to "
+                   "DIR/trace-PATH.json (scripts/trace_summary.py sums it by kernel)");
     CLI11_PARSE(app, argc, argv);
     try {
         const auto it = shapes().find(shape_name);
@@ -273,9 +277,19 @@ int main(int argc, char ** argv) {
             gated_weights student(dense, gated);
             torch::manual_seed(1);
             std::vector<double> times;
-            for (int s = 0; s < warmup + steps; ++s) {
+            const bool profile = !profile_dir.empty();
+            for (int s = 0; s < warmup + steps + (profile ? 1 : 0); ++s) {
+                const bool profiled = s == warmup + steps;
                 const torch::Tensor tok = torch::randint(0, hp.n_vocab, {batch, seq}, torch::kLong).to(device);
                 sync(device);
+                namespace prof = torch::autograd::profiler;
+                const std::set<torch::profiler::impl::ActivityType> activities = {
+                    torch::profiler::impl::ActivityType::CPU, torch::profiler::impl::ActivityType::CUDA};
+                const torch::profiler::impl::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+                if (profiled) {
+                    prof::prepareProfiler(config, activities);
+                    prof::enableProfiler(config, activities);
+                }
                 const auto a = std::chrono::steady_clock::now();
                 opt.zero_grad();
                 torch::Tensor h_t;
@@ -288,6 +302,13 @@ int main(int argc, char ** argv) {
                 opt.step();
                 sync(device);
                 const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
+                if (profiled) {
+                    fs::create_directories(profile_dir);
+                    const std::string trace = (fs::path(profile_dir) / fmt::format("trace-{}.json", path_name)).string();
+                    prof::disableProfiler()->save(trace);
+                    fmt::print(stderr, "  {} profiled step: {:.3f} s, trace {}\n", path_name, dt, trace);
+                    continue;
+                }
                 if (s >= warmup) {
                     times.push_back(dt);
                 }

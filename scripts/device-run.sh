@@ -2,8 +2,8 @@
 # What the project runs on the GPU machine (the workplace's device tool): a CUDA build against that
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
-# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, bench-small, bench-large. Logs and
-# results go to $OUT (or ./out).
+# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
+# profile. Logs and results go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -70,6 +70,15 @@ bench-small)
 bench-large)
     log bench llama3-8b shape
     build-cuda/bin/train_step --shape llama3-8b --layers 4 --steps 3 --warmup 1 --work /tmp/bench --json "$OUT/bench-llama3-8b.json" 2>&1 | tee "$OUT/bench-llama3-8b.log" | tail -8
+    ;;
+profile)
+    # One profiled step per path on the 8B shape's slice (PyTorch's profiler), summed by kernel.
+    log profile llama3-8b shape
+    build-cuda/bin/train_step --shape llama3-8b --layers 4 --steps 2 --warmup 1 --work /tmp/bench \
+        --profile /tmp/prof --json "$OUT/profile-llama3-8b.json" > "$OUT/profile-llama3-8b.log" 2>&1
+    for t in /tmp/prof/trace-*.json; do
+        python3 scripts/trace_summary.py "$t" --json "$OUT/$(basename "$t" .json)-summary.json" | tee -a "$OUT/profile-summary.md"
+    done
     ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;
