@@ -7,7 +7,9 @@
 // The candidates' bytes are real ggml quantizations of the tensor's first --tile-rows rows, repeated down
 // the rows: every row is valid data of its type and the kernels do the same work as on a real model, while
 // the benchmark does not spend an hour quantizing billions of weights on the CPU. Timing does not depend on
-// the values; the training tests and `voodoo quantize --device cuda` use real candidates.
+// the values; the training tests and `voodoo quantize --device cuda` use real candidates. F16, BF16 and F32
+// candidates are made whole from the real weights (a conversion, not a search), so that the fused path can
+// share them with the teacher as the trainer does.
 #include "common/error.h"
 #include "ggml/gguf.h"
 #include "ggml/quant.h"
@@ -28,6 +30,9 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 #include <torch/csrc/autograd/profiler_kineto.h>
+#if defined(VOODOO_HAVE_CUDA)
+#include "cuda/gpu.h"
+#endif
 
 #include <algorithm>
 #include <chrono>
@@ -119,11 +124,20 @@ int main(int argc, char ** argv) {
     app.add_option("--device", device_str, "cuda, cuda:N or cpu")->capture_default_str();
     app.add_option("--peak-tflops", peak_tflops, "Dense bf16 peak for MFU (H200 SXM datasheet: 989)")->capture_default_str();
     app.add_option("--json", json_out, "Write the results here as JSON");
+    bool no_share = false, row_kernels = false;
+    app.add_flag("--no-share", no_share, "Fused path: upload BF16/F16 candidates even where the teacher's bf16 weights equal them");
+    app.add_flag("--row-kernels", row_kernels, "Fused path: the row kernels only (not the tiled ones)");
     app.add_option("--profile", profile_dir,
                    "After the timed steps, one more step per path under PyTorch's profiler: its trace goes to "
                    "DIR/trace-PATH.json (scripts/trace_summary.py sums it by kernel)");
     CLI11_PARSE(app, argc, argv);
     try {
+        const bool share = !no_share;
+#if defined(VOODOO_HAVE_CUDA)
+        gpu::set_tiled_kernels(!row_kernels);
+#else
+        (void)row_kernels;
+#endif
         const auto it = shapes().find(shape_name);
         if (it == shapes().end()) {
             fail("--shape '{}': expected qwen3-0.6b, llama3-8b or tiny", shape_name);
@@ -194,6 +208,11 @@ int main(int argc, char ** argv) {
                    n_weights_gated / 1e9, quant_s);
 
         auto expand = [&](const gguf_tensor & t, ggml_type type) {
+            if (type == GGML_TYPE_F16 || type == GGML_TYPE_BF16 || type == GGML_TYPE_F32) {
+                // Float candidates are cheap to make whole, and whole they can be the teacher's own weights
+                // (the fused path shares them instead of storing them again).
+                return quantize(type, dequantize(t.type, src.data(t), t.ne[0]), t.ne[0], {}, 0, t.name);
+            }
             const std::vector<uint8_t> & tb = tiles.at(std::make_tuple(t.ne[0], t.n_rows(), static_cast<int>(type)));
             const size_t row = ggml_row_size(type, t.ne[0]);
             const size_t tile_rows = tb.size() / row;
@@ -232,6 +251,9 @@ int main(int argc, char ** argv) {
         for (const std::string & path_name : paths) {
             const mixture_path path = parse_mixture_path(path_name);
             reset_peak(device);
+            const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(compute) : std::nullopt;
+            gguf_weights teacher(src, device, 0, keep);
+            gguf_weights dense(src, device, 0, keep);
             int64_t cand_bytes = 0;
             for (gated_tensor & g : gated) {
                 g.bytes.clear();
@@ -254,7 +276,12 @@ int main(int argc, char ** argv) {
                     }
                     cand_bytes += g.dense.numel() * g.dense.element_size();
                 } else {
-                    cand_bytes += place_candidates(g, path, device, compute, compute);
+                    // As the trainer does: the teacher's resident bf16 matrices stand in for the BF16/F16
+                    // candidates equal to them (--no-share: every candidate gets its own copy).
+                    const torch::Tensor source = path == mixture_path::fused && share && compute == torch::kBFloat16
+                                                     ? teacher.get(g.tensor->name)
+                                                     : torch::Tensor();
+                    cand_bytes += place_candidates(g, path, device, compute, compute, source);
                 }
                 if (path != mixture_path::cpu) {
                     g.bytes.clear();
@@ -271,9 +298,6 @@ int main(int argc, char ** argv) {
                 gated[i].gate = all_gates.narrow(0, static_cast<int64_t>(at), static_cast<int64_t>(gated[i].types.size()));
             }
             torch::optim::AdamW opt(std::vector<torch::Tensor>{all_gates}, torch::optim::AdamWOptions(0.05));
-            const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(compute) : std::nullopt;
-            gguf_weights teacher(src, device, 0, keep);
-            gguf_weights dense(src, device, 0, keep);
             gated_weights student(dense, gated);
             torch::manual_seed(1);
             std::vector<double> times;
@@ -326,6 +350,8 @@ int main(int argc, char ** argv) {
                 {"peak_gib", peak_bytes(device) / 1073741824.0},
                 {"candidate_gib", cand_bytes / 1073741824.0},
                 {"weights_gated", n_weights_gated},
+                {"shared_16bit", path == mixture_path::fused && share},
+                {"kernels", path == mixture_path::fused ? (row_kernels ? "rows" : "tiled") : "-"},
                 {"step_flops", step_flops}};
             results.push_back(r);
             for (gated_tensor & g : gated) {

@@ -74,7 +74,7 @@ bench-large)
 profile)
     # One profiled step per path on the 8B shape's slice (PyTorch's profiler), summed by kernel.
     log profile llama3-8b shape
-    build-cuda/bin/train_step --shape llama3-8b --layers 4 --steps 2 --warmup 1 --work /tmp/bench \
+    build-cuda/bin/train_step --shape llama3-8b --layers 4 --steps 3 --warmup 1 --work /tmp/bench \
         --profile /tmp/prof --json "$OUT/profile-llama3-8b.json" > "$OUT/profile-llama3-8b.log" 2>&1
     for t in /tmp/prof/trace-*.json; do
         python3 scripts/trace_summary.py "$t" --json "$OUT/$(basename "$t" .json)-summary.json" | tee -a "$OUT/profile-summary.md"

@@ -2,6 +2,7 @@
 // tests/test_cuda_rules.cpp checks the same dequantization rules on the CPU in CI).
 #if defined(VOODOO_HAVE_CUDA)
 
+#include "cuda/deq_rules.h"
 #include "cuda/gpu.h"
 #include "data/dataset.h"
 #include "ggml/quant.h"
@@ -174,6 +175,90 @@ TEST(cuda, rows_of_any_length_work_for_float_types) {
     const torch::Tensor g = torch::randn({rows, ne0}, torch::TensorOptions().device(k_gpu)).to(torch::kBFloat16);
     const torch::Tensor want_g = (f.dense.to(torch::kDouble) * g.to(torch::kDouble)).sum({1, 2});
     EXPECT_LT(rel_err(gpu::gate_grad(f.c, g, torch::Tensor()), want_g), 1e-5);
+}
+
+TEST(cuda, tiled_kernels_equal_ggml_and_the_row_kernels_for_every_type) {
+    // 97 rows of 1024: 48.5 tiles of 2048 weights, so the last tile is partial (byte copies, not cp.async).
+    const int64_t rows = 97, ne0 = 1024;
+    const std::vector<ggml_type> types = menu_and_f32();
+    const fixture_set f = make_set(types, rows, ne0);
+    const int64_t K = static_cast<int64_t>(types.size());
+    for (int64_t k = 0; k < K; ++k) {
+        // One-hot p: the tiled mixture is candidate k's to_float, bit for bit.
+        torch::Tensor hot = torch::zeros({K}, torch::TensorOptions().device(k_gpu));
+        hot[k] = 1.0f;
+        EXPECT_TRUE(torch::equal(gpu::mixture(f.c, hot, torch::Tensor(), torch::kFloat), f.dense[k]))
+            << type_name(types[static_cast<size_t>(k)]);
+    }
+    torch::manual_seed(7);
+    const torch::Tensor p = torch::softmax(torch::randn({K}), 0).to(k_gpu);
+    const torch::Tensor g = torch::randn({rows, ne0}, torch::TensorOptions().device(k_gpu)).to(torch::kBFloat16);
+    const torch::Tensor tiled_w = gpu::mixture(f.c, p, torch::Tensor(), torch::kBFloat16);
+    const torch::Tensor tiled_g = gpu::gate_grad(f.c, g, torch::Tensor());
+    gpu::set_tiled_kernels(false);
+    const torch::Tensor rows_w = gpu::mixture(f.c, p, torch::Tensor(), torch::kBFloat16);
+    const torch::Tensor rows_g = gpu::gate_grad(f.c, g, torch::Tensor());
+    gpu::set_tiled_kernels(true);
+    EXPECT_TRUE(torch::equal(tiled_w, rows_w)) << "same per-weight arithmetic, k ascending";
+    EXPECT_LT(rel_err(tiled_g, rows_g), 1e-6);
+    const torch::Tensor want_g = (f.dense.to(torch::kDouble) * g.to(torch::kDouble)).sum({1, 2});
+    EXPECT_LT(rel_err(tiled_g, want_g), 1e-5);
+    // A p with zeros: those candidates are neither read nor added.
+    torch::Tensor sparse = p.clone();
+    sparse.index_put_({torch::indexing::Slice(0, K, 2)}, 0.0f);
+    const torch::Tensor want_s = torch::tensordot(sparse.to(torch::kDouble), f.dense.to(torch::kDouble), {0}, {0});
+    EXPECT_LT(rel_err(gpu::mixture(f.c, sparse, torch::Tensor(), torch::kFloat), want_s), 1e-6);
+}
+
+TEST(cuda, sixteen_bit_candidates_read_the_teachers_bf16_weights_when_bit_identical) {
+    const int64_t rows = 64, ne0 = 2048;
+    // A BF16 source (the usual released checkpoint): weights that are bf16 values, with fp16's edge cases
+    // (above 65504, so F16 gives inf; below 2^-14, so F16 is subnormal or zero).
+    std::vector<float> w = test::gaussian(static_cast<size_t>(rows * ne0), 21);
+    for (size_t i = 0; i < w.size(); i += 101) {
+        w[i] *= (i % 2) ? 1e5f : 1e-6f;
+    }
+    const torch::Tensor bf16 = torch::from_blob(w.data(), {rows, ne0}).to(torch::kBFloat16);
+    const torch::Tensor as_f32 = bf16.to(torch::kFloat).contiguous();
+    const std::vector<float> src(as_f32.data_ptr<float>(), as_f32.data_ptr<float>() + as_f32.numel());
+    const std::vector<ggml_type> types = {GGML_TYPE_Q4_K, GGML_TYPE_F16, GGML_TYPE_BF16};
+    std::vector<std::vector<uint8_t>> bytes;
+    for (ggml_type t : types) {
+        bytes.push_back(quantize(t, src, ne0));
+    }
+    const std::vector<int> ids(types.begin(), types.end());
+    const torch::Tensor source = bf16.to(k_gpu);
+    const gpu::candidate_set own = gpu::upload(bytes, ids, rows, ne0, k_gpu, "t");
+    const gpu::candidate_set shared = gpu::upload(bytes, ids, rows, ne0, k_gpu, "t", source);
+    EXPECT_EQ(shared.shared, (std::vector<bool>{false, true, true}));
+    EXPECT_EQ(shared.types[1], deq::F16_OF_BF16);
+    EXPECT_EQ(gpu::resident_bytes(shared), static_cast<int64_t>(bytes[0].size()));
+    EXPECT_EQ(gpu::resident_bytes(own), static_cast<int64_t>(bytes[0].size() + bytes[1].size() + bytes[2].size()));
+    for (int k = 0; k < 3; ++k) {
+        EXPECT_TRUE(torch::equal(gpu::dequantize(shared, k).view(torch::kInt), gpu::dequantize(own, k).view(torch::kInt))) << k;
+    }
+    // An F32 source: its BF16 candidate is the bf16 rounding, shared; its F16 candidate is not fp16 of that
+    // rounding, so it keeps its own bytes.
+    const std::vector<float> f32 = test::gaussian(static_cast<size_t>(rows * ne0), 22);
+    std::vector<std::vector<uint8_t>> b32;
+    for (ggml_type t : types) {
+        b32.push_back(quantize(t, f32, ne0));
+    }
+    const torch::Tensor source32 = torch::from_blob(const_cast<float *>(f32.data()), {rows, ne0}).to(k_gpu, torch::kBFloat16);
+    const gpu::candidate_set s32 = gpu::upload(b32, ids, rows, ne0, k_gpu, "t", source32);
+    EXPECT_EQ(s32.shared, (std::vector<bool>{false, false, true}));
+    EXPECT_EQ(s32.types[1], GGML_TYPE_F16);
+    // Training reads the same numbers either way: mixture and gate gradients of the shared set are the own
+    // set's, bit for bit (finite weights: the F32 source).
+    const gpu::candidate_set o32 = gpu::upload(b32, ids, rows, ne0, k_gpu, "t");
+    const torch::Tensor p = torch::tensor({0.2f, 0.3f, 0.5f}).to(k_gpu);
+    EXPECT_TRUE(torch::equal(gpu::mixture(s32, p, torch::Tensor(), torch::kBFloat16),
+                             gpu::mixture(o32, p, torch::Tensor(), torch::kBFloat16)));
+    const torch::Tensor g = torch::randn({rows, ne0}, torch::TensorOptions().device(k_gpu)).to(torch::kBFloat16);
+    EXPECT_LT(rel_err(gpu::gate_grad(s32, g, torch::Tensor()), gpu::gate_grad(o32, g, torch::Tensor())), 1e-12);
+    // A source of the wrong shape or dtype is not used (every candidate uploaded).
+    const gpu::candidate_set wrong = gpu::upload(bytes, ids, rows, ne0, k_gpu, "t", source.to(torch::kFloat));
+    EXPECT_EQ(wrong.shared, (std::vector<bool>{false, false, false}));
 }
 
 TEST(cuda, fused_and_reference_paths_train_the_same_gates_through_autograd) {

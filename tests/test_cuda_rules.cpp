@@ -121,3 +121,35 @@ TEST(cuda_rules, a_type_without_a_rule_or_a_row_that_does_not_fit_is_refused) {
     EXPECT_NE(test::error_of([&] { dequantize_by_rule(GGML_TYPE_Q4_K, q4k, 128, wrong); }).find("does not fit"),
               std::string::npos);
 }
+
+TEST(cuda_rules, an_f16_candidate_read_from_bf16_bytes_equals_ggml_f16_of_the_bf16_source) {
+    // The shared-weights candidate (deq::F16_OF_BF16): ggml's F16 candidate of a BF16 source, computed from the
+    // bf16 bytes the teacher keeps. Every finite bf16 pattern, so fp16's overflow (to ±inf), subnormal and
+    // round-to-even cases are all met.
+    std::vector<uint8_t> bf16_bytes;
+    std::vector<float> source;
+    for (uint32_t h = 0; h < 0x10000; ++h) {
+        const uint32_t u = h << 16;
+        float f;
+        std::memcpy(&f, &u, 4);
+        if (!std::isfinite(f)) {
+            continue;
+        }
+        bf16_bytes.push_back(static_cast<uint8_t>(h & 0xff));
+        bf16_bytes.push_back(static_cast<uint8_t>(h >> 8));
+        source.push_back(f);
+    }
+    const int64_t n = static_cast<int64_t>(source.size()) / 8 * 8;
+    source.resize(static_cast<size_t>(n));
+    const std::vector<float> want = dequantize(GGML_TYPE_F16, quantize(GGML_TYPE_F16, source, n), n);
+    std::vector<float> got(static_cast<size_t>(n));
+    for (int64_t i0 = 0; i0 < n; i0 += 8) {
+        deq::deq8(deq::F16_OF_BF16, bf16_bytes.data(), i0, got.data() + i0, host_deq_tables());
+    }
+    const int64_t bad = first_bit_difference(want, got);
+    EXPECT_EQ(bad, -1) << "bf16 " << (bad >= 0 ? source[static_cast<size_t>(bad)] : 0.f) << ": rule gives "
+                       << (bad >= 0 ? got[static_cast<size_t>(bad)] : 0.f) << ", ggml "
+                       << (bad >= 0 ? want[static_cast<size_t>(bad)] : 0.f);
+    EXPECT_EQ(deq::block_size(deq::F16_OF_BF16), 1);
+    EXPECT_EQ(deq::block_bytes(deq::F16_OF_BF16), 2);
+}

@@ -252,3 +252,22 @@ TEST(gguf, bad_files_give_one_line_errors) {
 
     expect_error_naming(dir.path.string(), "not a regular file");
 }
+
+TEST(file, remove_tree_removes_a_nested_folder_without_following_links) {
+    temp_dir keep, dir;
+    const std::string kept = keep.file("kept.txt");
+    write_all(kept, {1, 2, 3});
+    const std::filesystem::path root = dir.path / "a";
+    std::filesystem::create_directories(root / "b" / "c");
+    write_all((root / "b" / "c" / "x.bin").string(), {4});
+    write_all((root / "y.bin").string(), {5});
+    std::filesystem::create_directory_symlink(keep.path, root / "link");  // must not be followed
+    EXPECT_TRUE(remove_tree(root.string()));
+    EXPECT_FALSE(std::filesystem::exists(root));
+    EXPECT_TRUE(std::filesystem::exists(kept)) << "remove_tree followed a symbolic link";
+    EXPECT_TRUE(remove_tree(root.string())) << "a missing path is not an error";
+    const std::string file = dir.file("plain.bin");
+    write_all(file, {6});
+    EXPECT_TRUE(remove_tree(file));
+    EXPECT_FALSE(std::filesystem::exists(file));
+}

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "common/error.h"
+#include "common/file.h"
 #include "export/recipe.h"
 #include "ggml/gguf.h"
 #include "ggml/runtime.h"
@@ -46,8 +47,7 @@ struct temp_dir {
         path = mkdtemp(tmpl.data());
     }
     ~temp_dir() {
-        std::error_code ec;
-        std::filesystem::remove_all(path, ec);
+        voodoo::remove_tree(path.string());  // not std::filesystem::remove_all: see common/file.h
     }
     std::string file(const std::string & name) const { return (path / name).string(); }
 };

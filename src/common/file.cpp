@@ -9,6 +9,7 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -24,6 +25,23 @@ size_t file_size(const std::string & path) {
         fail("'{}' is not a regular file", path);
     }
     return static_cast<size_t>(st.st_size);
+}
+
+bool remove_tree(const std::string & path) noexcept {
+    struct stat st {};
+    if (lstat(path.c_str(), &st) != 0) {
+        return errno == ENOENT;
+    }
+    // Depth first (FTW_DEPTH: a folder after its contents), never following links (FTW_PHYS).
+    static thread_local bool ok;
+    ok = true;
+    const int rc = nftw(path.c_str(), [](const char * p, const struct stat *, int, struct FTW *) {
+        if (::remove(p) != 0 && errno != ENOENT) {
+            ok = false;
+        }
+        return 0;
+    }, 16, FTW_DEPTH | FTW_PHYS);
+    return rc == 0 && ok;
 }
 
 bool same_file(const std::string & a, const std::string & b) {

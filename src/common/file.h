@@ -16,6 +16,13 @@ size_t file_size(const std::string & path);
 /// True when a and b name the same file on disk (same device and inode). False if either is missing.
 bool same_file(const std::string & a, const std::string & b);
 
+/// Removes `path` and, when it is a folder, everything under it (rm -rf; symbolic links are removed, not
+/// followed). A missing path is not an error. Returns false when something could not be removed.
+/// Use this, not std::filesystem::remove_all: PyTorch's CUDA wheels (2.11) export their own copy of
+/// remove_all from libtorch.so, and a program linked against them that calls it jumps to address 0
+/// (seen on the GPU machine: tests/test_util.h's temp_dir and the eval plot's scratch folder).
+bool remove_tree(const std::string & path) noexcept;
+
 /// A read-only, private memory map of a whole file. Empty files map to an empty span.
 class mapped_file {
 public:

@@ -42,6 +42,10 @@ enum type_id : int {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12,
     Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21,
     IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, BF16 = 30,
+    // Not a ggml type: an F16 candidate read from bf16 bytes (a BF16 source's own weights, shared with the
+    // teacher instead of stored again). Its rule is ggml's F16 candidate of a BF16 source, fp16(bf16 value):
+    // ggml_fp32_to_fp16 of the bf16 value as f32, round to nearest even, then back to f32.
+    F16_OF_BF16 = 1000,
 };
 
 /// Whether this file has a rule for ggml type `t` (the default menu's types, F32 included).
@@ -57,9 +61,10 @@ VOODOO_HHD bool has_rule(int t) {
 }
 
 /// Weights per block and bytes per block of type t (ggml_blck_size, ggml_type_size); 0 when no rule.
+/// F16_OF_BF16 reads bf16 bytes: 1 weight, 2 bytes.
 VOODOO_HHD int block_size(int t) {
     switch (t) {
-        case F32: case F16: case BF16: return 1;
+        case F32: case F16: case BF16: case F16_OF_BF16: return 1;
         case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL: return 32;
         default: return has_rule(t) ? 256 : 0;
     }
@@ -67,7 +72,7 @@ VOODOO_HHD int block_size(int t) {
 VOODOO_HHD int block_bytes(int t) {
     switch (t) {
         case F32: return 4;
-        case F16: case BF16: return 2;
+        case F16: case BF16: case F16_OF_BF16: return 2;
         case Q4_0: return 18; case Q4_1: return 20; case Q5_0: return 22; case Q5_1: return 24;
         case Q8_0: return 34; case Q2_K: return 84; case Q3_K: return 110; case Q4_K: return 144;
         case Q5_K: return 176; case Q6_K: return 210; case IQ2_XXS: return 66; case IQ2_XS: return 74;
@@ -92,6 +97,7 @@ VOODOO_HD float bf16(const uint8_t * p) {
     memcpy(&h, p, 2);
     return __uint_as_float(static_cast<uint32_t>(h) << 16);
 }
+VOODOO_HD float round_fp16(float x) { return __half2float(__float2half_rn(x)); }
 #else
 VOODOO_HD float mul(float a, float b) { return a * b; }
 VOODOO_HD float add(float a, float b) { return a + b; }
@@ -109,6 +115,7 @@ VOODOO_HD float bf16(const uint8_t * p) {
     memcpy(&f, &u, 4);
     return f;
 }
+VOODOO_HD float round_fp16(float x) { return ggml_fp16_to_fp32(ggml_fp32_to_fp16(x)); }
 #endif
 
 VOODOO_HD uint16_t u16(const uint8_t * p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
@@ -138,6 +145,9 @@ VOODOO_HD float deq1_float(int t, const uint8_t * row, int64_t i) {
     if (t == BF16) {
         return bf16(row + i * 2);
     }
+    if (t == F16_OF_BF16) {
+        return round_fp16(bf16(row + i * 2));
+    }
     float f;
     memcpy(&f, row + i * 4, 4);
     return f;
@@ -158,6 +168,9 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             return;
         case BF16:
             for (int j = 0; j < 8; ++j) y[j] = bf16(row + (i0 + j) * 2);
+            return;
+        case F16_OF_BF16:
+            for (int j = 0; j < 8; ++j) y[j] = round_fp16(bf16(row + (i0 + j) * 2));
             return;
         case Q4_0: {  // d @0, qs[16] @2; weight j < 16: low nibble of qs[j], else high nibble of qs[j-16]
             const uint8_t * b = row + (i0 / 32) * 18;

@@ -1,7 +1,15 @@
-// The fused kernels of src/cuda/gpu.h. One thread owns eight consecutive weights of one row (16-byte
-// stores of W_eff; 16- or 32-byte loads of G) and walks the K candidates, dequantizing its eight weights
-// of each straight from the quantized bytes. The per-candidate branch is uniform across a warp (all
-// threads read the same candidate at the same time), so the type switch costs no divergence.
+// The fused kernels of src/cuda/gpu.h.
+//
+// Tiled kernels (every tensor whose rows are a multiple of 8 weights, read in order): a tensor is a flat run of
+// rows · ne0 weights, and since every row is a whole number of blocks, candidate k's bytes for weights
+// [e, e + 2048) are one contiguous, 16-byte aligned run of 2048 / bs_k · bb_k bytes. A block of 256 threads
+// takes one such tile at a time: it copies the tile's bytes of all K candidates into shared memory with
+// cp.async (16 bytes a copy, all in flight at once, the next tile's copies issued before this tile is
+// computed), then each thread dequantizes its eight weights of each candidate from shared memory. The
+// per-candidate branch is uniform across the block, so the type switch costs no divergence.
+//
+// Row kernels (the token embedding's gathered rows, rows whose length is not a multiple of 8): one thread
+// owns eight consecutive weights of one row and reads the candidates' bytes straight from global memory.
 #include "cuda/gpu.h"
 
 #include "common/error.h"
@@ -11,7 +19,9 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
+#include <cuda_pipeline.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 
@@ -20,6 +30,11 @@ namespace voodoo::gpu {
 namespace {
 
 constexpr int k_threads = 256;
+
+std::atomic<bool> & tiled_enabled() {
+    static std::atomic<bool> on{true};
+    return on;
+}
 
 // Everything a launch reads besides the output and G, passed by value (the kernel parameter space; indexed
 // with a warp-uniform k).
@@ -33,7 +48,15 @@ struct launch_args {
     int64_t n_rows;           // rows of the output / of G
     int64_t ne0;
     deq::tables tb;
+    // Tiled kernels: bytes of one full tile of each candidate, its offset in a shared-memory stage, the
+    // stage's size (two stages: the tile computed and the next one loading), and the tensor's weights.
+    int tile_bytes[max_candidates];
+    int stage_off[max_candidates];
+    int stage_bytes;
+    int64_t n_weights;
 };
+
+constexpr int k_tile = 8 * k_threads;  // weights per tile: eight per thread
 
 void check(cudaError_t e, const char * what) {
     if (e != cudaSuccess) {
@@ -230,6 +253,163 @@ __global__ void gate_grad_kernel(launch_args a, const G * grad, double * out) {
     }
 }
 
+// Tile t's bytes of every candidate into stage `stage` of shared memory. Full tiles: 16-byte cp.async copies
+// (issued, not waited for). The last, partial tile (at most once per tensor): plain byte copies.
+__device__ __forceinline__ void load_tile(const launch_args & a, uint8_t * smem, int stage, int64_t t) {
+    const int64_t e0 = t * k_tile;
+    const bool full = e0 + k_tile <= a.n_weights;
+    uint8_t * base = smem + stage * a.stage_bytes;
+    for (int k = 0; k < a.K; ++k) {
+        if (a.p != nullptr && a.p[k] == 0.0f) {
+            continue;  // mixture: a candidate with p_k = 0 is not read at all
+        }
+        const uint8_t * src = a.q[k] + t * a.tile_bytes[k];
+        uint8_t * dst = base + a.stage_off[k];
+        if (full) {
+            for (int i = threadIdx.x; i < a.tile_bytes[k] / 16; i += blockDim.x) {
+                __pipeline_memcpy_async(dst + 16 * i, src + 16 * i, 16);
+            }
+        } else {
+            const int bs = deq::block_size(a.type[k]), bb = deq::block_bytes(a.type[k]);
+            const int n = static_cast<int>((a.n_weights - e0) / bs * bb);
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                dst[i] = src[i];
+            }
+        }
+    }
+    __pipeline_commit();
+}
+
+// Drives the two-stage pipeline over the tiles this block owns (t = blockIdx.x, + gridDim.x, …): body(t, stage)
+// runs with tile t's bytes in shared memory.
+template <typename Body>
+__device__ __forceinline__ void for_each_tile(const launch_args & a, uint8_t * smem, Body body) {
+    const int64_t n_tiles = (a.n_weights + k_tile - 1) / k_tile;
+    int stage = 0;
+    int64_t t = blockIdx.x;
+    if (t < n_tiles) {
+        load_tile(a, smem, stage, t);
+    }
+    for (; t < n_tiles; t += gridDim.x) {
+        if (t + gridDim.x < n_tiles) {
+            load_tile(a, smem, stage ^ 1, t + gridDim.x);
+        } else {
+            __pipeline_commit();  // an empty group keeps the count: the wait below is for tile t
+        }
+        __pipeline_wait_prior(1);
+        __syncthreads();
+        body(t, smem + stage * a.stage_bytes);
+        __syncthreads();  // the next iteration's copies overwrite this stage
+        stage ^= 1;
+    }
+}
+
+template <typename Out>
+__global__ void __launch_bounds__(k_threads) mixture_tiled_kernel(launch_args a, Out * out) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    for_each_tile(a, smem, [&](int64_t t, const uint8_t * stage) {
+        const int64_t e = t * k_tile + threadIdx.x * 8;
+        if (e >= a.n_weights) {
+            return;
+        }
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int k = 0; k < a.K; ++k) {
+            const float pk = a.p[k];
+            if (pk == 0.0f) {
+                continue;
+            }
+            float v[8];
+            deq::deq8(a.type[k], stage + a.stage_off[k], threadIdx.x * 8, v, a.tb);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                acc[j] = fmaf(pk, v[j], acc[j]);
+            }
+        }
+        store8(out + e, acc);
+    });
+}
+
+template <typename G>
+__global__ void __launch_bounds__(k_threads) gate_grad_tiled_kernel(launch_args a, const G * grad, double * out) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    // Per-thread partial sums, one column per candidate, after the two stages.
+    float * part = reinterpret_cast<float *>(smem + 2 * a.stage_bytes);
+    for (int k = 0; k < a.K; ++k) {
+        part[k * k_threads + threadIdx.x] = 0.0f;
+    }
+    for_each_tile(a, smem, [&](int64_t t, const uint8_t * stage) {
+        const int64_t e = t * k_tile + threadIdx.x * 8;
+        if (e >= a.n_weights) {
+            return;
+        }
+        float gv[8];
+        load8(grad + e, gv);  // G is read once, for all K candidates
+        for (int k = 0; k < a.K; ++k) {
+            float v[8];
+            deq::deq8(a.type[k], stage + a.stage_off[k], threadIdx.x * 8, v, a.tb);
+            float dot = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                dot = fmaf(gv[j], v[j], dot);
+            }
+            part[k * k_threads + threadIdx.x] += dot;
+        }
+    });
+    __syncthreads();
+    // Warp w sums the columns k = w, w + 8, …: eight partials per lane, then the warp, in f64.
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int k = warp; k < a.K; k += k_threads / 32) {
+        double s = 0.0;
+        for (int i = lane; i < k_threads; i += 32) {
+            s += part[k * k_threads + i];
+        }
+        for (int off = 16; off > 0; off /= 2) {
+            s += __shfl_down_sync(0xffffffffu, s, off);
+        }
+        if (lane == 0) {
+            atomicAdd(&out[k], s);
+        }
+    }
+}
+
+// Fills the tiled fields of a; false when the tiled kernels cannot take this set (a row not a multiple of 8,
+// a gather by ids, a pointer not 16-byte aligned, or stages larger than shared memory allows).
+bool plan_tiles(launch_args & a, const candidate_set & c, bool ids, size_t extra_smem, size_t & smem) {
+    if (!tiled_enabled().load() || ids || c.ne0 % 8 != 0) {
+        return false;
+    }
+    int off = 0;
+    for (int k = 0; k < a.K; ++k) {
+        const int bs = deq::block_size(a.type[k]), bb = deq::block_bytes(a.type[k]);
+        a.tile_bytes[k] = k_tile / bs * bb;  // 2048 weights = 8 superblocks or 64 blocks: a multiple of 16 bytes
+        if (a.tile_bytes[k] % 16 != 0 || reinterpret_cast<uintptr_t>(a.q[k]) % 16 != 0) {
+            return false;
+        }
+        a.stage_off[k] = off;
+        off += a.tile_bytes[k];
+    }
+    a.stage_bytes = off;
+    a.n_weights = c.rows * c.ne0;
+    smem = 2 * static_cast<size_t>(off) + extra_smem;
+    return smem <= static_cast<size_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+}
+
+template <typename Kernel>
+void allow_smem(Kernel kernel, size_t smem) {
+    check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)),
+          "cudaFuncSetAttribute");
+}
+
+// Blocks for a tiled launch: enough resident blocks to fill every multiprocessor, never more than tiles.
+template <typename Kernel>
+int tiled_blocks(Kernel kernel, size_t smem, int64_t n_weights) {
+    int per_sm = 0;
+    check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, k_threads, smem),
+          "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    const int64_t n_tiles = (n_weights + k_tile - 1) / k_tile;
+    return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_tiles, static_cast<int64_t>(std::max(per_sm, 1)) * sm_count())));
+}
+
 void require_device_tensor(const torch::Tensor & t, const candidate_set & c, const char * what) {
     if (!t.is_cuda() || t.device() != c.bytes.front().device()) {
         fail("gpu::{}: tensor on {} but the candidates are on {}", what, t.device().str(), c.bytes.front().device().str());
@@ -252,8 +432,10 @@ torch::Tensor checked_ids(const candidate_set & c, const torch::Tensor & ids) {
 
 }  // namespace
 
+void set_tiled_kernels(bool on) { tiled_enabled().store(on); }
+
 candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
-                     int64_t ne0, torch::Device device, const std::string & name) {
+                     int64_t ne0, torch::Device device, const std::string & name, const torch::Tensor & source) {
     if (types.empty() || types.size() != bytes.size() || types.size() > static_cast<size_t>(max_candidates)) {
         fail("tensor '{}': {} candidates for the GPU (1 to {} are supported)", name, types.size(), max_candidates);
     }
@@ -275,6 +457,37 @@ candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std:
         }
         torch::Tensor host = torch::from_blob(const_cast<uint8_t *>(bytes[k].data()), {expect}, torch::kUInt8);
         c.bytes.push_back(host.to(device));
+        c.shared.push_back(false);
+    }
+    const bool usable_source = source.defined() && source.device() == device && source.scalar_type() == torch::kBFloat16 &&
+                               source.is_contiguous() && source.numel() == rows * ne0 &&
+                               reinterpret_cast<uintptr_t>(source.data_ptr()) % 16 == 0;
+    if (!usable_source) {
+        return c;
+    }
+    const c10::cuda::CUDAGuard guard(device);
+    const torch::Tensor src_bytes = source.view(torch::kUInt8).view({-1});
+    for (size_t k = 0; k < types.size(); ++k) {
+        if (types[k] == deq::BF16) {
+            if (torch::equal(c.bytes[k], src_bytes)) {
+                c.bytes[k] = src_bytes;
+                c.shared[k] = true;
+            }
+        } else if (types[k] == deq::F16) {
+            candidate_set one, derived;
+            one.bytes = {c.bytes[k]};
+            one.types = {deq::F16};
+            derived.bytes = {src_bytes};
+            derived.types = {deq::F16_OF_BF16};
+            one.rows = derived.rows = rows;
+            one.ne0 = derived.ne0 = ne0;
+            // Bit for bit (as int32: -0 and +0 differ, and a NaN never equals itself, so a NaN keeps the copy).
+            if (torch::equal(dequantize(one, 0).view(torch::kInt), dequantize(derived, 0).view(torch::kInt))) {
+                c.bytes[k] = src_bytes;
+                c.types[k] = deq::F16_OF_BF16;
+                c.shared[k] = true;
+            }
+        }
     }
     return c;
 }
@@ -310,6 +523,21 @@ torch::Tensor mixture(const candidate_set & c, const torch::Tensor & p, const to
     if (n == 0) {
         return out;
     }
+    size_t smem = 0;
+    if (plan_tiles(a, c, i.defined(), 0, smem) && (dtype == torch::kFloat || dtype == torch::kBFloat16)) {
+        if (dtype == torch::kFloat) {
+            auto kernel = mixture_tiled_kernel<float>;
+            allow_smem(kernel, smem);
+            kernel<<<tiled_blocks(kernel, smem, a.n_weights), k_threads, smem, stream>>>(a, out.data_ptr<float>());
+        } else {
+            auto kernel = mixture_tiled_kernel<__nv_bfloat16>;
+            allow_smem(kernel, smem);
+            kernel<<<tiled_blocks(kernel, smem, a.n_weights), k_threads, smem, stream>>>(
+                a, reinterpret_cast<__nv_bfloat16 *>(out.data_ptr<at::BFloat16>()));
+        }
+        check(cudaGetLastError(), "mixture_tiled_kernel");
+        return out;
+    }
     if (dtype == torch::kFloat) {
         mixture_kernel<float><<<blocks, k_threads, 0, stream>>>(a, out.data_ptr<float>());
     } else if (dtype == torch::kBFloat16) {
@@ -337,6 +565,25 @@ torch::Tensor gate_grad(const candidate_set & c, const torch::Tensor & grad, con
         return out;
     }
     auto stream = at::cuda::getCurrentCUDAStream();
+    size_t smem = 0;
+    const bool g16 = g.scalar_type() == torch::kBFloat16;
+    if (plan_tiles(a, c, i.defined(), a.K * k_threads * sizeof(float), smem) &&
+        (g16 || g.scalar_type() == torch::kFloat) && reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0) {
+        a.p = nullptr;  // every candidate is read
+        if (g16) {
+            auto kernel = gate_grad_tiled_kernel<__nv_bfloat16>;
+            allow_smem(kernel, smem);
+            kernel<<<tiled_blocks(kernel, smem, a.n_weights), k_threads, smem, stream>>>(
+                a, reinterpret_cast<const __nv_bfloat16 *>(g.data_ptr<at::BFloat16>()), out.data_ptr<double>());
+        } else {
+            auto kernel = gate_grad_tiled_kernel<float>;
+            allow_smem(kernel, smem);
+            kernel<<<tiled_blocks(kernel, smem, a.n_weights), k_threads, smem, stream>>>(a, g.data_ptr<float>(),
+                                                                                            out.data_ptr<double>());
+        }
+        check(cudaGetLastError(), "gate_grad_tiled_kernel");
+        return out;
+    }
     // A few blocks per multiprocessor: each thread walks many groups, so the f64 atomics stay rare.
     const int blocks = blocks_for(n * ((c.ne0 + 7) / 8), sm_count() * 4);
     if (g.scalar_type() == torch::kFloat) {
@@ -354,8 +601,8 @@ torch::Tensor gate_grad(const candidate_set & c, const torch::Tensor & grad, con
 
 int64_t resident_bytes(const candidate_set & c) {
     int64_t n = 0;
-    for (const auto & b : c.bytes) {
-        n += b.numel();
+    for (size_t k = 0; k < c.bytes.size(); ++k) {
+        n += k < c.shared.size() && c.shared[k] ? 0 : c.bytes[k].numel();
     }
     return n;
 }

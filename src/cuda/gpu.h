@@ -23,7 +23,9 @@ constexpr int max_candidates = 32;
 /// The K quantized candidates of one [rows, ne0] tensor, resident on one CUDA device.
 struct candidate_set {
     std::vector<torch::Tensor> bytes;   // K uint8 tensors on the device, rows · ggml_row_size(type_k, ne0) each
-    std::vector<int> types;             // K ggml types, each with a rule (deq::has_rule)
+    std::vector<int> types;             // K rule types: ggml types with a rule (deq::has_rule), or
+                                        // deq::F16_OF_BF16 for an F16 candidate read from shared bf16 bytes
+    std::vector<bool> shared;           // K: true when bytes[k] is the source's bf16 tensor, not a copy
     int64_t rows = 0;
     int64_t ne0 = 0;
 };
@@ -31,8 +33,20 @@ struct candidate_set {
 /// Uploads host bytes of K candidates to `device`. Throws voodoo::error naming `name` when a type has no
 /// GPU rule, K exceeds max_candidates, ne0 is not a multiple of a type's block, or a size disagrees.
 /// (Rows of any length work for F32/F16/BF16, e.g. 172; block types need whole blocks.)
+///
+/// `source` (optional): the tensor's weights as a contiguous bf16 [rows, ne0] tensor already on `device`
+/// (the GPU teacher's own copy). A BF16 candidate whose bytes equal it, and an F16 candidate whose every
+/// weight equals fp16 of the bf16 weight (ggml's F16 of a BF16 source), are not stored again: they read the
+/// source's bytes (deq::F16_OF_BF16 for the F16 one), so they cost no GPU memory. Equality is checked
+/// here, bit for bit, on the GPU; a candidate that differs in any weight is uploaded as usual. The source
+/// must outlive the set.
 candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
-                     int64_t ne0, torch::Device device, const std::string & name);
+                     int64_t ne0, torch::Device device, const std::string & name,
+                     const torch::Tensor & source = torch::Tensor());
+
+/// Tests and benchmarks: when off, mixture and gate_grad use the row kernels even where the tiled ones
+/// apply (the two give the same W_eff bit for bit; gate gradients differ only in summation order).
+void set_tiled_kernels(bool on);
 
 /// to_float of one candidate on the GPU: [rows, ne0] f32, equal to ggml's bit for bit.
 torch::Tensor dequantize(const candidate_set & c, int k);
@@ -47,7 +61,7 @@ torch::Tensor mixture(const candidate_set & c, const torch::Tensor & p, const to
 /// device. Per-thread partial sums in f32 over at most a few thousand products, reduced in f64.
 torch::Tensor gate_grad(const candidate_set & c, const torch::Tensor & grad, const torch::Tensor & ids);
 
-/// Device bytes of the candidates (what they cost in GPU memory).
+/// Device bytes of the candidates (what they cost in GPU memory); shared candidates count nothing.
 int64_t resident_bytes(const candidate_set & c);
 
 }  // namespace voodoo::gpu

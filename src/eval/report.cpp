@@ -179,8 +179,7 @@ void eval_plot(const eval_result & r, const std::string & png_path) {
     struct cleanup {
         std::filesystem::path dir;
         ~cleanup() {
-            std::error_code ec;
-            std::filesystem::remove_all(dir, ec);
+            remove_tree(dir.string());
         }
     } guard{tmp_dir};
     const std::string points = (tmp_dir / "points.dat").string();

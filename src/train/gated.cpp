@@ -217,7 +217,7 @@ std::string mixture_path_name(mixture_path p) {
 }
 
 int64_t place_candidates(gated_tensor & t, mixture_path path, torch::Device device, torch::ScalarType w_dtype,
-                         torch::ScalarType dense_dtype) {
+                         torch::ScalarType dense_dtype, const torch::Tensor & source) {
     t.path = path;
     t.dtype = w_dtype;
     t.dense = torch::Tensor();
@@ -243,11 +243,13 @@ int64_t place_candidates(gated_tensor & t, mixture_path path, torch::Device devi
                 fail("tensor '{}': the fused mixture runs on a CUDA device, not {}", t.tensor->name, device.str());
             }
             std::vector<int> types(t.types.begin(), t.types.end());
-            auto c = std::make_shared<gpu::candidate_set>(gpu::upload(t.bytes, types, rows, ne0, device, t.tensor->name));
+            const torch::Tensor src = source.defined() ? source.reshape({rows, ne0}) : source;
+            auto c = std::make_shared<gpu::candidate_set>(gpu::upload(t.bytes, types, rows, ne0, device, t.tensor->name, src));
             const int64_t n = gpu::resident_bytes(*c);
             t.device_bytes = c;
             return n;
 #else
+            (void)source;
             fail("tensor '{}': --mixture fused needs a CUDA build of voodoo (README: building for the GPU)", t.tensor->name);
 #endif
         }

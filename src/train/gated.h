@@ -47,8 +47,11 @@ struct gated_tensor {
 /// CPU and keeps them dense in `dense_dtype`; cpu keeps the host bytes. Returns the device bytes the
 /// candidates now take. Throws voodoo::error when the path needs CUDA this build lacks, or a type has no
 /// GPU dequantizer (fused).
+/// `source` (fused path, optional): the tensor's own weights as bf16 [rows, ne0] on `device` (the GPU
+/// teacher's copy of the same file): BF16 and F16 candidates bit-identical to what it gives read it instead
+/// of a copy (gpu::upload says how this is checked), and their bytes are not counted.
 int64_t place_candidates(gated_tensor & t, mixture_path path, torch::Device device, torch::ScalarType w_dtype,
-                         torch::ScalarType dense_dtype);
+                         torch::ScalarType dense_dtype, const torch::Tensor & source = torch::Tensor());
 
 /// deq(Q_k) of t as [rows, ne0] f32 on the path's device (the probe's single-candidate weights).
 torch::Tensor candidate_weights(const gated_tensor & t, size_t k, torch::Device device);

@@ -325,16 +325,21 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // On a GPU: bf16 compute, the teacher's matrices resident in bf16, the candidates resident as the path
     // wants them (quantized bytes for fused, dense bf16 for reference).
     const torch::ScalarType compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat;
-    int64_t candidate_device_bytes = 0;
-    for (gated_tensor & g : gated) {
-        candidate_device_bytes += place_candidates(g, path, device, compute, compute);
-    }
-
     std::unique_ptr<causal_lm> model = build_model(src);
     model->set_compute_dtype(compute);
     const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(compute) : std::nullopt;
     gguf_weights dense(src, device, 0, keep);
     gguf_weights teacher_weights(teacher, device, 0, keep);
+    // When the teacher is the source file, its resident bf16 matrices stand in for the BF16/F16 candidates
+    // that equal them (fused path): those candidates then cost no GPU memory of their own.
+    const bool share = path == mixture_path::fused && compute == torch::kBFloat16 && same_file(src.path(), teacher.path());
+    int64_t candidate_device_bytes = 0;
+    for (gated_tensor & g : gated) {
+        const bool sixteen = std::any_of(g.types.begin(), g.types.end(),
+                                         [](ggml_type t) { return t == GGML_TYPE_BF16 || t == GGML_TYPE_F16; });
+        const torch::Tensor source = share && sixteen ? teacher_weights.get(g.tensor->name) : torch::Tensor();
+        candidate_device_bytes += place_candidates(g, path, device, compute, compute, source);
+    }
     const int64_t loss_chunk = o.loss_chunk > 0 ? o.loss_chunk : distill_chunk(model->hparams().n_vocab);
     const int64_t n_chunks = train.n_chunks();
     auto chunk_tokens = [&](const std::vector<int64_t> & chunks) {
