@@ -127,6 +127,9 @@ int main(int argc, char ** argv) {
     bool no_share = false, row_kernels = false;
     app.add_flag("--no-share", no_share, "Fused path: upload BF16/F16 candidates even where the teacher's bf16 weights equal them");
     app.add_flag("--row-kernels", row_kernels, "Fused path: the row kernels only (not the tiled ones)");
+    int min_blocks = 0;
+    app.add_option("--min-blocks", min_blocks, "Fused path: the tiled kernels' variant, 1-4 blocks per multiprocessor (0 = default)")
+        ->capture_default_str();
     app.add_option("--profile", profile_dir,
                    "After the timed steps, one more step per path under PyTorch's profiler: its trace goes to "
                    "DIR/trace-PATH.json (scripts/trace_summary.py sums it by kernel)");
@@ -135,8 +138,10 @@ int main(int argc, char ** argv) {
         const bool share = !no_share;
 #if defined(VOODOO_HAVE_CUDA)
         gpu::set_tiled_kernels(!row_kernels);
+        gpu::set_tiled_min_blocks(min_blocks);
 #else
         (void)row_kernels;
+        (void)min_blocks;
 #endif
         const auto it = shapes().find(shape_name);
         if (it == shapes().end()) {
@@ -351,7 +356,7 @@ int main(int argc, char ** argv) {
                 {"candidate_gib", cand_bytes / 1073741824.0},
                 {"weights_gated", n_weights_gated},
                 {"shared_16bit", path == mixture_path::fused && share},
-                {"kernels", path == mixture_path::fused ? (row_kernels ? "rows" : "tiled") : "-"},
+                {"kernels", path == mixture_path::fused ? (row_kernels ? std::string("rows") : fmt::format("tiled, min blocks {}", min_blocks)) : std::string("-")},
                 {"step_flops", step_flops}};
             results.push_back(r);
             for (gated_tensor & g : gated) {

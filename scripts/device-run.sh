@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# profile. Logs and results go to $OUT (or ./out).
+# kernels, profile. Logs and results go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -65,16 +65,27 @@ e2e-0.6b)
     ;;
 bench-small)
     log bench qwen3-0.6b
-    build-cuda/bin/train_step --shape qwen3-0.6b --work /tmp/bench --json "$OUT/bench-qwen3-0.6b.json" 2>&1 | tee "$OUT/bench-qwen3-0.6b.log" | tail -8
+    build-cuda/bin/train_step --shape qwen3-0.6b --min-blocks "${MIN_BLOCKS:-0}" --work /tmp/bench --json "$OUT/bench-qwen3-0.6b.json" 2>&1 | tee "$OUT/bench-qwen3-0.6b.log" | tail -8
     ;;
 bench-large)
     log bench llama3-8b shape
     build-cuda/bin/train_step --shape llama3-8b --layers 4 --steps 3 --warmup 1 --work /tmp/bench --json "$OUT/bench-llama3-8b.json" 2>&1 | tee "$OUT/bench-llama3-8b.log" | tail -8
     ;;
+kernels)
+    # The fused kernels alone (bench/fused_kernels), per variant, and their registers and shared memory.
+    log kernels
+    build-cuda/bin/fused_kernels --json "$OUT/fused-kernels.json" 2>&1 | tee "$OUT/fused-kernels.md"
+    cuobjdump -res-usage "$(find build-cuda -name 'gpu.cu.o' | head -1)" 2>&1 | c++filt | grep -A1 "Function" \
+        | cut -c1-160 > "$OUT/kernel-resources.txt"; grep -A1 "tiled" "$OUT/kernel-resources.txt" | grep -o "REG:[0-9]* STACK:[0-9]*"
+    # The fastest tiled variant here is what the later stages of this call run (MIN_BLOCKS).
+    MIN_BLOCKS=$(python3 -c "import json; r=[x for x in json.load(open('$OUT/fused-kernels.json')) if x['kernels']!='rows']; \
+b=min(r, key=lambda x: x['mixture_ms'] + x['gate_grad_ms']); print(b['kernels'].split(',')[1].split()[0])")
+    export MIN_BLOCKS; log "fastest tiled variant: $MIN_BLOCKS blocks per SM"
+    ;;
 profile)
     # One profiled step per path on the 8B shape's slice (PyTorch's profiler), summed by kernel.
     log profile llama3-8b shape
-    build-cuda/bin/train_step --shape llama3-8b --layers 4 --steps 3 --warmup 1 --work /tmp/bench \
+    build-cuda/bin/train_step --shape llama3-8b --layers 4 --steps 3 --warmup 1 --min-blocks "${MIN_BLOCKS:-0}" --work /tmp/bench \
         --profile /tmp/prof --json "$OUT/profile-llama3-8b.json" > "$OUT/profile-llama3-8b.log" 2>&1
     for t in /tmp/prof/trace-*.json; do
         python3 scripts/trace_summary.py "$t" --json "$OUT/$(basename "$t" .json)-summary.json" | tee -a "$OUT/profile-summary.md"

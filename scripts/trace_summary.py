@@ -10,8 +10,8 @@ import re
 from collections import defaultdict
 
 KINDS = [
-    ("voodoo mixture", re.compile(r"mixture_kernel|dequantize_kernel")),
-    ("voodoo gate gradients", re.compile(r"gate_grad_kernel")),
+    ("voodoo mixture", re.compile(r"mixture_(tiled_)?kernel|dequantize_kernel")),
+    ("voodoo gate gradients", re.compile(r"gate_grad_(tiled_)?kernel")),
     ("matrix products", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|cublas|splitK", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|efficient", re.I)),
     ("softmax / loss", re.compile(r"softmax|nll|cross_entropy|logsumexp", re.I)),

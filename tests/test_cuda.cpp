@@ -256,6 +256,12 @@ TEST(cuda, sixteen_bit_candidates_read_the_teachers_bf16_weights_when_bit_identi
                              gpu::mixture(o32, p, torch::Tensor(), torch::kBFloat16)));
     const torch::Tensor g = torch::randn({rows, ne0}, torch::TensorOptions().device(k_gpu)).to(torch::kBFloat16);
     EXPECT_LT(rel_err(gpu::gate_grad(s32, g, torch::Tensor()), gpu::gate_grad(o32, g, torch::Tensor())), 1e-12);
+    // Shared F16 and BF16 are staged once: with p = 0 on the first of them, the second must still be read.
+    const gpu::candidate_set both = shared;  // the BF16 source: F16 and BF16 both read the source's bytes
+    const gpu::candidate_set both_own = own;
+    const torch::Tensor p_hole = torch::tensor({0.5f, 0.0f, 0.5f}).to(k_gpu);
+    EXPECT_TRUE(torch::equal(gpu::mixture(both, p_hole, torch::Tensor(), torch::kFloat).view(torch::kInt),
+                             gpu::mixture(both_own, p_hole, torch::Tensor(), torch::kFloat).view(torch::kInt)));
     // A source of the wrong shape or dtype is not used (every candidate uploaded).
     const gpu::candidate_set wrong = gpu::upload(bytes, ids, rows, ne0, k_gpu, "t", source.to(torch::kFloat));
     EXPECT_EQ(wrong.shared, (std::vector<bool>{false, false, false}));

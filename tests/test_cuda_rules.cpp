@@ -144,7 +144,7 @@ TEST(cuda_rules, an_f16_candidate_read_from_bf16_bytes_equals_ggml_f16_of_the_bf
     const std::vector<float> want = dequantize(GGML_TYPE_F16, quantize(GGML_TYPE_F16, source, n), n);
     std::vector<float> got(static_cast<size_t>(n));
     for (int64_t i0 = 0; i0 < n; i0 += 8) {
-        deq::deq8(deq::F16_OF_BF16, bf16_bytes.data(), i0, got.data() + i0, host_deq_tables());
+        deq::deq8(deq::F16_OF_BF16, bf16_bytes.data(), static_cast<int>(i0), got.data() + i0, host_deq_tables());
     }
     const int64_t bad = first_bit_difference(want, got);
     EXPECT_EQ(bad, -1) << "bf16 " << (bad >= 0 ? source[static_cast<size_t>(bad)] : 0.f) << ": rule gives "
@@ -152,4 +152,14 @@ TEST(cuda_rules, an_f16_candidate_read_from_bf16_bytes_equals_ggml_f16_of_the_bf
                        << (bad >= 0 ? want[static_cast<size_t>(bad)] : 0.f);
     EXPECT_EQ(deq::block_size(deq::F16_OF_BF16), 1);
     EXPECT_EQ(deq::block_bytes(deq::F16_OF_BF16), 2);
+}
+
+TEST(cuda_rules, the_integer_to_float_shortcut_is_exact_on_its_range) {
+    // deq::i2f (1.5 · 2^23 added in the bits, then subtracted) must equal a conversion for |v| < 2^22; the rules
+    // use it on small integers (quants, grid bytes, scales).
+    for (int v = -(1 << 22); v < (1 << 22); v += (v > -300 && v < 300) ? 1 : 977) {
+        ASSERT_EQ(deq::i2f(v), static_cast<float>(v)) << v;
+    }
+    EXPECT_EQ(deq::i2f(-(1 << 22)), -4194304.0f);
+    EXPECT_EQ(deq::i2f((1 << 22) - 1), 4194303.0f);
 }

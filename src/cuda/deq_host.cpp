@@ -91,7 +91,7 @@ void dequantize_by_rule(ggml_type type, std::span<const uint8_t> bytes, int64_t 
         for (int64_t i0 = 0; i0 < ne0; i0 += 8) {
             float y[8];
             const int n = static_cast<int>(std::min<int64_t>(8, ne0 - i0));
-            deq::deq_upto8(type, bytes.data() + r * row_bytes, i0, n, y, tb);
+            deq::deq_upto8(type, bytes.data() + r * row_bytes, static_cast<int>(i0), n, y, tb);
             std::memcpy(out.data() + r * ne0 + i0, y, static_cast<size_t>(n) * sizeof(float));
         }
     }

@@ -98,6 +98,11 @@ VOODOO_HD float bf16(const uint8_t * p) {
     return __uint_as_float(static_cast<uint32_t>(h) << 16);
 }
 VOODOO_HD float round_fp16(float x) { return __half2float(__float2half_rn(x)); }
+// float(v) for |v| < 2^22, exactly as a conversion instruction gives it, in two full-rate instructions: the
+// bits of 1.5 · 2^23 plus v are the float 1.5 · 2^23 + v (exact), minus 1.5 · 2^23 (exact). Hopper converts
+// integers to floats at 16 a clock per multiprocessor against 128 additions, and a dequantizer converts
+// every weight.
+VOODOO_HD float i2f(int v) { return __fsub_rn(__int_as_float(0x4B400000 + v), 12582912.0f); }
 #else
 VOODOO_HD float mul(float a, float b) { return a * b; }
 VOODOO_HD float add(float a, float b) { return a + b; }
@@ -116,6 +121,12 @@ VOODOO_HD float bf16(const uint8_t * p) {
     return f;
 }
 VOODOO_HD float round_fp16(float x) { return ggml_fp16_to_fp32(ggml_fp32_to_fp16(x)); }
+VOODOO_HD float i2f(int v) {  // the same two steps as the GPU's, so that CI checks this formula
+    const uint32_t u = 0x4B400000u + static_cast<uint32_t>(v);
+    float f;
+    memcpy(&f, &u, 4);
+    return f - 12582912.0f;
+}
 #endif
 
 VOODOO_HD uint16_t u16(const uint8_t * p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
@@ -154,11 +165,12 @@ VOODOO_HD float deq1_float(int t, const uint8_t * row, int64_t i) {
 }
 
 /// The n ≤ 8 weights i0 .. i0+n-1 of one row: deq8 when n = 8, else (float types) one at a time.
-VOODOO_HD void deq_upto8(int t, const uint8_t * row, int64_t i0, int n, float * y, const tables & tb);
+VOODOO_HD void deq_upto8(int t, const uint8_t * row, int i0, int n, float * y, const tables & tb);
 
-/// y[0..8) = to_float of weights i0 .. i0+7 of one row, whose bytes start at `row`. i0 is a multiple of 8.
+/// y[0..8) = to_float of weights i0 .. i0+7 of one row, whose bytes start at `row`. i0 is a multiple of 8
+/// (a column: 32-bit index arithmetic, rows are far shorter than 2^31 weights).
 /// `t` must satisfy has_rule(t).
-VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tables & tb) {
+VOODOO_HD void deq8(int t, const uint8_t * row, int i0, float * y, const tables & tb) {
     switch (t) {
         case F32:
             memcpy(y, row + i0 * 4, 32);
@@ -179,7 +191,7 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             for (int j = 0; j < 8; ++j) {
                 const int l = j0 + j;
                 const int q = l < 16 ? (b[2 + l] & 0x0F) : (b[2 + l - 16] >> 4);
-                y[j] = mul(static_cast<float>(q - 8), d);
+                y[j] = mul(i2f(static_cast<int>(q - 8)), d);
             }
             return;
         }
@@ -190,7 +202,7 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             for (int j = 0; j < 8; ++j) {
                 const int l = j0 + j;
                 const int q = l < 16 ? (b[4 + l] & 0x0F) : (b[4 + l - 16] >> 4);
-                y[j] = add(mul(static_cast<float>(q), d), m);
+                y[j] = add(mul(i2f(static_cast<int>(q)), d), m);
             }
             return;
         }
@@ -210,7 +222,7 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
                 } else {
                     q = (qs[l - 16] >> 4) | ((qh >> (l - 16 + 12)) & 0x10);
                 }
-                y[j] = one ? add(mul(static_cast<float>(q), d), fp16(b + 2)) : mul(static_cast<float>(q - 16), d);
+                y[j] = one ? add(mul(i2f(static_cast<int>(q)), d), fp16(b + 2)) : mul(i2f(static_cast<int>(q - 16)), d);
             }
             return;
         }
@@ -219,7 +231,7 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const int j0 = static_cast<int>(i0 % 32);
             const float d = fp16(b);
             for (int j = 0; j < 8; ++j) {
-                y[j] = mul(static_cast<float>(static_cast<int8_t>(b[2 + j0 + j])), d);
+                y[j] = mul(i2f(static_cast<int>(static_cast<int8_t>(b[2 + j0 + j]))), d);
             }
             return;
         }
@@ -231,10 +243,10 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const int is = half * 8 + (rem / 32) * 2 + part;
             const uint8_t sc = b[is];
             const float d = fp16(b + 80), mn = fp16(b + 82);
-            const float dl = mul(d, static_cast<float>(sc & 0xF)), ml = mul(mn, static_cast<float>(sc >> 4));
+            const float dl = mul(d, i2f(static_cast<int>(sc & 0xF))), ml = mul(mn, i2f(static_cast<int>(sc >> 4)));
             const uint8_t * q = b + 16 + half * 32 + part * 16;
             for (int j = 0; j < 8; ++j) {
-                y[j] = sub(mul(dl, static_cast<float>((q[l16 + j] >> shift) & 3)), ml);
+                y[j] = sub(mul(dl, i2f(static_cast<int>((q[l16 + j] >> shift) & 3))), ml);
             }
             return;
         }
@@ -249,14 +261,14 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const int lo = is < 8 ? (s[is] & 0xF) : (s[is - 8] >> 4);
             const int hi = (s[8 + (is % 4)] >> (2 * (is / 4))) & 3;
             const int scale = (lo | (hi << 4)) - 32;
-            const float dl = mul(fp16(b + 108), static_cast<float>(scale));
+            const float dl = mul(fp16(b + 108), i2f(static_cast<int>(scale)));
             const int shift = 2 * jj;
             const uint8_t m = static_cast<uint8_t>(1u << (half * 4 + jj));
             const uint8_t * q = b + 32 + half * 32 + part * 16;
             const uint8_t * hm = b + part * 16;
             for (int j = 0; j < 8; ++j) {
                 const int v = static_cast<int8_t>((q[l16 + j] >> shift) & 3) - ((hm[l16 + j] & m) ? 0 : 4);
-                y[j] = mul(dl, static_cast<float>(v));
+                y[j] = mul(dl, i2f(static_cast<int>(v)));
             }
             return;
         }
@@ -268,7 +280,7 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const int chunk = l0 / 64, hi = (l0 % 64) / 32, l = l0 % 32;
             int sc, m;
             scale_min_k4(chunk * 2 + hi, b + 4, sc, m);
-            const float d1 = mul(fp16(b), static_cast<float>(sc)), m1 = mul(fp16(b + 2), static_cast<float>(m));
+            const float d1 = mul(fp16(b), i2f(static_cast<int>(sc))), m1 = mul(fp16(b + 2), i2f(static_cast<int>(m)));
             const uint8_t * q = b + (five ? 48 : 16) + chunk * 32;
             const uint8_t u = static_cast<uint8_t>(1u << (2 * chunk + hi));
             for (int j = 0; j < 8; ++j) {
@@ -276,7 +288,7 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
                 if (five) {
                     v += (b[16 + l + j] & u) ? 16 : 0;
                 }
-                y[j] = sub(mul(d1, static_cast<float>(v)), m1);
+                y[j] = sub(mul(d1, i2f(static_cast<int>(v))), m1);
             }
             return;
         }
@@ -288,7 +300,7 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const uint8_t * qh = b + 128 + n * 32;
             const int8_t * sc = reinterpret_cast<const int8_t *>(b + 192 + n * 8);
             const float d = fp16(b + 208);
-            const float ds = mul(d, static_cast<float>(sc[l / 16 + 2 * quarter]));
+            const float ds = mul(d, i2f(static_cast<int>(sc[l / 16 + 2 * quarter])));
             for (int j = 0; j < 8; ++j) {
                 const int ll = l + j;
                 int q;
@@ -298,7 +310,7 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
                     case 2: q = (ql[ll] >> 4) | (((qh[ll] >> 4) & 3) << 4); break;
                     default: q = (ql[ll + 32] >> 4) | (((qh[ll] >> 6) & 3) << 4); break;
                 }
-                y[j] = mul(ds, static_cast<float>(static_cast<int8_t>(q) - 32));
+                y[j] = mul(ds, i2f(static_cast<int>(static_cast<int8_t>(q) - 32)));
             }
             return;
         }
@@ -308,11 +320,11 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const int ib32 = l0 / 32, l = (l0 % 32) / 8;
             const uint8_t * a = b + 2 + 8 * ib32;
             const uint32_t aux1 = u32(a + 4);
-            const float db = mul(mul(fp16(b), add(0.5f, static_cast<float>(aux1 >> 28))), 0.25f);
+            const float db = mul(mul(fp16(b), add(0.5f, i2f(static_cast<int>(aux1 >> 28)))), 0.25f);
             const uint64_t g = tb.iq2xxs_grid[a[l]];
             const uint8_t signs = tb.ksigns_iq2xs[(aux1 >> (7 * l)) & 127];
             for (int j = 0; j < 8; ++j) {
-                y[j] = mul(mul(db, static_cast<float>(grid_byte(g, j))), (signs & (1u << j)) ? -1.f : 1.f);
+                y[j] = mul(mul(db, i2f(static_cast<int>(grid_byte(g, j)))), (signs & (1u << j)) ? -1.f : 1.f);
             }
             return;
         }
@@ -321,12 +333,12 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const int l0 = static_cast<int>(i0 % 256);
             const int ib32 = l0 / 32, l = (l0 % 32) / 8;
             const uint8_t s = b[66 + ib32];
-            const float db = mul(mul(fp16(b), add(0.5f, static_cast<float>(l < 2 ? (s & 0xf) : (s >> 4)))), 0.25f);
+            const float db = mul(mul(fp16(b), add(0.5f, i2f(static_cast<int>(l < 2 ? (s & 0xf) : (s >> 4))))), 0.25f);
             const uint16_t q = u16(b + 2 + 2 * (4 * ib32 + l));
             const uint64_t g = tb.iq2xs_grid[q & 511];
             const uint8_t signs = tb.ksigns_iq2xs[q >> 9];
             for (int j = 0; j < 8; ++j) {
-                y[j] = mul(mul(db, static_cast<float>(grid_byte(g, j))), (signs & (1u << j)) ? -1.f : 1.f);
+                y[j] = mul(mul(db, i2f(static_cast<int>(grid_byte(g, j)))), (signs & (1u << j)) ? -1.f : 1.f);
             }
             return;
         }
@@ -335,12 +347,12 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const int l0 = static_cast<int>(i0 % 256);
             const int ib32 = l0 / 32, l = (l0 % 32) / 8;
             const uint8_t s = b[74 + ib32];
-            const float dl = mul(mul(fp16(b), add(0.5f, static_cast<float>(l < 2 ? (s & 0xf) : (s >> 4)))), 0.25f);
+            const float dl = mul(mul(fp16(b), add(0.5f, i2f(static_cast<int>(l < 2 ? (s & 0xf) : (s >> 4))))), 0.25f);
             const int idx = b[2 + 4 * ib32 + l] | ((b[66 + ib32] << (8 - 2 * l)) & 0x300);
             const uint64_t g = tb.iq2s_grid[idx];
             const uint8_t signs = b[2 + 32 + 4 * ib32 + l];
             for (int j = 0; j < 8; ++j) {
-                y[j] = mul(mul(dl, static_cast<float>(grid_byte(g, j))), (signs & (1u << j)) ? -1.f : 1.f);
+                y[j] = mul(mul(dl, i2f(static_cast<int>(grid_byte(g, j)))), (signs & (1u << j)) ? -1.f : 1.f);
             }
             return;
         }
@@ -349,13 +361,13 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const int l0 = static_cast<int>(i0 % 256);
             const int ib32 = l0 / 32, l = (l0 % 32) / 8;
             const uint32_t aux = u32(b + 66 + 4 * ib32);
-            const float db = mul(mul(fp16(b), add(0.5f, static_cast<float>(aux >> 28))), 0.5f);
+            const float db = mul(mul(fp16(b), add(0.5f, i2f(static_cast<int>(aux >> 28)))), 0.5f);
             const uint8_t signs = tb.ksigns_iq2xs[(aux >> (7 * l)) & 127];
             const uint8_t * qs = b + 2 + 8 * ib32;
             const uint32_t g1 = tb.iq3xxs_grid[qs[2 * l]], g2 = tb.iq3xxs_grid[qs[2 * l + 1]];
             for (int j = 0; j < 4; ++j) {
-                y[j] = mul(mul(db, static_cast<float>(static_cast<uint8_t>(g1 >> (8 * j)))), (signs & (1u << j)) ? -1.f : 1.f);
-                y[j + 4] = mul(mul(db, static_cast<float>(static_cast<uint8_t>(g2 >> (8 * j)))),
+                y[j] = mul(mul(db, i2f(static_cast<int>(static_cast<uint8_t>(g1 >> (8 * j))))), (signs & (1u << j)) ? -1.f : 1.f);
+                y[j + 4] = mul(mul(db, i2f(static_cast<int>(static_cast<uint8_t>(g2 >> (8 * j))))),
                                (signs & (1u << (j + 4))) ? -1.f : 1.f);
             }
             return;
@@ -365,15 +377,15 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const int l0 = static_cast<int>(i0 % 256);
             const int ib32 = l0 / 32, l = (l0 % 32) / 8;
             const uint8_t s = b[106 + ib32 / 2];
-            const float db = mul(fp16(b), static_cast<float>(1 + 2 * ((ib32 % 2) ? (s >> 4) : (s & 0xf))));
+            const float db = mul(fp16(b), i2f(static_cast<int>(1 + 2 * ((ib32 % 2) ? (s >> 4) : (s & 0xf)))));
             const uint8_t * qs = b + 2 + 8 * ib32;
             const uint8_t qh = b[66 + ib32];
             const uint8_t signs = b[74 + 4 * ib32 + l];
             const uint32_t g1 = tb.iq3s_grid[qs[2 * l] | ((qh << (8 - 2 * l)) & 256)];
             const uint32_t g2 = tb.iq3s_grid[qs[2 * l + 1] | ((qh << (7 - 2 * l)) & 256)];
             for (int j = 0; j < 4; ++j) {
-                y[j] = mul(mul(db, static_cast<float>(static_cast<uint8_t>(g1 >> (8 * j)))), (signs & (1u << j)) ? -1.f : 1.f);
-                y[j + 4] = mul(mul(db, static_cast<float>(static_cast<uint8_t>(g2 >> (8 * j)))),
+                y[j] = mul(mul(db, i2f(static_cast<int>(static_cast<uint8_t>(g1 >> (8 * j))))), (signs & (1u << j)) ? -1.f : 1.f);
+                y[j + 4] = mul(mul(db, i2f(static_cast<int>(static_cast<uint8_t>(g2 >> (8 * j))))),
                                (signs & (1u << (j + 4))) ? -1.f : 1.f);
             }
             return;
@@ -383,11 +395,11 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const int l0 = static_cast<int>(i0 % 256);
             const int ib = l0 / 32, l = (l0 % 32) / 8;
             const uint16_t qh = u16(b + 34 + 2 * ib);
-            const float dl = mul(fp16(b), static_cast<float>(2 * ((qh >> 12) & 7) + 1));
+            const float dl = mul(fp16(b), i2f(static_cast<int>(2 * ((qh >> 12) & 7) + 1)));
             const float delta = (qh & 0x8000) ? -0.125f : 0.125f;  // IQ1S_DELTA
             const uint64_t g = tb.iq1s_grid[b[2 + 4 * ib + l] | (((qh >> (3 * l)) & 7) << 8)];
             for (int j = 0; j < 8; ++j) {
-                y[j] = mul(dl, add(static_cast<float>(static_cast<int8_t>(grid_byte(g, j))), delta));
+                y[j] = mul(dl, add(i2f(static_cast<int>(static_cast<int8_t>(grid_byte(g, j)))), delta));
             }
             return;
         }
@@ -402,14 +414,14 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const float d = fp16(sbytes);
             const uint16_t sc = u16(b + 48 + 2 * (ib / 2));
             const int shift = 6 * (ib % 2) + (l < 2 ? 0 : 3);
-            const float dl = mul(d, static_cast<float>(2 * ((sc >> shift) & 0x7) + 1));
+            const float dl = mul(d, i2f(static_cast<int>(2 * ((sc >> shift) & 0x7) + 1)));
             const uint8_t * qh = b + 32 + 2 * ib;
             const uint8_t h = qh[l / 2];
             const int idx = b[4 * ib + l] | ((l % 2 == 0 ? (h << 8) : (h << 4)) & 0x700);
             const float delta = (h & (l % 2 == 0 ? 0x08 : 0x80)) ? -0.125f : 0.125f;  // IQ1M_DELTA
             const uint64_t g = tb.iq1s_grid[idx];
             for (int j = 0; j < 8; ++j) {
-                y[j] = mul(dl, add(static_cast<float>(static_cast<int8_t>(grid_byte(g, j))), delta));
+                y[j] = mul(dl, add(i2f(static_cast<int>(static_cast<int8_t>(grid_byte(g, j)))), delta));
             }
             return;
         }
@@ -420,7 +432,7 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             for (int j = 0; j < 8; ++j) {
                 const int l = j0 + j;
                 const int q = l < 16 ? (b[2 + l] & 0xf) : (b[2 + l - 16] >> 4);
-                y[j] = mul(d, static_cast<float>(tb.kvalues_iq4nl[q]));
+                y[j] = mul(d, i2f(static_cast<int>(tb.kvalues_iq4nl[q])));
             }
             return;
         }
@@ -429,12 +441,12 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
             const int l0 = static_cast<int>(i0 % 256);
             const int ib = l0 / 32, l = l0 % 32;
             const int ls = ((b[4 + ib / 2] >> (4 * (ib % 2))) & 0xf) | (((u16(b + 2) >> (2 * ib)) & 3) << 4);
-            const float dl = mul(fp16(b), static_cast<float>(ls - 32));
+            const float dl = mul(fp16(b), i2f(static_cast<int>(ls - 32)));
             const uint8_t * qs = b + 8 + 16 * ib;
             for (int j = 0; j < 8; ++j) {
                 const int ll = l + j;
                 const int q = ll < 16 ? (qs[ll] & 0xf) : (qs[ll - 16] >> 4);
-                y[j] = mul(dl, static_cast<float>(tb.kvalues_iq4nl[q]));
+                y[j] = mul(dl, i2f(static_cast<int>(tb.kvalues_iq4nl[q])));
             }
             return;
         }
@@ -444,7 +456,7 @@ VOODOO_HD void deq8(int t, const uint8_t * row, int64_t i0, float * y, const tab
     }
 }
 
-VOODOO_HD void deq_upto8(int t, const uint8_t * row, int64_t i0, int n, float * y, const tables & tb) {
+VOODOO_HD void deq_upto8(int t, const uint8_t * row, int i0, int n, float * y, const tables & tb) {
     if (n == 8) {
         deq8(t, row, i0, y, tb);
         return;

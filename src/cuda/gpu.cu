@@ -54,6 +54,7 @@ struct launch_args {
     int stage_off[max_candidates];
     int stage_bytes;
     int64_t n_weights;
+    int copy_of[max_candidates];  // j < k when candidate k reads the same bytes as j (shared F16 and BF16): not staged twice
 };
 
 constexpr int k_tile = 8 * k_threads;  // weights per tile: eight per thread
@@ -122,7 +123,7 @@ __global__ void dequantize_kernel(launch_args a, float * out) {
         const int64_t r = g / per_row, i0 = (g % per_row) * 8;
         const int n = group_size(a, i0);
         float v[8];
-        deq::deq_upto8(a.type[0], a.q[0] + r * a.row_bytes[0], i0, n, v, a.tb);
+        deq::deq_upto8(a.type[0], a.q[0] + r * a.row_bytes[0], static_cast<int>(i0), n, v, a.tb);
         for (int j = 0; j < n; ++j) {
             out[r * a.ne0 + i0 + j] = v[j];
         }
@@ -164,7 +165,7 @@ __global__ void mixture_kernel(launch_args a, Out * out) {
                 continue;
             }
             float v[8];
-            deq::deq_upto8(a.type[k], a.q[k] + src * a.row_bytes[k], i0, n, v, a.tb);
+            deq::deq_upto8(a.type[k], a.q[k] + src * a.row_bytes[k], static_cast<int>(i0), n, v, a.tb);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 acc[j] = fmaf(pk, v[j], acc[j]);
@@ -228,7 +229,7 @@ __global__ void gate_grad_kernel(launch_args a, const G * grad, double * out) {
         }
         for (int k = 0; k < a.K; ++k) {
             float v[8];
-            deq::deq_upto8(a.type[k], a.q[k] + src * a.row_bytes[k], i0, n, v, a.tb);
+            deq::deq_upto8(a.type[k], a.q[k] + src * a.row_bytes[k], static_cast<int>(i0), n, v, a.tb);
             float dot = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -260,8 +261,17 @@ __device__ __forceinline__ void load_tile(const launch_args & a, uint8_t * smem,
     const bool full = e0 + k_tile <= a.n_weights;
     uint8_t * base = smem + stage * a.stage_bytes;
     for (int k = 0; k < a.K; ++k) {
+        if (a.copy_of[k] >= 0) {
+            continue;  // staged once, by the candidate it shares its bytes with
+        }
         if (a.p != nullptr && a.p[k] == 0.0f) {
-            continue;  // mixture: a candidate with p_k = 0 is not read at all
+            bool needed = false;  // …unless a candidate that shares these bytes has p > 0
+            for (int j = k + 1; j < a.K; ++j) {
+                needed = needed || (a.copy_of[j] == k && a.p[j] != 0.0f);
+            }
+            if (!needed) {
+                continue;  // mixture: a candidate with p_k = 0 is not read at all
+            }
         }
         const uint8_t * src = a.q[k] + t * a.tile_bytes[k];
         uint8_t * dst = base + a.stage_off[k];
@@ -304,8 +314,8 @@ __device__ __forceinline__ void for_each_tile(const launch_args & a, uint8_t * s
     }
 }
 
-template <typename Out>
-__global__ void __launch_bounds__(k_threads) mixture_tiled_kernel(launch_args a, Out * out) {
+template <typename Out, int MinBlocks>
+__global__ void __launch_bounds__(k_threads, MinBlocks) mixture_tiled_kernel(launch_args a, Out * out) {
     extern __shared__ __align__(16) uint8_t smem[];
     for_each_tile(a, smem, [&](int64_t t, const uint8_t * stage) {
         const int64_t e = t * k_tile + threadIdx.x * 8;
@@ -319,7 +329,7 @@ __global__ void __launch_bounds__(k_threads) mixture_tiled_kernel(launch_args a,
                 continue;
             }
             float v[8];
-            deq::deq8(a.type[k], stage + a.stage_off[k], threadIdx.x * 8, v, a.tb);
+            deq::deq8(a.type[k], stage + a.stage_off[k], static_cast<int>(threadIdx.x) * 8, v, a.tb);
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
                 acc[j] = fmaf(pk, v[j], acc[j]);
@@ -329,8 +339,8 @@ __global__ void __launch_bounds__(k_threads) mixture_tiled_kernel(launch_args a,
     });
 }
 
-template <typename G>
-__global__ void __launch_bounds__(k_threads) gate_grad_tiled_kernel(launch_args a, const G * grad, double * out) {
+template <typename G, int MinBlocks>
+__global__ void __launch_bounds__(k_threads, MinBlocks) gate_grad_tiled_kernel(launch_args a, const G * grad, double * out) {
     extern __shared__ __align__(16) uint8_t smem[];
     // Per-thread partial sums, one column per candidate, after the two stages.
     float * part = reinterpret_cast<float *>(smem + 2 * a.stage_bytes);
@@ -346,7 +356,7 @@ __global__ void __launch_bounds__(k_threads) gate_grad_tiled_kernel(launch_args 
         load8(grad + e, gv);  // G is read once, for all K candidates
         for (int k = 0; k < a.K; ++k) {
             float v[8];
-            deq::deq8(a.type[k], stage + a.stage_off[k], threadIdx.x * 8, v, a.tb);
+            deq::deq8(a.type[k], stage + a.stage_off[k], static_cast<int>(threadIdx.x) * 8, v, a.tb);
             float dot = 0.0f;
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -385,6 +395,16 @@ bool plan_tiles(launch_args & a, const candidate_set & c, bool ids, size_t extra
         if (a.tile_bytes[k] % 16 != 0 || reinterpret_cast<uintptr_t>(a.q[k]) % 16 != 0) {
             return false;
         }
+        a.copy_of[k] = -1;
+        for (int j = 0; j < k; ++j) {
+            if (a.q[j] == a.q[k] && a.tile_bytes[j] == a.tile_bytes[k] && a.copy_of[j] < 0) {
+                a.copy_of[k] = j;
+            }
+        }
+        if (a.copy_of[k] >= 0) {
+            a.stage_off[k] = a.stage_off[a.copy_of[k]];
+            continue;
+        }
         a.stage_off[k] = off;
         off += a.tile_bytes[k];
     }
@@ -410,6 +430,43 @@ int tiled_blocks(Kernel kernel, size_t smem, int64_t n_weights) {
     return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(n_tiles, static_cast<int64_t>(std::max(per_sm, 1)) * sm_count())));
 }
 
+// Resident blocks per multiprocessor the tiled kernels are compiled for (__launch_bounds__' second
+// argument: registers are capped so that this many fit): bench/fused_kernels measures 1 to 4.
+constexpr int k_default_min_blocks = 2;
+
+std::atomic<int> & tiled_min_blocks() {
+    static std::atomic<int> n{k_default_min_blocks};
+    return n;
+}
+
+template <typename Kernel, typename... Args>
+void run_tiled(Kernel kernel, size_t smem, int64_t n_weights, cudaStream_t stream, Args... args) {
+    allow_smem(kernel, smem);
+    kernel<<<tiled_blocks(kernel, smem, n_weights), k_threads, smem, stream>>>(args...);
+}
+
+template <typename Out>
+void launch_mixture_tiled(const launch_args & a, Out * out, size_t smem, cudaStream_t stream) {
+    switch (tiled_min_blocks().load()) {
+        case 1: run_tiled(mixture_tiled_kernel<Out, 1>, smem, a.n_weights, stream, a, out); break;
+        case 3: run_tiled(mixture_tiled_kernel<Out, 3>, smem, a.n_weights, stream, a, out); break;
+        case 4: run_tiled(mixture_tiled_kernel<Out, 4>, smem, a.n_weights, stream, a, out); break;
+        default: run_tiled(mixture_tiled_kernel<Out, 2>, smem, a.n_weights, stream, a, out); break;
+    }
+    check(cudaGetLastError(), "mixture_tiled_kernel");
+}
+
+template <typename G>
+void launch_gate_grad_tiled(const launch_args & a, const G * grad, double * out, size_t smem, cudaStream_t stream) {
+    switch (tiled_min_blocks().load()) {
+        case 1: run_tiled(gate_grad_tiled_kernel<G, 1>, smem, a.n_weights, stream, a, grad, out); break;
+        case 3: run_tiled(gate_grad_tiled_kernel<G, 3>, smem, a.n_weights, stream, a, grad, out); break;
+        case 4: run_tiled(gate_grad_tiled_kernel<G, 4>, smem, a.n_weights, stream, a, grad, out); break;
+        default: run_tiled(gate_grad_tiled_kernel<G, 2>, smem, a.n_weights, stream, a, grad, out); break;
+    }
+    check(cudaGetLastError(), "gate_grad_tiled_kernel");
+}
+
 void require_device_tensor(const torch::Tensor & t, const candidate_set & c, const char * what) {
     if (!t.is_cuda() || t.device() != c.bytes.front().device()) {
         fail("gpu::{}: tensor on {} but the candidates are on {}", what, t.device().str(), c.bytes.front().device().str());
@@ -433,6 +490,8 @@ torch::Tensor checked_ids(const candidate_set & c, const torch::Tensor & ids) {
 }  // namespace
 
 void set_tiled_kernels(bool on) { tiled_enabled().store(on); }
+
+void set_tiled_min_blocks(int n) { tiled_min_blocks().store(n >= 1 && n <= 4 ? n : k_default_min_blocks); }
 
 candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
                      int64_t ne0, torch::Device device, const std::string & name, const torch::Tensor & source) {
@@ -526,16 +585,10 @@ torch::Tensor mixture(const candidate_set & c, const torch::Tensor & p, const to
     size_t smem = 0;
     if (plan_tiles(a, c, i.defined(), 0, smem) && (dtype == torch::kFloat || dtype == torch::kBFloat16)) {
         if (dtype == torch::kFloat) {
-            auto kernel = mixture_tiled_kernel<float>;
-            allow_smem(kernel, smem);
-            kernel<<<tiled_blocks(kernel, smem, a.n_weights), k_threads, smem, stream>>>(a, out.data_ptr<float>());
+            launch_mixture_tiled(a, out.data_ptr<float>(), smem, stream);
         } else {
-            auto kernel = mixture_tiled_kernel<__nv_bfloat16>;
-            allow_smem(kernel, smem);
-            kernel<<<tiled_blocks(kernel, smem, a.n_weights), k_threads, smem, stream>>>(
-                a, reinterpret_cast<__nv_bfloat16 *>(out.data_ptr<at::BFloat16>()));
+            launch_mixture_tiled(a, reinterpret_cast<__nv_bfloat16 *>(out.data_ptr<at::BFloat16>()), smem, stream);
         }
-        check(cudaGetLastError(), "mixture_tiled_kernel");
         return out;
     }
     if (dtype == torch::kFloat) {
@@ -571,17 +624,11 @@ torch::Tensor gate_grad(const candidate_set & c, const torch::Tensor & grad, con
         (g16 || g.scalar_type() == torch::kFloat) && reinterpret_cast<uintptr_t>(g.data_ptr()) % 16 == 0) {
         a.p = nullptr;  // every candidate is read
         if (g16) {
-            auto kernel = gate_grad_tiled_kernel<__nv_bfloat16>;
-            allow_smem(kernel, smem);
-            kernel<<<tiled_blocks(kernel, smem, a.n_weights), k_threads, smem, stream>>>(
-                a, reinterpret_cast<const __nv_bfloat16 *>(g.data_ptr<at::BFloat16>()), out.data_ptr<double>());
+            launch_gate_grad_tiled(a, reinterpret_cast<const __nv_bfloat16 *>(g.data_ptr<at::BFloat16>()),
+                                   out.data_ptr<double>(), smem, stream);
         } else {
-            auto kernel = gate_grad_tiled_kernel<float>;
-            allow_smem(kernel, smem);
-            kernel<<<tiled_blocks(kernel, smem, a.n_weights), k_threads, smem, stream>>>(a, g.data_ptr<float>(),
-                                                                                            out.data_ptr<double>());
+            launch_gate_grad_tiled(a, g.data_ptr<float>(), out.data_ptr<double>(), smem, stream);
         }
-        check(cudaGetLastError(), "gate_grad_tiled_kernel");
         return out;
     }
     // A few blocks per multiprocessor: each thread walks many groups, so the f64 atomics stay rare.

@@ -48,6 +48,10 @@ candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std:
 /// apply (the two give the same W_eff bit for bit; gate gradients differ only in summation order).
 void set_tiled_kernels(bool on);
 
+/// Benchmarks: the tiled kernels' variant, compiled for n = 1 to 4 resident blocks per multiprocessor
+/// (fewer registers per thread as n grows); anything else restores the default.
+void set_tiled_min_blocks(int n);
+
 /// to_float of one candidate on the GPU: [rows, ne0] f32, equal to ggml's bit for bit.
 torch::Tensor dequantize(const candidate_set & c, int k);
 
