@@ -432,7 +432,7 @@ int tiled_blocks(Kernel kernel, size_t smem, int64_t n_weights) {
 
 // Resident blocks per multiprocessor the tiled kernels are compiled for (__launch_bounds__' second
 // argument: registers are capped so that this many fit): bench/fused_kernels measures 1 to 4.
-constexpr int k_default_min_blocks = 2;
+constexpr int k_default_min_blocks = 4;  // fastest in bench/fused_kernels on the H200 (docs/BENCHMARKS.md)
 
 std::atomic<int> & tiled_min_blocks() {
     static std::atomic<int> n{k_default_min_blocks};
