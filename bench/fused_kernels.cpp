@@ -64,9 +64,13 @@ int main(int argc, char ** argv) {
             gpu::upload(bytes, types, rows, ne0, dev, "bench", share ? source : torch::Tensor());
         bytes.clear();
         const int64_t resident = gpu::resident_bytes(c);
-        int64_t read_per_call = 0;  // what a tiled call copies into shared memory
+        int64_t read_per_call = 0;  // what a tiled call copies into shared memory: shared bytes once
         for (size_t k = 0; k < types.size(); ++k) {
-            read_per_call += c.bytes[k].numel();
+            bool seen = false;
+            for (size_t j = 0; j < k; ++j) {
+                seen = seen || c.bytes[j].data_ptr() == c.bytes[k].data_ptr();
+            }
+            read_per_call += seen ? 0 : c.bytes[k].numel();
         }
         const torch::Tensor p = torch::full({static_cast<int64_t>(types.size())}, 1.0f / types.size(),
                                             torch::TensorOptions().device(dev));

@@ -293,8 +293,8 @@ TEST(cuda, fused_and_reference_paths_train_the_same_gates_through_autograd) {
 }
 
 TEST(cuda, training_on_the_gpu_finishes_within_the_budget_on_both_paths) {
-    // The data comes from a child `voodoo data`: libllama must not run in a process whose CUDA runtime
-    // LibTorch has initialized (it crashed so on the GPU machine; docs/BENCHMARKS.md, GPU notes).
+    // The data comes from a child `voodoo data`, as `voodoo quantize --device cuda` keeps libllama's work and
+    // GPU training in separate processes (pipeline/quantize.h).
     test::temp_dir dir;
     const auto made = test::run_voodoo(fmt::format("data --model {} --text {} --ctx 64 --val-fraction 0.05 --out {}",
                                                    test::stories260k(),

@@ -26,9 +26,9 @@ struct quantize_options {
     int ggml_threads = 1;                   // libllama threads (imatrix, eval): see docs/DATA.md on spinning
     train_options train;                    // goal, menus, schedule (run_dir is WORK/run)
     /// When set (the CLI sets it to itself for --device cuda), the train stage runs as `train_exe train …` in a
-    /// child process: the GPU is initialized there only, and this process's libllama work (imatrix, eval) never
-    /// shares a process with an initialized CUDA runtime (on the GPU machine, libllama's CPU backend crashed
-    /// after LibTorch had initialized CUDA in the same process: docs/BENCHMARKS.md, GPU notes).
+    /// child process: the GPU is initialized there only and its memory is given back when training ends, before
+    /// this process's libllama work (eval) loads models. (A crash first blamed on libllama sharing a process with
+    /// CUDA was libtorch.so's own std::filesystem::remove_all: common/file.h, remove_tree.)
     std::string train_exe;
 };
 
