@@ -5,7 +5,10 @@
 //   gate_grad:  ∂L/∂p_k = ⟨G, deq(Q_k)⟩, k = 1..K      one pass over G = ∂L/∂W_eff for all K at once
 //
 // deq is ggml's to_float, eight weights per thread, by the rules of src/cuda/deq_rules.h (bit for bit:
-// tests/test_cuda.cpp). Candidate memory is Σ_k bpw_k / 8 bytes per weight instead of K dense copies.
+// tests/test_cuda.cpp). Candidate memory is Σ_k bpw_k / 8 bytes per weight instead of K dense copies, and
+// nothing for F16/BF16 candidates that read the teacher's bf16 weights (upload's `source`). Whole tensors go
+// through tiled kernels (2,048-weight tiles of all K candidates staged in shared memory); gathered rows and
+// rows not a multiple of 8 through row kernels (gpu.cu says how each works; docs/BENCHMARKS.md how fast).
 #pragma once
 
 #if defined(VOODOO_HAVE_CUDA)
