@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, profile. Logs and results go to $OUT (or ./out).
+# kernels, ncu, profile. Logs and results go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -81,6 +81,15 @@ kernels)
     MIN_BLOCKS=$(python3 -c "import json; r=[x for x in json.load(open('$OUT/fused-kernels.json')) if x['kernels']!='rows']; \
 b=min(r, key=lambda x: x['mixture_ms'] + x['gate_grad_ms']); print(b['kernels'].split(',')[1].split()[0])")
     export MIN_BLOCKS; log "fastest tiled variant: $MIN_BLOCKS blocks per SM"
+    ;;
+ncu)
+    # Hardware counters for the tiled kernels (Nsight Compute; clocks left alone, as METHOD.md asks): occupancy,
+    # warp stall reasons, issue slots and memory throughput of one mixture and one gate-gradient launch.
+    log ncu
+    ncu --clock-control none --kernel-name regex:tiled --launch-skip 6 --launch-count 2 \
+        --section Occupancy --section SchedulerStats --section WarpStateStats --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis build-cuda/bin/fused_kernels --reps 1 > "$OUT/ncu-tiled.txt" 2>&1
+    grep -E "Achieved Occupancy|Stall|Issue Slot|Memory Throughput|Compute \(SM\)|Warp Cycles" "$OUT/ncu-tiled.txt" | head -40
     ;;
 profile)
     # One profiled step per path on the 8B shape's slice (PyTorch's profiler), summed by kernel.
