@@ -54,7 +54,8 @@ struct launch_args {
     int stage_off[max_candidates];
     int stage_bytes;
     int64_t n_weights;
-    int copy_of[max_candidates];  // j < k when candidate k reads the same bytes as j (shared F16 and BF16): not staged twice
+    int copy_of[max_candidates];    // j < k when candidate k reads the same bytes as j (shared F16 and BF16): not staged twice
+    int shared_by[max_candidates];  // the reverse: the one candidate whose copy_of is k, or -1
 };
 
 constexpr int k_tile = 8 * k_threads;  // weights per tile: eight per thread
@@ -264,14 +265,8 @@ __device__ __forceinline__ void load_tile(const launch_args & a, uint8_t * smem,
         if (a.copy_of[k] >= 0) {
             continue;  // staged once, by the candidate it shares its bytes with
         }
-        if (a.p != nullptr && a.p[k] == 0.0f) {
-            bool needed = false;  // …unless a candidate that shares these bytes has p > 0
-            for (int j = k + 1; j < a.K; ++j) {
-                needed = needed || (a.copy_of[j] == k && a.p[j] != 0.0f);
-            }
-            if (!needed) {
-                continue;  // mixture: a candidate with p_k = 0 is not read at all
-            }
+        if (a.p != nullptr && a.p[k] == 0.0f && (a.shared_by[k] < 0 || a.p[a.shared_by[k]] == 0.0f)) {
+            continue;  // mixture: bytes whose candidates all have p = 0 are not read at all
         }
         const uint8_t * src = a.q[k] + t * a.tile_bytes[k];
         uint8_t * dst = base + a.stage_off[k];
@@ -390,6 +385,9 @@ bool plan_tiles(launch_args & a, const candidate_set & c, bool ids, size_t extra
     }
     int off = 0;
     for (int k = 0; k < a.K; ++k) {
+        a.shared_by[k] = -1;
+    }
+    for (int k = 0; k < a.K; ++k) {
         const int bs = deq::block_size(a.type[k]), bb = deq::block_bytes(a.type[k]);
         a.tile_bytes[k] = k_tile / bs * bb;  // 2048 weights = 8 superblocks or 64 blocks: a multiple of 16 bytes
         if (a.tile_bytes[k] % 16 != 0 || reinterpret_cast<uintptr_t>(a.q[k]) % 16 != 0) {
@@ -402,6 +400,10 @@ bool plan_tiles(launch_args & a, const candidate_set & c, bool ids, size_t extra
             }
         }
         if (a.copy_of[k] >= 0) {
+            if (a.shared_by[a.copy_of[k]] >= 0) {
+                return false;  // a third reader of the same bytes: upload never makes one; the row kernels take it
+            }
+            a.shared_by[a.copy_of[k]] = k;
             a.stage_off[k] = a.stage_off[a.copy_of[k]];
             continue;
         }
