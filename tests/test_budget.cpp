@@ -6,7 +6,10 @@
 
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <random>
 
@@ -243,4 +246,81 @@ TEST(budget, a_tensor_the_imatrix_does_not_cover_gets_no_type_that_needs_one) {
     EXPECT_FALSE(has(menu.at("token_embd.weight"), GGML_TYPE_IQ2_XXS));
     EXPECT_FALSE(has(menu.at("token_embd.weight"), GGML_TYPE_IQ2_XS));
     EXPECT_TRUE(has(menu.at("token_embd.weight"), GGML_TYPE_IQ3_S));
+}
+
+TEST(budget, allocate_exact_finds_the_least_estimated_loss_that_fits) {
+    // Small instances against brute force: costs in whole bytes and a grid of one byte, so the DP is exact.
+    std::mt19937 rng(7);
+    std::uniform_int_distribution<int> bytes(1, 40);
+    std::uniform_real_distribution<double> loss(0.0, 1.0);
+    for (int trial = 0; trial < 50; ++trial) {
+        budget b;
+        b.goal = {target_kind::size, 0};
+        b.fixed = 100;
+        b.n_weights = 1;
+        std::vector<std::vector<double>> est;
+        b.min_total = b.max_total = b.fixed;
+        for (int t = 0; t < 4; ++t) {
+            std::vector<double> c, l;
+            for (int k = 0; k < 4; ++k) {
+                c.push_back(bytes(rng));
+                l.push_back(loss(rng));
+            }
+            b.min_total += *std::min_element(c.begin(), c.end());
+            b.max_total += *std::max_element(c.begin(), c.end());
+            b.cost.push_back(c);
+            est.push_back(l);
+        }
+        b.limit = b.min_total + std::floor((b.max_total - b.min_total) * loss(rng));
+        double best = std::numeric_limits<double>::infinity();
+        for (int code = 0; code < 256; ++code) {
+            const std::vector<int> c = {code & 3, (code >> 2) & 3, (code >> 4) & 3, (code >> 6) & 3};
+            if (b.total(c) <= b.limit) {
+                best = std::min(best, estimated_loss(est, c));
+            }
+        }
+        const auto choice = allocate_exact(b, est, static_cast<int64_t>(b.max_total - b.min_total));
+        SCOPED_TRACE(trial);
+        EXPECT_LE(b.total(choice), b.limit);
+        EXPECT_DOUBLE_EQ(estimated_loss(est, choice), best);
+    }
+}
+
+TEST(budget, a_larger_budget_never_gives_a_higher_estimated_loss) {
+    // The finalize's exact allocation on stories260K's real menus and byte costs, 300 budgets across the
+    // feasible range, with a loss that falls with bytes and with one that does not (random per type).
+    gguf_file f(test::stories260k());
+    const auto menus = build_menus(f, {});
+    const budget range = make_budget(f, menus, {target_kind::size, 400000}, {});
+    for (uint32_t seed : {1u, 2u}) {
+        const auto est = seed == 1 ? loss_falling_with_bytes(range, 300) : random_table(range, 301);
+        double previous = std::numeric_limits<double>::infinity();
+        double previous_total = 0;
+        for (int i = 0; i <= 300; ++i) {
+            budget b = range;
+            b.limit = std::floor(range.min_total + (range.max_total - range.min_total) * i / 300.0);
+            const auto choice = allocate_exact(b, est);
+            const double loss = estimated_loss(est, choice);
+            SCOPED_TRACE(fmt::format("seed {} limit {}", seed, b.limit));
+            EXPECT_LE(b.total(choice), b.limit);
+            EXPECT_LE(loss, previous);
+            previous = loss;
+            previous_total = b.total(choice);
+        }
+        EXPECT_GT(previous_total, range.min_total);
+    }
+}
+
+TEST(budget, a_finer_grid_never_gives_a_higher_estimated_loss) {
+    // Costs round up to the grid; a grid whose step divides the coarse one's keeps every choice the coarse one
+    // allowed, so its optimum can only be as good or better.
+    gguf_file f(test::stories260k());
+    const auto menus = build_menus(f, {});
+    budget b = make_budget(f, menus, {target_kind::size, 300000}, {});
+    const auto est = loss_falling_with_bytes(b, 5);
+    const auto coarse = allocate_exact(b, est, 64);
+    const auto fine = allocate_exact(b, est, int64_t(1) << 18);
+    EXPECT_LE(b.total(coarse), b.limit);
+    EXPECT_LE(b.total(fine), b.limit);
+    EXPECT_LE(estimated_loss(est, fine), estimated_loss(est, coarse));
 }

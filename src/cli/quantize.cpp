@@ -1,5 +1,6 @@
 #include "cli/commands.h"
 #include "common/error.h"
+#include "common/file.h"
 #include "pipeline/quantize.h"
 
 #include <fmt/format.h>
@@ -15,21 +16,23 @@ command add_quantize(CLI::App & app) {
     sub->footer("examples:\n"
                 "  voodoo quantize model.gguf --text calib.txt --like Q4_K_M --eval-text heldout.txt\n"
                 "  voodoo quantize model.gguf --text a.txt --text b.txt --ratio 0.45 --out model.Voodoo45.gguf\n"
+                "  voodoo quantize model.gguf --text calib.txt --like Q2_K,Q3_K_M,Q4_K_M,Q5_K_M,Q6_K --baselines all-that-fit\n"
+                "A list of targets makes one file per size from one run of data, imatrix, candidates and probe,\n"
+                "and draws the curve against the stock recipes (WORK/curve.png, curve.md, curve.json).\n"
                 "Run it again after a stop: finished stages are kept, training resumes from its journal.");
     struct options {
         quantize_options q;
-        std::string target_size, menu;
+        std::string target_size, menu, target_bpw, ratio;
         std::vector<std::string> menu_for;
-        double target_bpw = 0, ratio = 0;
     };
     auto o = std::make_shared<options>();
     sub->add_option("model", o->q.model, "Source GGUF (F32/F16/BF16)")->required();
     sub->add_option("--text", o->q.texts, "Calibration text file(s)")->required();
     sub->add_option("--eval-text", o->q.eval_text, "Held-out text for the comparison (default: the first --text)");
-    auto * bpw = sub->add_option("--target-bpw", o->target_bpw, "Budget in bits per weight (llama-quantize's BPW)");
-    auto * size = sub->add_option("--target-size", o->target_size, "Budget as the file size on disk: bytes, KB, MiB, GiB");
-    auto * ratio = sub->add_option("--ratio", o->ratio, "Budget as a fraction of the all-Q8_0 file");
-    auto * like = sub->add_option("--like", o->q.like, "Budget = the size of this stock recipe's file (Q4_K_M, …)");
+    auto * bpw = sub->add_option("--target-bpw", o->target_bpw, "Budget in bits per weight (llama-quantize's BPW); a comma list makes a ladder");
+    auto * size = sub->add_option("--target-size", o->target_size, "Budget as the file size on disk: bytes, KB, MiB, GiB; a comma list makes a ladder");
+    auto * ratio = sub->add_option("--ratio", o->ratio, "Budget as a fraction of the all-Q8_0 file; a comma list makes a ladder");
+    auto * like = sub->add_option("--like", o->q.like, "Budget = the size of this stock recipe's file (Q4_K_M, …); a comma list makes a ladder");
     bpw->excludes(size)->excludes(ratio)->excludes(like);
     size->excludes(ratio)->excludes(like);
     ratio->excludes(like);
@@ -53,20 +56,58 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--device", o->q.train.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
     sub->add_option("--mixture", o->q.train.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
+    sub->add_option("--lambda-ce", o->q.train.lambda_ce, "Weight of the cross-entropy on the calibration tokens")->capture_default_str();
+    sub->add_option("--lambda-kl", o->q.train.lambda_kl, "Weight of KL(teacher ‖ student)")->capture_default_str();
+    sub->add_option("--compute", o->q.train.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)");
+    sub->add_option("--select-sequences", o->q.train.select_sequences,
+                    "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str();
     sub->add_option("--seed", o->q.train.seed, "Seed")->capture_default_str();
     return {sub, [o, bpw, size, ratio, like] {
         quantize_options q = o->q;
         if (q.train.device != "cpu") {
             q.train_exe = "/proc/self/exe";  // the GPU only in the train stage's own process
         }
+        // One target or a comma list of them (a ladder).
+        auto goals_of = [](const std::string & list, target_kind kind, const char * flag) {
+            std::vector<target> goals;
+            for (size_t a = 0; a <= list.size();) {
+                const size_t e = std::min(list.find(',', a), list.size());
+                const std::string item = list.substr(a, e - a);
+                a = e + 1;
+                if (item.empty()) {
+                    continue;
+                }
+                if (kind == target_kind::size) {
+                    goals.push_back({kind, parse_size(item, flag)});
+                    continue;
+                }
+                try {
+                    size_t used = 0;
+                    const double v = std::stod(item, &used);
+                    if (used != item.size() || !(v > 0)) {
+                        throw std::invalid_argument(item);
+                    }
+                    goals.push_back({kind, v});
+                } catch (const std::exception &) {
+                    fail("{} '{}': expected a positive number (or a comma list of them)", flag, item);
+                }
+            }
+            if (goals.empty()) {
+                fail("{} '{}': no value", flag, list);
+            }
+            return goals;
+        };
         if (bpw->count()) {
-            q.train.goal = {target_kind::bpw, o->target_bpw};
+            q.goals = goals_of(o->target_bpw, target_kind::bpw, "--target-bpw");
         } else if (size->count()) {
-            q.train.goal = {target_kind::size, parse_size(o->target_size, "--target-size")};
+            q.goals = goals_of(o->target_size, target_kind::size, "--target-size");
         } else if (ratio->count()) {
-            q.train.goal = {target_kind::ratio, o->ratio};
+            q.goals = goals_of(o->ratio, target_kind::ratio, "--ratio");
         } else if (!like->count()) {
             fail("give one target: --target-bpw, --target-size, --ratio or --like");
+        }
+        if (!q.goals.empty()) {
+            q.train.goal = q.goals.front();
         }
         if (!o->menu.empty()) {
             q.train.menu.types = parse_menu(o->menu, "--menu");
@@ -76,8 +117,10 @@ command add_quantize(CLI::App & app) {
         }
         q.train.should_stop = stop_on_sigint();
         const quantize_result r = run_quantize(q);
-        fmt::print("\n{}\nwrote {} ({} bytes, {:.1f}% of the Q8_0 size)\n", r.table, r.out, r.file_bytes,
-                   100.0 * r.q8_0_ratio);
+        fmt::print("\n{}\n", r.table);
+        for (const std::string & f : r.outs) {
+            fmt::print("wrote {} ({} bytes)\n", f, file_size(f));
+        }
         return 0;
     }};
 }

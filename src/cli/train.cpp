@@ -48,12 +48,19 @@ command add_train(CLI::App & app) {
     sub->add_option("--tau0", o->t.tau0, "Start temperature")->capture_default_str();
     sub->add_option("--tau1", o->t.tau1, "End temperature")->capture_default_str();
     sub->add_option("--lambda-kl", o->t.lambda_kl, "Weight of KL(teacher ‖ student)")->capture_default_str();
+    sub->add_option("--lambda-ce", o->t.lambda_ce, "Weight of the cross-entropy on the calibration tokens")->capture_default_str();
     sub->add_option("--lambda-size", o->t.lambda_size, "Weight of the size penalty")->capture_default_str();
     sub->add_option("--size-tol", o->t.size_tol, "Dead zone of the size penalty (relative)")->capture_default_str();
     sub->add_option("--st-gumbel-fraction", o->t.st_gumbel_fraction, "Last fraction of steps with straight-through Gumbel")
         ->capture_default_str();
     sub->add_option("--probe-sequences", o->t.probe_sequences, "Sequences for each candidate's ΔKL probe")
         ->capture_default_str();
+    sub->add_option("--probe-file", o->t.probe_file, "Where the probe is kept and reused (default: RUN/probe.json)");
+    sub->add_option("--select-sequences", o->t.select_sequences,
+                    "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str();
+    sub->add_option("--prior-recipe", o->t.prior_recipes,
+                    "recipe.json of a smaller budget, also a candidate of the final selection (repeatable)");
+    sub->add_option("--compute", o->t.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)");
     sub->add_option("--gate-init", o->t.gate_init, "Start logit of the probe's allocation")->capture_default_str();
     sub->add_option("--journal-every", o->t.journal_every, "Steps between journals")->capture_default_str();
     sub->add_flag("--resume", o->t.resume, "Continue the run in --out from its journal");
@@ -96,7 +103,7 @@ command add_train(CLI::App & app) {
         }
         t.should_stop = stop_on_sigint();
         const train_result r = train_gates(src, teacher ? *teacher : src, data.train(),
-                                           o->imatrix.empty() ? nullptr : &importance, t);
+                                           o->imatrix.empty() ? nullptr : &importance, t, &data.val());
         if (!r.finished) {
             fmt::print(stderr, "interrupted after step {}: journal written to {}/journal.pt; continue with --resume\n",
                        r.steps_done, o->out);

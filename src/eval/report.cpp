@@ -60,18 +60,6 @@ nlohmann::json file_json(const eval_file_result & f, bool is_reference) {
     return j;
 }
 
-/// A gnuplot string literal: single quotes, a quote doubled.
-std::string gp_quote(const std::string & s) {
-    std::string out = "'";
-    for (char ch : s) {
-        out += ch;
-        if (ch == '\'') {
-            out += '\'';
-        }
-    }
-    return out + "'";
-}
-
 /// The longest prefix common to every file name that ends with '-' or '_' ("stories260K-"), or "".
 std::string common_label_prefix(const std::vector<eval_file_result> & files) {
     if (files.size() < 2) {
@@ -99,6 +87,18 @@ std::string short_label(const std::string & name, const std::string & prefix) {
 }
 
 }  // namespace
+
+std::string gp_quote(const std::string & s) {
+    std::string out = "'";
+    for (char ch : s) {
+        out += ch;
+        if (ch == '\'') {
+            out += '\'';
+        }
+    }
+    return out + "'";
+}
+
 
 std::string eval_to_markdown(const eval_result & r) {
     std::string out;
@@ -173,18 +173,9 @@ void eval_plot(const eval_result & r, const std::string & png_path) {
     }
     const bool log_y = std::all_of(r.files.begin(), r.files.end(), [](const auto & f) { return f.kld_mean > 0; });
 
-    const std::filesystem::path tmp_dir = std::filesystem::temp_directory_path() /
-                                          fmt::format("voodoo-plot-{}-{}", getpid(), static_cast<const void *>(&r));
-    std::filesystem::create_directories(tmp_dir);
-    struct cleanup {
-        std::filesystem::path dir;
-        ~cleanup() {
-            remove_tree(dir.string());
-        }
-    } guard{tmp_dir};
-    const std::string points = (tmp_dir / "points.dat").string();
-    const std::string front_dat = (tmp_dir / "front.dat").string();
-    const std::string png = (tmp_dir / "plot.png").string();
+    gnuplot_job job;
+    const std::string points = job.path("points.dat");
+    const std::string front_dat = job.path("front.dat");
     // Files with the same size and KLD (recipes that fell back to the same types) share one point and
     // label; labels alternate above and below their point so that neighbours stay readable.
     const std::string prefix = common_label_prefix(r.files);
@@ -213,9 +204,6 @@ void eval_plot(const eval_result & r, const std::string & png_path) {
         }
     }
     std::string script;
-    script += "if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) { set terminal pngcairo size 1200,800 font 'sans,10' } "
-              "else { set terminal png size 1200,800 }\n";
-    script += "set output " + gp_quote(png) + "\nset termoption noenhanced\n";
     script += "set title " + gp_quote(fmt::format("mean KLD against {} vs file size ({}, ctx {}, {} chunks){}",
                                                   r.ref.name, std::filesystem::path(r.text).filename().string(),
                                                   r.n_ctx, r.n_chunks,
@@ -233,7 +221,25 @@ void eval_plot(const eval_result & r, const std::string & png_path) {
         script += ", \\\n     " + gp_quote(points) + " every 2::1 using 1:2:3 with labels offset 1,-0.7 left font ',9' notitle";
     }
     script += "\n";
-    const std::string script_path = (tmp_dir / "plot.gp").string();
+    job.render(script, png_path, 1200, 800);
+}
+
+gnuplot_job::gnuplot_job()
+    : dir_((std::filesystem::temp_directory_path() / fmt::format("voodoo-plot-{}-{}", getpid(),
+                                                                   static_cast<const void *>(this))).string()) {
+    std::filesystem::create_directories(dir_);
+}
+
+gnuplot_job::~gnuplot_job() { remove_tree(dir_); }
+
+std::string gnuplot_job::path(const std::string & name) const { return (std::filesystem::path(dir_) / name).string(); }
+
+void gnuplot_job::render(const std::string & body, const std::string & png_path, int width, int height) {
+    const std::string png = path("plot.png");
+    std::string script = fmt::format("if (strstrt(GPVAL_TERMINALS, 'pngcairo') > 0) {{ set terminal pngcairo size {0},{1} "
+                                     "font 'sans,10' }} else {{ set terminal png size {0},{1} }}\n", width, height);
+    script += "set output " + gp_quote(png) + "\nset termoption noenhanced\n" + body;
+    const std::string script_path = path("plot.gp");
     std::ofstream(script_path) << script;
 
     const std::string cmd = "gnuplot " + gp_quote(script_path) + " 2>&1";

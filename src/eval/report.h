@@ -26,4 +26,25 @@ void eval_plot(const eval_result & r, const std::string & png_path);
 /// Whether a `gnuplot` executable is on PATH (what eval_plot runs).
 bool gnuplot_available();
 
+/// One gnuplot drawing: a private temporary folder for its data files (removed with the object), then
+/// render() runs gnuplot on a script body (the terminal and output lines are added: pngcairo, else png, of
+/// width × height pixels) and writes the PNG atomically to png_path. Throws voodoo::error when gnuplot is
+/// missing or fails (its message included).
+class gnuplot_job {
+public:
+    gnuplot_job();
+    ~gnuplot_job();
+    gnuplot_job(const gnuplot_job &) = delete;
+    gnuplot_job & operator=(const gnuplot_job &) = delete;
+    /// A file in the job's folder.
+    std::string path(const std::string & name) const;
+    void render(const std::string & body, const std::string & png_path, int width, int height);
+
+private:
+    std::string dir_;
+};
+
+/// A gnuplot string literal: single quotes, a quote doubled.
+std::string gp_quote(const std::string & s);
+
 }  // namespace voodoo

@@ -4,6 +4,7 @@
 #include "common/file.h"
 #include "data/dataset.h"
 #include "eval/baseline.h"
+#include "eval/curve.h"
 #include "eval/report.h"
 #include "export/export.h"
 #include "ggml/types.h"
@@ -66,7 +67,18 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     num("--tau0", t.tau0);
     num("--tau1", t.tau1);
     num("--lambda-kl", t.lambda_kl);
+    num("--lambda-ce", t.lambda_ce);
     num("--lambda-size", t.lambda_size);
+    num("--select-sequences", t.select_sequences);
+    if (!t.probe_file.empty()) {
+        args.insert(args.end(), {"--probe-file", t.probe_file});
+    }
+    for (const std::string & r : t.prior_recipes) {
+        args.insert(args.end(), {"--prior-recipe", r});
+    }
+    if (!t.compute.empty()) {
+        args.insert(args.end(), {"--compute", t.compute});
+    }
     num("--size-tol", t.size_tol);
     num("--st-gumbel-fraction", t.st_gumbel_fraction);
     num("--probe-sequences", t.probe_sequences);
@@ -111,8 +123,8 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
 
 // Stock recipes to compare with: every recipe llama.cpp makes for the model (duplicates by tensor types
 // dropped), then the ones nearest in size to ours unless all are asked for.
-std::vector<std::string> pick_baselines(const quantize_options & o, const baseline_options & bo, size_t our_bytes,
-                                        const std::string & dir) {
+std::vector<std::string> pick_baselines(const quantize_options & o, const baseline_options & bo,
+                                        const std::vector<size_t> & our_sizes, const std::string & dir) {
     if (o.baselines == "none") {
         return {};
     }
@@ -136,11 +148,17 @@ std::vector<std::string> pick_baselines(const quantize_options & o, const baseli
         }
     }
     if (o.baselines == "nearest" && ok.size() > 6) {
-        std::sort(ok.begin(), ok.end(), [&](const baseline_result * a, const baseline_result * b) {
-            return std::abs(static_cast<double>(a->file_bytes) - static_cast<double>(our_bytes)) <
-                   std::abs(static_cast<double>(b->file_bytes) - static_cast<double>(our_bytes));
-        });
-        ok.resize(6);
+        // The six nearest in size to each of our files.
+        std::set<const baseline_result *> keep;
+        for (size_t ours : our_sizes) {
+            std::vector<const baseline_result *> by = ok;
+            std::sort(by.begin(), by.end(), [&](const baseline_result * a, const baseline_result * b) {
+                return std::abs(static_cast<double>(a->file_bytes) - static_cast<double>(ours)) <
+                       std::abs(static_cast<double>(b->file_bytes) - static_cast<double>(ours));
+            });
+            keep.insert(by.begin(), by.begin() + 6);
+        }
+        ok.assign(keep.begin(), keep.end());
     }
     std::sort(ok.begin(), ok.end(), [](const baseline_result * a, const baseline_result * b) {
         return a->file_bytes < b->file_bytes;
@@ -150,6 +168,102 @@ std::vector<std::string> pick_baselines(const quantize_options & o, const baseli
         paths.push_back(r->path);
     }
     return paths;
+}
+
+// One size of a ladder: its target and the label its run folder and file carry.
+struct rung {
+    std::string label;      // "Q4_K_M" (--like), "size-304352", "ratio-0.45", "bpw-4.5"
+    target goal;
+    double order;           // sorts the rungs by increasing budget
+};
+
+std::string goal_label(const target & g) {
+    switch (g.kind) {
+        case target_kind::bpw: return fmt::format("bpw-{}", g.value);
+        case target_kind::size: return fmt::format("size-{:.0f}", g.value);
+        case target_kind::ratio: return fmt::format("ratio-{}", g.value);
+    }
+    return "";
+}
+
+// The targets by increasing budget: the stock files' sizes for --like (made now when missing), else the goals.
+std::vector<rung> plan_rungs(const quantize_options & o, const baseline_options & bo, const std::string & base_dir) {
+    std::vector<rung> rungs;
+    if (!o.like.empty()) {
+        for (size_t a = 0; a <= o.like.size();) {
+            const size_t e = std::min(o.like.find(',', a), o.like.size());
+            const std::string name = o.like.substr(a, e - a);
+            a = e + 1;
+            if (name.empty()) {
+                continue;
+            }
+            const std::string like_path =
+                (fs::path(base_dir) / fmt::format("{}-{}.gguf", fs::path(o.model).stem().string(), name)).string();
+            const size_t bytes = fs::exists(like_path) ? file_size(like_path) : make_baseline(bo, name, like_path).file_bytes;
+            stage("target", fmt::format("the size of stock {}: {} bytes", name, bytes));
+            rungs.push_back({name, {target_kind::size, static_cast<double>(bytes)}, static_cast<double>(bytes)});
+        }
+    } else {
+        const std::vector<target> goals = o.goals.empty() ? std::vector<target>{o.train.goal} : o.goals;
+        for (const target & g : goals) {
+            rungs.push_back({goal_label(g), g, g.value});
+        }
+    }
+    if (rungs.empty()) {
+        fail("--like '{}': no recipe name; give one or a comma list such as Q3_K_M,Q4_K_M,Q6_K", o.like);
+    }
+    std::stable_sort(rungs.begin(), rungs.end(), [](const rung & a, const rung & b) { return a.order < b.order; });
+    return rungs;
+}
+
+// The train and export stages of one target; returns the exported file. `label` non-empty: a ladder's rung
+// (its file is named <model>.Voodoo<NN>.<label>.gguf, in --out when that is a folder).
+std::string train_and_export(const quantize_options & o, train_options & t, const gguf_file & src,
+                             const token_data & data, const importance_map & importance,
+                             const std::string & imatrix_path, const std::string & work, const std::string & label) {
+    const std::string recipe_path = (fs::path(t.run_dir) / "recipe.json").string();
+    if (!fs::exists(recipe_path)) {
+        t.resume = fs::exists(fs::path(t.run_dir) / "journal.pt");
+        stage("train", t.run_dir + (t.resume ? " (resuming)" : ""));
+        if (!o.train_exe.empty()) {
+            train_in_child(o.train_exe, o, t, data.dir(), imatrix_path);
+        } else {
+            const train_result tr = train_gates(src, src, data.train(), &importance, t, &data.val());
+            if (!tr.finished) {
+                fail("training stopped after step {}; run the same command again to resume", tr.steps_done);
+            }
+            fmt::print(stderr, "{}", tr.summary);
+        }
+    } else {
+        stage("train", recipe_path + " (done)");
+    }
+    const recipe r = recipe_load(recipe_path);
+
+    export_options eo = t.export_opts;
+    eo.target = r.target;
+    const double ratio = static_cast<double>(planned_file_bytes(src, r, eo)) /
+                         static_cast<double>(q8_0_file_bytes(src, eo));
+    std::string out = o.out.empty() ? default_output_path(work, src, ratio) : o.out;
+    if (!label.empty()) {
+        const std::string dir = o.out.empty() ? work : o.out;
+        fs::create_directories(dir);
+        out = default_output_path(dir, src, ratio);
+        out = out.substr(0, out.size() - 5) + "." + label + ".gguf";
+    }
+    bool exported = false;
+    if (fs::exists(out)) {
+        const gguf_file prev(out);
+        exported = prev.get_string("voodoo.recipe_hash").value_or("") == recipe_hash(r);
+    }
+    if (!exported) {
+        stage("export", out);
+        candidate_cache cache(t.cache_dir);
+        eo.cache = &cache;
+        export_gguf(src, r, out, eo);
+    } else {
+        stage("export", out + " (done)");
+    }
+    return out;
 }
 
 }  // namespace
@@ -196,82 +310,51 @@ quantize_result run_quantize(const quantize_options & o) {
         stage("imatrix", imatrix_path + " (done)");
     }
 
-    // the target, from a stock recipe's size when asked
-    train_options t = o.train;
+    // the targets: one, or a ladder; a stock recipe's size when asked
     baseline_options bo;
     bo.source = o.model;
     bo.imatrix = imatrix_path;
     bo.n_threads = o.threads;
     const std::string base_dir = (fs::path(work) / "baselines").string();
     fs::create_directories(base_dir);
-    if (!o.like.empty()) {
-        const std::string like_path =
-            (fs::path(base_dir) / fmt::format("{}-{}.gguf", fs::path(o.model).stem().string(), o.like)).string();
-        const size_t bytes = fs::exists(like_path) ? file_size(like_path) : make_baseline(bo, o.like, like_path).file_bytes;
-        t.goal = {target_kind::size, static_cast<double>(bytes)};
-        stage("target", fmt::format("the size of stock {}: {} bytes", o.like, bytes));
-    }
+    std::vector<rung> rungs = plan_rungs(o, bo, base_dir);
+    const bool ladder = rungs.size() > 1;
 
-    // train
-    t.run_dir = (fs::path(work) / "run").string();
+    train_options t = o.train;
     t.cache_dir = (fs::path(work) / "candidates").string();
+    t.probe_file = (fs::path(work) / "probe.json").string();
     t.imatrix_path = imatrix_path;
     t.menu.has_imatrix = true;
     t.threads = o.threads;
     importance_map importance;
     t.export_opts = imatrix_export_options(imatrix_path, imatrix_path, src, importance);
-    const std::string recipe_path = (fs::path(t.run_dir) / "recipe.json").string();
-    if (!fs::exists(recipe_path)) {
-        t.resume = fs::exists(fs::path(t.run_dir) / "journal.pt");
-        stage("train", t.run_dir + (t.resume ? " (resuming)" : ""));
-        if (!o.train_exe.empty()) {
-            train_in_child(o.train_exe, o, t, (fs::path(work) / "data").string(), imatrix_path);
-        } else {
-            const train_result tr = train_gates(src, src, data.train(), &importance, t);
-            if (!tr.finished) {
-                fail("training stopped after step {}; run the same command again to resume", tr.steps_done);
-            }
-            fmt::print(stderr, "{}", tr.summary);
-        }
-    } else {
-        stage("train", recipe_path + " (done)");
-    }
-    const recipe r = recipe_load(recipe_path);
-
-    // export
-    export_options eo = t.export_opts;
-    eo.target = r.target;
-    const double ratio = static_cast<double>(planned_file_bytes(src, r, eo)) /
-                         static_cast<double>(q8_0_file_bytes(src, eo));
-    const std::string out = o.out.empty() ? default_output_path(work, src, ratio) : o.out;
-    bool exported = false;
-    if (fs::exists(out)) {
-        const gguf_file prev(out);
-        exported = prev.get_string("voodoo.recipe_hash").value_or("") == recipe_hash(r);
-    }
-    if (!exported) {
-        stage("export", out);
-        candidate_cache cache(t.cache_dir);
-        eo.cache = &cache;
-        export_gguf(src, r, out, eo);
-    } else {
-        stage("export", out + " (done)");
-    }
 
     quantize_result res;
-    res.out = out;
-    res.file_bytes = file_size(out);
-    res.q8_0_ratio = ratio;
+    std::vector<size_t> sizes;
+    for (const rung & g : rungs) {
+        t.goal = g.goal;
+        t.run_dir = (fs::path(work) / (ladder ? "run-" + g.label : "run")).string();
+        const std::string out = train_and_export(o, t, src, data, importance, imatrix_path, work, ladder ? g.label : "");
+        t.prior_recipes.push_back((fs::path(t.run_dir) / "recipe.json").string());
+        res.outs.push_back(out);
+        sizes.push_back(file_size(out));
+    }
+    res.out = res.outs.back();
+    res.file_bytes = file_size(res.out);
+    {
+        export_options eo = t.export_opts;
+        res.q8_0_ratio = static_cast<double>(res.file_bytes) / static_cast<double>(q8_0_file_bytes(src, eo));
+    }
 
     // eval beside the stock recipes
-    const auto baselines = pick_baselines(o, bo, res.file_bytes, base_dir);
+    const auto baselines = pick_baselines(o, bo, sizes, base_dir);
     eval_options ev;
     ev.reference = o.model;
     ev.text = o.eval_text.empty() ? o.texts.front() : o.eval_text;
     ev.n_ctx = o.eval_ctx;
     ev.n_chunks = o.eval_chunks;
     ev.n_threads = o.ggml_threads;
-    std::vector<std::string> files = {out};
+    std::vector<std::string> files = res.outs;
     files.insert(files.end(), baselines.begin(), baselines.end());
     stage("eval", fmt::format("{} files on {}{}", files.size(), ev.text,
                               o.eval_text.empty() ? " (the calibration text: not held out)" : ""));
@@ -279,10 +362,18 @@ quantize_result run_quantize(const quantize_options & o) {
     res.table = eval_to_markdown(res.eval);
     write_file_atomic((fs::path(work) / "eval.md").string(), res.table);
     write_file_atomic((fs::path(work) / "eval.json").string(), eval_to_json(res.eval).dump(2) + "\n");
+    if (ladder) {
+        res.table += "\n" + curve_to_markdown(res.eval);
+        write_file_atomic((fs::path(work) / "curve.md").string(), curve_to_markdown(res.eval));
+        write_file_atomic((fs::path(work) / "curve.json").string(), curve_to_json(res.eval).dump(2) + "\n");
+    }
     // The drawing is the last, optional step: a machine without gnuplot (the GPU machine had none) keeps the
     // job's results and is told how to get the figure.
     if (gnuplot_available()) {
         eval_plot(res.eval, (fs::path(work) / "eval.png").string());
+        if (ladder) {
+            curve_plot(res.eval, (fs::path(work) / "curve.png").string());
+        }
     } else {
         fmt::print(stderr, "voodoo: note: gnuplot is not installed: no {}; apt-get install gnuplot-nox, then run "
                            "the same command again to draw it\n", (fs::path(work) / "eval.png").string());

@@ -14,8 +14,10 @@ struct quantize_options {
     std::string model;                      // source GGUF
     std::vector<std::string> texts;         // calibration text files
     std::string eval_text;                  // held-out text for the comparison ("" = the first calibration text)
-    std::string like;                       // a stock recipe whose file size is the target ("" = goal given)
-    std::string out;                        // output GGUF ("" = WORK/<model>.Voodoo<NN>.gguf)
+    std::string like;                       // a stock recipe whose file size is the target, or a comma list of them
+                                            // (a ladder: one file per size); "" = goals or train.goal
+    std::vector<target> goals;              // targets of a ladder (one file per target); empty = train.goal
+    std::string out;                        // output GGUF ("" = WORK/<model>.Voodoo<NN>.gguf); a ladder: a folder
     std::string work;                       // work folder: data/, imatrix.gguf, run/, baselines/, eval.*
     std::string baselines = "nearest";      // "nearest", "all-that-fit", "none" or a comma list of recipe names
     int64_t ctx = 512;                      // calibration chunk length
@@ -33,14 +35,18 @@ struct quantize_options {
 };
 
 struct quantize_result {
-    std::string out;
+    std::string out;                        // the largest file of a ladder
+    std::vector<std::string> outs;          // every file, by increasing size
     size_t file_bytes;
     double q8_0_ratio;
     eval_result eval;                       // empty files when baselines == "none" and no eval ran
     std::string table;                      // the final comparison table (markdown)
 };
 
-/// Runs the chain. Throws voodoo::error from any stage, naming it; what finished stays in WORK.
+/// Runs the chain. A ladder (several targets) shares data, imatrix, candidates and the probe; its sizes train
+/// in increasing order (WORK/run-<label>), each also choosing among the smaller sizes' recipes, so a larger
+/// file never measures worse on the validation split; the curve against every stock file it compares with is
+/// written as WORK/curve.{md,json,png}. Throws voodoo::error from any stage, naming it; what finished stays in WORK.
 quantize_result run_quantize(const quantize_options & opts);
 
 }  // namespace voodoo

@@ -283,6 +283,68 @@ std::vector<int> finalize_choice(const budget & b, const std::vector<std::vector
     return choice;
 }
 
+std::vector<int> allocate_exact(const budget & b, const std::vector<std::vector<double>> & est_loss, int64_t grid) {
+    const size_t n = b.cost.size();
+    if (b.limit < b.min_total) {
+        fail("no choice fits the budget of {:.0f} bytes (the smallest is {:.0f})", b.limit, b.min_total);
+    }
+    if (est_loss.size() != n || grid < 1) {
+        fail("allocate_exact: {} loss rows for {} tensors (grid {})", est_loss.size(), n, grid);
+    }
+    // Costs in grid units above each tensor's cheapest type, rounded up; the capacity rounded down.
+    const double span = b.max_total - b.min_total;
+    const double unit = span > 0 ? span / static_cast<double>(grid) : 1.0;
+    const int64_t cap = std::min<int64_t>(grid, static_cast<int64_t>(std::floor((b.limit - b.min_total) / unit)));
+    std::vector<std::vector<int64_t>> units(n);
+    for (size_t t = 0; t < n; ++t) {
+        if (b.cost[t].size() > 255 || est_loss[t].size() != b.cost[t].size()) {
+            fail("allocate_exact: tensor {} has {} types and {} losses (at most 255)", t, b.cost[t].size(), est_loss[t].size());
+        }
+        const double lo = *std::min_element(b.cost[t].begin(), b.cost[t].end());
+        for (double c : b.cost[t]) {
+            units[t].push_back(static_cast<int64_t>(std::ceil((c - lo) / unit - 1e-9)));
+        }
+    }
+    // best[u]: the least loss of the tensors so far within u units; pick[t][u]: tensor t's type there.
+    const double inf = std::numeric_limits<double>::infinity();
+    std::vector<double> best(static_cast<size_t>(cap + 1), 0.0), next(best.size());
+    std::vector<std::vector<uint8_t>> pick(n, std::vector<uint8_t>(best.size()));
+    for (size_t t = 0; t < n; ++t) {
+        std::fill(next.begin(), next.end(), inf);
+        for (size_t k = 0; k < units[t].size(); ++k) {
+            const int64_t c = units[t][k];
+            const double loss = est_loss[t][k];
+            for (int64_t u = c; u <= cap; ++u) {
+                const double v = best[static_cast<size_t>(u - c)] + loss;
+                // Strictly better, or as good and cheaper in bytes.
+                const size_t cur = pick[t][static_cast<size_t>(u)];
+                if (v < next[static_cast<size_t>(u)] ||
+                    (v == next[static_cast<size_t>(u)] && b.cost[t][k] < b.cost[t][cur])) {
+                    next[static_cast<size_t>(u)] = v;
+                    pick[t][static_cast<size_t>(u)] = static_cast<uint8_t>(k);
+                }
+            }
+        }
+        best.swap(next);
+    }
+    std::vector<int> choice(n);
+    int64_t u = cap;
+    for (size_t t = n; t-- > 0;) {
+        const int k = pick[t][static_cast<size_t>(u)];
+        choice[t] = k;
+        u -= units[t][static_cast<size_t>(k)];
+    }
+    return choice;
+}
+
+double estimated_loss(const std::vector<std::vector<double>> & est_loss, const std::vector<int> & choice) {
+    double sum = 0;
+    for (size_t t = 0; t < choice.size(); ++t) {
+        sum += est_loss[t][static_cast<size_t>(choice[t])];
+    }
+    return sum;
+}
+
 recipe recipe_from_choice(const gguf_file & file, const std::vector<tensor_menu> & menus,
                           const std::vector<int> & choice, const std::vector<std::vector<double>> & probs,
                           const target & goal) {

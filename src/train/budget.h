@@ -91,6 +91,19 @@ budget make_budget(const gguf_file & file, const std::vector<tensor_menu> & menu
 std::vector<int> finalize_choice(const budget & b, const std::vector<std::vector<double>> & probs,
                                  const std::vector<std::vector<double>> & est_loss);
 
+/// The choice that minimizes Σ_t est_loss[t][k_t] subject to total ≤ limit: the multiple-choice knapsack,
+/// solved exactly by dynamic programming over the bytes above the all-cheapest total, on a grid of
+/// (max_total − min_total) / `grid` bytes with every cost rounded up (so the result never exceeds the limit,
+/// and gives up at most n_tensors grid steps of the budget). The grid depends on the menus only, not on the
+/// limit, so a larger limit never gives a higher Σ est_loss (the feasible set only grows). Ties keep the
+/// cheaper type. Time O(n_tensors · K · grid), memory n_tensors · grid bytes. Throws voodoo::error when
+/// limit < min_total or a menu has more than 255 types.
+std::vector<int> allocate_exact(const budget & b, const std::vector<std::vector<double>> & est_loss,
+                                int64_t grid = int64_t(1) << 16);
+
+/// Σ_t est_loss[t][choice[t]].
+double estimated_loss(const std::vector<std::vector<double>> & est_loss, const std::vector<int> & choice);
+
 /// The recipe of a choice (menu index per tensor); tensors without a menu keep their source type.
 recipe recipe_from_choice(const gguf_file & file, const std::vector<tensor_menu> & menus,
                           const std::vector<int> & choice, const std::vector<std::vector<double>> & probs,

@@ -13,7 +13,8 @@ int64_t distill_chunk(int64_t n_vocab, int64_t budget_bytes) {
 
 distill_values chunked_distill(causal_lm & model, const torch::Tensor & h_s, weight_source & student,
                                const torch::Tensor & h_t, weight_source & teacher, const torch::Tensor & tokens,
-                               double lambda_kl, double scale, int64_t chunk, const torch::Tensor & extra) {
+                               double lambda_kl, double scale, int64_t chunk, const torch::Tensor & extra,
+                               double lambda_ce) {
     if (h_s.dim() != 3 || h_s.sizes() != h_t.sizes() || tokens.dim() != 2 || tokens.size(0) != h_s.size(0) ||
         tokens.size(1) != h_s.size(1)) {
         fail("chunked_distill: hidden states [B, T, n_embd] of student and teacher and tokens [B, T] must agree");
@@ -58,7 +59,7 @@ distill_values chunked_distill(causal_lm & model, const torch::Tensor & h_s, wei
         const torch::Tensor ce = torch::nll_loss(s_logp, target.slice(0, a, b), {}, at::Reduction::Sum, -100);
         const torch::Tensor kl = (t_logp.exp() * (t_logp - s_logp)).sum();
         if (backward) {
-            ((ce / n_ce + lambda_kl * kl / n_kl) * scale).backward();
+            ((lambda_ce * ce / n_ce + lambda_kl * kl / n_kl) * scale).backward();
         }
         ce_sum += ce.detach().to(torch::kDouble);
         kl_sum += kl.detach().to(torch::kDouble);

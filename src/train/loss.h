@@ -16,14 +16,15 @@ struct distill_values {
 /// and the tokens [B, T]: CE and KL, with the head applied to `chunk` positions at a time (model.head, so
 /// an architecture's logit transform applies). Logits and softmax are f32.
 ///
-/// When `scale` ≠ 0 and h_s requires grad, also backpropagates scale · (CE + λ_KL · KL) through the
+/// When `scale` ≠ 0 and h_s requires grad, also backpropagates scale · (λ_CE · CE + λ_KL · KL) through the
 /// student: per chunk into a detached copy of h_s and of the student's head weight, then once through
 /// the whole graph (`extra`, a scalar to add to the same backward, e.g. the size penalty, may be undefined).
 /// The head weight is asked of `student` once (one mixture for a gated head).
 /// Throws voodoo::error when shapes disagree or chunk < 1.
 distill_values chunked_distill(causal_lm & model, const torch::Tensor & h_s, weight_source & student,
                                const torch::Tensor & h_t, weight_source & teacher, const torch::Tensor & tokens,
-                               double lambda_kl, double scale, int64_t chunk, const torch::Tensor & extra = {});
+                               double lambda_kl, double scale, int64_t chunk, const torch::Tensor & extra = {},
+                               double lambda_ce = 1.0);
 
 /// Positions per chunk so that one chunk's f32 logits hold about `budget_bytes` (at least 1).
 int64_t distill_chunk(int64_t n_vocab, int64_t budget_bytes = int64_t(512) << 20);

@@ -12,6 +12,7 @@
 #include "model/registry.h"
 #include "train/gated.h"
 #include "train/loss.h"
+#include "train/probe.h"
 
 #include <torch/torch.h>
 
@@ -54,7 +55,8 @@ std::string fingerprint(const gguf_file & src, const std::vector<tensor_menu> & 
                         {"seq", o.seq}, {"lr", o.lr}, {"lr_final", o.lr_final}, {"wd", o.weight_decay},
                         {"tau0", o.tau0}, {"tau1", o.tau1}, {"lambda_kl", o.lambda_kl},
                         {"lambda_size", o.lambda_size}, {"tol", o.size_tol}, {"st", o.st_gumbel_fraction},
-                        {"seed", o.seed}, {"data", data_hash}, {"gate_init", o.gate_init}, {"probe", o.probe_sequences}, {"model", src.tensors().size()}};
+                        {"seed", o.seed}, {"data", data_hash}, {"gate_init", o.gate_init}, {"probe", o.probe_sequences}, {"model", src.tensors().size()},
+                        {"lambda_ce", o.lambda_ce}, {"compute", o.compute}};
     for (const tensor_menu & m : menus) {
         std::string types;
         for (ggml_type t : m.types) {
@@ -208,43 +210,6 @@ std::string summary_table(const recipe & r, const budget & b, double total) {
 }
 
 
-// ΔKL(teacher ‖ student) of every candidate alone, on `tokens`: [tensor][menu type], nats per token.
-// The sensitivities rank the choices before training (the gates start at the allocation they suggest)
-// and estimate the loss of each move in the final exact-budget repair. The KL is taken a chunk of
-// positions at a time (chunked_distill), so a large vocabulary never holds all logits.
-std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
-                                                   const std::vector<gated_tensor> & gated,
-                                                   const torch::Tensor & tokens, torch::Device device, int64_t chunk) {
-    torch::NoGradGuard no_grad;
-    const torch::Tensor h_t = model.hidden(tokens, teacher);
-    auto kl_of = [&](weight_source & w) {
-        return chunked_distill(model, model.hidden(tokens, w), w, h_t, teacher, tokens, 1.0, 0.0, chunk).kl;
-    };
-    const double base = kl_of(dense);
-    int64_t n_candidates = 0;
-    for (const auto & g : gated) {
-        n_candidates += static_cast<int64_t>(g.types.size());
-    }
-    progress bar("probe", n_candidates, "cand");
-    replaced_weight swap(dense);  // the source model with one tensor as one candidate
-    std::vector<std::vector<double>> out;
-    for (const gated_tensor & g : gated) {
-        std::vector<int64_t> shape;
-        for (int d = g.tensor->n_dims - 1; d >= 0; --d) {
-            shape.push_back(g.tensor->ne[static_cast<size_t>(d)]);
-        }
-        std::vector<double> row;
-        for (size_t k = 0; k < g.types.size(); ++k) {
-            swap.set(g.tensor->name, candidate_weights(g, k, device).view(shape));
-            row.push_back(kl_of(swap) - base);
-            bar.add(1);
-        }
-        out.push_back(std::move(row));
-    }
-    bar.finish();
-    return out;
-}
-
 void save_sensitivity(const std::string & path, const std::vector<gated_tensor> & gated,
                       const std::vector<std::vector<double>> & sens, const std::vector<int> & start) {
     nlohmann::json j = nlohmann::json::array();
@@ -259,10 +224,82 @@ void save_sensitivity(const std::string & path, const std::vector<gated_tensor> 
     write_file_atomic(path, j.dump(2) + "\n");
 }
 
+// The measured-sensitivity greedy knapsack (the peer of bench/greedy_peer): from every tensor's dearest type,
+// the downgrade with the least probe ΔKL per byte saved until the budget holds, then the upgrades with the
+// most ΔKL saved per byte that still fit.
+std::vector<int> greedy_choice(const budget & b, const std::vector<std::vector<double>> & sens) {
+    std::vector<std::vector<double>> dearest;
+    for (const auto & c : b.cost) {
+        std::vector<double> p(c.size(), 0.0);
+        p[static_cast<size_t>(std::max_element(c.begin(), c.end()) - c.begin())] = 1.0;
+        dearest.push_back(std::move(p));
+    }
+    return finalize_choice(b, dearest, sens);
+}
+
+// The final choice: candidate recipes measured in f32 on chunks held apart from training; the least KL wins.
+//   trained      the gates' argmax, repaired to the exact budget by the probe (finalize_choice)
+//   probe-exact  the least total probe ΔKL under the budget (allocate_exact)
+//   probe-greedy the greedy knapsack on the same ΔKL (greedy_choice)
+//   prior recipes of smaller budgets (a ladder) that fit this one: a larger budget never measures worse
+std::vector<int> select_recipe(train_result & res, causal_lm & model, weight_source & dense, weight_source & teacher,
+                               const std::vector<gated_tensor> & gated, const std::vector<tensor_menu> & menus,
+                               const budget & b, const std::vector<std::vector<double>> & probs,
+                               const std::vector<std::vector<double>> & sens, const torch::Tensor & tokens,
+                               torch::Device device, int64_t chunk, const train_options & o) {
+    std::vector<std::pair<std::string, std::vector<int>>> cands = {{"trained", finalize_choice(b, probs, sens)},
+                                                                   {"probe-exact", allocate_exact(b, sens)},
+                                                                   {"probe-greedy", greedy_choice(b, sens)}};
+    for (const std::string & path : o.prior_recipes) {
+        const recipe r = recipe_load(path);
+        std::map<std::string, ggml_type> type_of;
+        for (const recipe_tensor & t : r.tensors) {
+            type_of[t.name] = t.type;
+        }
+        std::vector<int> choice;
+        for (const tensor_menu & m : menus) {
+            const auto it = type_of.find(m.tensor->name);
+            const auto k = it == type_of.end() ? m.types.end() : std::find(m.types.begin(), m.types.end(), it->second);
+            if (k == m.types.end()) {
+                break;
+            }
+            choice.push_back(static_cast<int>(k - m.types.begin()));
+        }
+        if (choice.size() != menus.size() || b.total(choice) > b.limit) {
+            fmt::print(stderr, "select: prior recipe '{}' skipped ({})\n", path,
+                       choice.size() != menus.size() ? "other tensors or menus" : "over this budget");
+            continue;
+        }
+        cands.emplace_back(path, std::move(choice));
+    }
+    progress bar("select", static_cast<int64_t>(cands.size()), "recipes");
+    std::vector<train_result::selection_entry> entries;
+    std::map<std::vector<int>, double> measured;
+    size_t best = 0;
+    for (size_t c = 0; c < cands.size(); ++c) {
+        const auto & [name, choice] = cands[c];
+        auto it = measured.find(choice);
+        if (it == measured.end()) {
+            it = measured.emplace(choice, recipe_kl(model, dense, teacher, gated, choice, tokens, device, chunk)).first;
+        }
+        entries.push_back({name, it->second, estimated_loss(sens, choice), b.total(choice)});
+        // The least KL; among equals, the first (the trained recipe before the probe's, a new one before a prior).
+        if (entries.back().val_kl < entries[best].val_kl) {
+            best = c;
+        }
+        bar.add(1);
+    }
+    bar.finish();
+    std::rotate(entries.begin(), entries.begin() + static_cast<std::ptrdiff_t>(best),
+                entries.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+    res.selection = entries;
+    return cands[best].second;
+}
+
 }  // namespace
 
 train_result train_gates(const gguf_file & src, const gguf_file & teacher, const token_file & train,
-                         const importance_map * importance, const train_options & o) {
+                         const importance_map * importance, const train_options & o, const token_file * val) {
     const auto t_start = std::chrono::steady_clock::now();
     if (o.steps < 1 || o.batch < 1 || o.accum < 1) {
         fail("--steps, --batch and --accum must be at least 1 (got {}, {}, {})", o.steps, o.batch, o.accum);
@@ -274,6 +311,15 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         fail("--st-gumbel-fraction must be in [0, 1] (got {})", o.st_gumbel_fraction);
     }
     train.require_vocab(vocab_hash(src), src.path());
+    if (val) {
+        val->require_vocab(vocab_hash(src), src.path());
+    }
+    if (!o.compute.empty() && o.compute != "f32" && o.compute != "bf16") {
+        fail("--compute '{}': expected f32 or bf16", o.compute);
+    }
+    if (o.select_sequences < 1) {
+        fail("--select-sequences must be at least 1 (got {})", o.select_sequences);
+    }
     const int64_t seq = o.seq > 0 ? o.seq : train.ctx();
     if (seq < 2 || seq > train.ctx()) {
         fail("--seq {} must be between 2 and the token file's chunk length {} ('{}')", seq, train.ctx(), train.path());
@@ -324,10 +370,14 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     std::vector<gated_tensor> gated = build_candidates(src, menus, importance, cache, n_threads);
     // On a GPU: bf16 compute, the teacher's matrices resident in bf16, the candidates resident as the path
     // wants them (quantized bytes for fused, dense bf16 for reference).
-    const torch::ScalarType compute = device.is_cuda() ? torch::kBFloat16 : torch::kFloat;
+    const torch::ScalarType compute = o.compute == "f32"    ? torch::kFloat
+                                      : o.compute == "bf16" ? torch::kBFloat16
+                                      : device.is_cuda()    ? torch::kBFloat16
+                                                            : torch::kFloat;
     std::unique_ptr<causal_lm> model = build_model(src);
     model->set_compute_dtype(compute);
-    const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(compute) : std::nullopt;
+    // On a GPU the matrices stay in bf16 (converted where an f32 forward uses them: exact for a BF16 source).
+    const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(torch::kBFloat16) : std::nullopt;
     gguf_weights dense(src, device, 0, keep);
     gguf_weights teacher_weights(teacher, device, 0, keep);
     // When the teacher is the source file, its resident bf16 matrices stand in for the BF16/F16 candidates
@@ -338,7 +388,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const bool sixteen = std::any_of(g.types.begin(), g.types.end(),
                                          [](ggml_type t) { return t == GGML_TYPE_BF16 || t == GGML_TYPE_F16; });
         const torch::Tensor source = share && sixteen ? teacher_weights.get(g.tensor->name) : torch::Tensor();
-        candidate_device_bytes += place_candidates(g, path, device, compute, compute, source);
+        candidate_device_bytes += place_candidates(g, path, device, compute, torch::kBFloat16 == compute ? compute : torch::kFloat, source);
     }
     const int64_t loss_chunk = o.loss_chunk > 0 ? o.loss_chunk : distill_chunk(model->hparams().n_vocab);
     const int64_t n_chunks = train.n_chunks();
@@ -354,29 +404,32 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         return tokens.to(device);
     };
 
-    // Sensitivities, and the allocation they suggest: from every tensor's dearest type, the cheapest ΔKL
-    // per byte saved until the budget holds. The gates start there.
+    // Sensitivities (kept in the probe file, shared by the sizes of a ladder), and the allocation they
+    // suggest: the least total ΔKL under the budget (allocate_exact). The gates start there.
     const std::vector<int64_t> order0 = epoch_order(n_chunks, o.seed, 0);
     const std::vector<int64_t> probe_chunks(order0.begin(), order0.begin() + std::min<int64_t>(o.probe_sequences, n_chunks));
-    const auto sens = probe_sensitivity(*model, dense, teacher_weights, gated, chunk_tokens(probe_chunks), device, loss_chunk);
-    for (size_t i = 0; i < gated.size(); ++i) {
-        for (size_t k = 0; k < gated[i].types.size(); ++k) {
-            if (!std::isfinite(sens[i][k])) {
-                fail("the loss is not finite: the KL probe of tensor '{}' as {} gives {} (every tensor does when the "
-                     "teacher's or the source's own logits are not finite); nothing was trained and {}",
-                     gated[i].tensor->name, type_name(gated[i].types[k]), sens[i][k],
-                     o.resume ? fmt::format("the last good journal is kept in '{}'", o.run_dir)
-                              : fmt::format("'{}' holds no journal", o.run_dir));
+    const torch::Tensor probe_tokens = chunk_tokens(probe_chunks);
+    const std::string probe_path = o.probe_file.empty() ? (fs::path(o.run_dir) / "probe.json").string() : o.probe_file;
+    const std::string probe_id = probe_identity(gated, probe_tokens);
+    std::vector<std::vector<double>> sens = load_probe(probe_path, probe_id, gated);
+    if (sens.empty()) {
+        sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk);
+        for (size_t i = 0; i < gated.size(); ++i) {
+            for (size_t k = 0; k < gated[i].types.size(); ++k) {
+                if (!std::isfinite(sens[i][k])) {
+                    fail("the loss is not finite: the KL probe of tensor '{}' as {} gives {} (every tensor does when the "
+                         "teacher's or the source's own logits are not finite); nothing was trained and {}",
+                         gated[i].tensor->name, type_name(gated[i].types[k]), sens[i][k],
+                         o.resume ? fmt::format("the last good journal is kept in '{}'", o.run_dir)
+                                  : fmt::format("'{}' holds no journal", o.run_dir));
+                }
             }
         }
+        save_probe(probe_path, probe_id, gated, sens);
+    } else {
+        fmt::print(stderr, "probe: {} (reused)\n", probe_path);
     }
-    std::vector<std::vector<double>> dearest;
-    for (const auto & g : gated) {
-        std::vector<double> p(g.types.size(), 0.0);
-        p.back() = 1.0;
-        dearest.push_back(std::move(p));
-    }
-    const std::vector<int> start = finalize_choice(b, dearest, sens);
+    const std::vector<int> start = allocate_exact(b, sens);
     save_sensitivity((fs::path(o.run_dir) / "sensitivity.json").string(), gated, sens, start);
 
     // Every gate is a slice of one leaf: one AdamW update per step instead of one per tensor (on a GPU each
@@ -475,7 +528,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             const torch::Tensor pen = torch::relu(rel.abs() - o.size_tol).pow(2);
             // (CE + λ_KL·KL + λ_size·penalty) / accum, the vocabulary a chunk at a time, in one backward.
             const distill_values v = chunked_distill(*model, h_s, student, h_t, teacher_weights, tokens, o.lambda_kl,
-                                                     1.0 / o.accum, loss_chunk, pen * (o.lambda_size / o.accum));
+                                                     1.0 / o.accum, loss_chunk, pen * (o.lambda_size / o.accum),
+                                                     o.lambda_ce);
             ce_sum += v.ce / o.accum;
             kl_sum += v.kl / o.accum;
             size_term = pen.item<double>();
@@ -496,7 +550,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         opt.step();
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        const nlohmann::json line = {{"step", step},        {"loss", ce_sum + o.lambda_kl * kl_sum + o.lambda_size * size_term},
+        const nlohmann::json line = {{"step", step},        {"loss", o.lambda_ce * ce_sum + o.lambda_kl * kl_sum + o.lambda_size * size_term},
                                      {"ce", ce_sum},        {"kl", kl_sum},
                                      {"size_term", size_term}, {"tau", tau},
                                      {"bytes", bytes},      {"budget", b.limit},
@@ -515,6 +569,22 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
     bar.finish();
 
+    // The selection's chunks: the validation split (never trained on), else the probe's.
+    auto select_tokens = [&](const token_file * v, const torch::Tensor & fallback) {
+        if (!v || v->n_chunks() == 0 || v->ctx() < seq) {
+            return fallback;
+        }
+        const int64_t n = std::min<int64_t>(o.select_sequences, v->n_chunks());
+        auto tokens = torch::empty({n, seq}, torch::kLong);
+        auto acc = tokens.accessor<int64_t, 2>();
+        for (int64_t j = 0; j < n; ++j) {
+            const auto c = v->chunk(j);
+            for (int64_t p = 0; p < seq; ++p) {
+                acc[j][p] = c[static_cast<size_t>(p)];
+            }
+        }
+        return tokens.to(device);
+    };
     train_result res;
     res.finished = !stopped;
     res.steps_done = step;
@@ -525,15 +595,30 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const torch::Tensor p = student.probs(i).detach().to(torch::kCPU, torch::kDouble).contiguous();
         probs.emplace_back(p.data_ptr<double>(), p.data_ptr<double>() + p.numel());
     }
-    const std::vector<int> choice = finalize_choice(b, probs, sens);
+    const std::vector<int> choice = select_recipe(res, *model, dense, teacher_weights, gated, menus, b, probs, sens,
+                                                  select_tokens(val, probe_tokens), device, loss_chunk, o);
     res.final_recipe = recipe_from_choice(src, menus, choice, probs, o.goal);
     res.final_recipe.imatrix = o.imatrix_path;
     res.total_bytes = b.total(choice);
     res.summary = summary_table(res.final_recipe, b, res.total_bytes);
+    res.summary += fmt::format("  selection on {} held-apart sequences (KL nats/token, f32): ", o.select_sequences);
+    for (size_t i = 0; i < res.selection.size(); ++i) {
+        const auto & e = res.selection[i];
+        res.summary += fmt::format("{}{} {:.6g}{}", i ? ", " : "", e.name, e.val_kl, i ? "" : " (chosen)");
+    }
+    res.summary += "\n";
     if (res.finished) {
         recipe_save(res.final_recipe, (fs::path(o.run_dir) / "recipe.json").string());
         write_file_atomic((fs::path(o.run_dir) / "recipe.tensor-types.txt").string(),
                           recipe_tensor_types(res.final_recipe));
+        recipe greedy = recipe_from_choice(src, menus, greedy_choice(b, sens), {}, o.goal);
+        greedy.imatrix = o.imatrix_path;
+        recipe_save(greedy, (fs::path(o.run_dir) / "greedy.recipe.json").string());
+        nlohmann::json sel = nlohmann::json::array();
+        for (const auto & e : res.selection) {
+            sel.push_back({{"recipe", e.name}, {"val_kl", e.val_kl}, {"probe_estimate", e.estimated}, {"bytes", e.bytes}});
+        }
+        write_file_atomic((fs::path(o.run_dir) / "selection.json").string(), sel.dump(2) + "\n");
     }
     res.summary += fmt::format("  trained on {} ({} mixture{})\n", device.str(), mixture_path_name(path),
                                candidate_device_bytes > 0 ? fmt::format(", candidates {:.1f} MiB on the device",

@@ -33,11 +33,19 @@ struct train_options {
     double lr_final = 0.1;
     double weight_decay = 0.0;
     double tau0 = 1.0, tau1 = 0.01;     // p = softmax(g/τ), τ geometric from τ0 to τ1
-    double lambda_kl = 1.0;             // L = CE + λ_KL·KL(teacher‖student) + λ_size·relu(|B/B*−1| − tol)²
+    double lambda_kl = 1.0;             // L = λ_CE·CE + λ_KL·KL(teacher‖student) + λ_size·relu(|B/B*−1| − tol)²
+    double lambda_ce = 1.0;
     double lambda_size = 1000.0;
     double size_tol = 0.005;
     double st_gumbel_fraction = 0.0;    // last fraction of steps with straight-through Gumbel hardening
     int probe_sequences = 8;            // sequences on which each candidate's ΔKL alone is measured
+    std::string probe_file;             // where the probe is kept and reused ("" = <run_dir>/probe.json); the ladder
+                                        // of `voodoo quantize` shares one between its sizes
+    int select_sequences = 16;          // validation sequences on which the final selection measures each recipe
+    std::vector<std::string> prior_recipes; // recipe.json files of smaller budgets (a ladder): also candidates of
+                                        // the final selection, so a larger budget never measures worse
+    std::string compute;                // "f32" or "bf16": the training forward ("" = bf16 on CUDA, f32 on the CPU);
+                                        // the probe and the selection always run in f32
     double gate_init = 3.0;             // the start allocation's gate logit (the others start at 0)
     int journal_every = 50;             // steps between journals (and one at the end)
     bool resume = false;                // continue from <run_dir>/journal.pt
@@ -58,6 +66,14 @@ struct train_result {
     double limit_bytes;
     double seconds;
     std::string summary;                // the table printed at the end
+    /// The final selection: each candidate recipe's measured KL on the validation chunks, the chosen one first.
+    struct selection_entry {
+        std::string name;               // "trained", "probe-exact" or a prior recipe's path
+        double val_kl;                  // mean KL(teacher ‖ recipe), nats per token, f32
+        double estimated;               // Σ probe ΔKL of its choices
+        double bytes;                   // the budgeted quantity
+    };
+    std::vector<selection_entry> selection;
     std::string device;                 // where it trained, and how the mixture was formed
     std::string mixture;
     int64_t candidate_device_bytes = 0; // what the candidates took on the device (0 on the cpu path)
@@ -72,7 +88,10 @@ torch::Device parse_train_device(const std::string & s);
 /// Throws voodoo::error before any work for an impossible target, a menu type no tensor takes, a token
 /// file of another vocabulary, a journal of another run; during training, for a NaN/inf loss (naming the
 /// step and tensor; the last good journal is kept).
+/// `val` (optional): chunks held apart from training (`voodoo data`'s val split) on which the final
+/// selection measures each candidate recipe; without it, the probe's chunks are used.
 train_result train_gates(const gguf_file & src, const gguf_file & teacher, const token_file & train,
-                         const importance_map * importance, const train_options & opts);
+                         const importance_map * importance, const train_options & opts,
+                         const token_file * val = nullptr);
 
 }  // namespace voodoo
