@@ -8,11 +8,23 @@ B=node_modules/@node-llama-cpp/linux-x64/bins/linux-x64
 S=${SHARED:-../shared}/data
 rm -rf .device
 mkdir -p .device/llama/include .device/llama/lib .device/llama/models .device/include \
-         .device/data/models/stories260K .device/data/text/tinystories
+         .device/data/models/stories260K .device/data/text/tinystories .device/data/text/wikitext-2-raw
 cp .deps/llama.cpp/include/*.h .deps/llama.cpp/ggml/include/*.h .deps/llama.cpp/ggml/src/ggml-common.h .device/llama/include/
 cp $B/libggml-base.so $B/libggml.v0.4.0.so $B/libllama.v0.4.0.so $B/libggml-cpu-*.so .device/llama/lib/
 cp .deps/llama.cpp/models/ggml-vocab-{qwen2,llama-bpe,llama-spm}.gguf .device/llama/models/
 cp /usr/include/xxhash.h /usr/include/xxh3.h .device/include/
 cp $S/models/stories260K/stories260K.gguf .device/data/models/stories260K/
 cp $S/text/tinystories/tinystories_val.txt .device/data/text/tinystories/
-du -sh .device
+cp $S/text/wikitext-2-raw/wiki.test.raw $S/text/wikitext-2-raw/wiki.valid.raw .device/data/text/wikitext-2-raw/
+# mix30M (61 MB BF16) travels xz-compressed (41 MB) in .device-model/; the ladder stage unpacks it into /tmp.
+rm -rf .device-model && mkdir -p .device-model
+xz -T0 -6 -c $S/models/mix30M/mix30M.gguf > .device-model/mix30M.gguf.xz
+# LIGHT=1: what the quantize ladders need and no more, so that .device and .device-model travel together
+# (64 MiB): no fixture vocabularies, and only the CPU variants of current server chips.
+if [ "${LIGHT:-0}" = 1 ]; then
+    rm -rf .device/llama/models
+    find .device/llama/lib -name 'libggml-cpu-*.so' \
+        ! -name '*-x64.so' ! -name '*-haswell.so' ! -name '*-skylakex.so' ! -name '*-icelake.so' \
+        ! -name '*-sapphirerapids.so' ! -name '*-zen4.so' -delete
+fi
+du -sh .device .device-model

@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile. Logs and results go to $OUT (or ./out).
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations. Logs and results go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -99,6 +99,54 @@ profile)
     for t in /tmp/prof/trace-*.json; do
         python3 scripts/trace_summary.py "$t" --json "$OUT/$(basename "$t" .json)-summary.json" | tee -a "$OUT/profile-summary.md"
     done
+    ;;
+ladder-stories)
+    # stories260K at every stock size (sizes that coincide are one rung), with the greedy peer, evaluated here.
+    log ladder stories260K
+    T=$D/data/text/tinystories/tinystories_val.txt; W=/tmp/storiesw
+    n=$(wc -l < "$T"); k=$((n * 4 / 5)); mkdir -p $W "$OUT/ladder"
+    head -n $k "$T" > $W/calib.txt; tail -n +$((k + 1)) "$T" > $W/heldout.txt
+    build-cuda/bin/voodoo quantize "$D/data/models/stories260K/stories260K.gguf" --text $W/calib.txt \
+        --eval-text $W/heldout.txt --like "${STORIES_LADDER:-Q4_0,IQ3_M,Q3_K_L,Q4_1,Q5_0,Q4_K_S,Q4_K_M,Q5_1,Q5_K_M,Q6_K,Q8_0}" \
+        --ctx 256 --eval-ctx 256 --baselines all-that-fit --greedy-peer --device cuda --work $W/work \
+        --threads 16 --ggml-threads 16 > "$OUT/ladder/stories260K.log" 2>&1
+    tail -5 "$OUT/ladder/stories260K.log"
+    tar czf "$OUT/ladder/stories260K.tgz" -C $W/work eval.json eval.md curve.md curve.json probe.json \
+        $(cd $W/work && ls -d run-*/{recipe,greedy.recipe,selection,sensitivity}.json run-*/log.jsonl 2>/dev/null)
+    ;;
+ladder-mix30M)
+    # mix30M at the size of every stock recipe from IQ1_M to Q8_0, with the greedy peer; no eval here (the
+    # recipes, imatrix and probe come back, and the same command on the CPU machine exports and evaluates,
+    # with the same paths so the files are byte for byte the same).
+    log ladder mix30M
+    [ -f /tmp/mix30M.gguf ] || xz -dc .device-model/mix30M.gguf.xz > /tmp/mix30M.gguf
+    W=/tmp/mixw; T=$D/data/text/tinystories/tinystories_val.txt
+    n=$(wc -l < "$T"); k=$((n * 4 / 5)); mkdir -p $W "$OUT/ladder"
+    (cat "$D/data/text/wikitext-2-raw/wiki.valid.raw"; head -n $k "$T") > $W/calib.txt
+    build-cuda/bin/voodoo quantize /tmp/mix30M.gguf --text $W/calib.txt --eval-text $W/wiki.test.raw \
+        --like "${MIX_LADDER:-IQ1_M,IQ2_XXS,IQ2_XS,IQ2_S,IQ2_M,IQ3_XXS,IQ3_XS,IQ3_S,IQ3_M,Q2_K_S,Q2_K,Q3_K_S,Q3_K_M,Q3_K_L,IQ4_XS,IQ4_NL,Q4_0,Q4_1,Q4_K_S,Q4_K_M,Q5_0,Q5_1,Q5_K_S,Q5_K_M,Q6_K,Q8_0}" \
+        --ctx 512 --baselines none --greedy-peer --eval-chunks 0 --device cuda --work $W/work \
+        --threads 16 --ggml-threads 16 ${MIX_FLAGS:-} > "$OUT/ladder/mix30M.log" 2>&1
+    tail -5 "$OUT/ladder/mix30M.log"
+    tar czf "$OUT/ladder/mix30M.tgz" -C $W/work imatrix.gguf probe.json \
+        $(cd $W/work && ls -d run-*/{recipe,greedy.recipe,selection,sensitivity}.json run-*/log.jsonl 2>/dev/null)
+    ;;
+ablations)
+    # mix30M at three sizes, one change each against the ladder's defaults: training in f32, no CE term,
+    # the probe in bf16 (as before the f32 probe). Data, imatrix and candidates are the ladder's.
+    log ablations
+    W=/tmp/mixw
+    for a in "f32:--compute f32" "noce:--lambda-ce 0" "probebf16:--probe-compute bf16"; do
+        name=${a%%:*}; flags=${a#*:}; A=$W/abl-$name; mkdir -p $A
+        cp -r $W/work/data $W/work/imatrix.gguf $A/ 2>/dev/null; ln -sfn $W/work/candidates $A/candidates
+        mkdir -p $A/baselines; cp $W/work/baselines/*.gguf $A/baselines/ 2>/dev/null
+        [ "$name" = probebf16 ] || cp $W/work/probe.json $A/
+        build-cuda/bin/voodoo quantize /tmp/mix30M.gguf --text $W/calib.txt --eval-text $W/wiki.test.raw \
+            --like IQ2_M,Q4_K_M,Q6_K --ctx 512 --baselines none --eval-chunks 0 --device cuda --work $A \
+            --threads 16 --ggml-threads 16 $flags > "$OUT/ladder/abl-$name.log" 2>&1
+        tail -2 "$OUT/ladder/abl-$name.log"
+    done
+    tar czf "$OUT/ladder/ablations.tgz" -C $W $(cd $W && ls -d abl-*/probe.json abl-*/run-*/{recipe,selection}.json abl-*/run-*/log.jsonl 2>/dev/null)
     ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;

@@ -40,10 +40,12 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--work", o->q.work, "Work folder (default: <model>.voodoo)");
     sub->add_option("--baselines", o->q.baselines, "Stock recipes to compare: nearest, all-that-fit, none, or Q4_K_M,Q5_0,…")
         ->capture_default_str();
+    sub->add_flag("--greedy-peer", o->q.greedy_peer,
+                  "Also export and compare the measured-sensitivity greedy knapsack at every size (<model>.greedy*.gguf)");
     sub->add_option("--ctx", o->q.ctx, "Calibration chunk length")->capture_default_str();
     sub->add_option("--imatrix-chunks", o->q.imatrix_chunks, "Chunks the imatrix sees")->capture_default_str();
     sub->add_option("--eval-ctx", o->q.eval_ctx, "Eval chunk length")->capture_default_str();
-    sub->add_option("--eval-chunks", o->q.eval_chunks, "Eval chunks (-1 = all)")->capture_default_str();
+    sub->add_option("--eval-chunks", o->q.eval_chunks, "Eval chunks (-1 = all, 0 = no eval stage)")->capture_default_str();
     sub->add_option("--menu", o->menu, "Candidate types, comma-separated");
     sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES' (repeatable)");
     sub->add_option("--steps", o->q.train.steps, "Training steps")->capture_default_str();
@@ -58,6 +60,8 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
     sub->add_option("--lambda-ce", o->q.train.lambda_ce, "Weight of the cross-entropy on the calibration tokens")->capture_default_str();
     sub->add_option("--lambda-kl", o->q.train.lambda_kl, "Weight of KL(teacher ‖ student)")->capture_default_str();
+    sub->add_option("--probe-compute", o->q.train.probe_compute, "The probe's dtype: f32, or bf16 only to measure what bf16 costs")
+        ->capture_default_str();
     sub->add_option("--compute", o->q.train.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)");
     sub->add_option("--select-sequences", o->q.train.select_sequences,
                     "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str();

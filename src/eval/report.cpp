@@ -137,6 +137,54 @@ nlohmann::json eval_to_json(const eval_result & r) {
     };
 }
 
+namespace {
+
+eval_file_result file_from_json(const nlohmann::json & j) {
+    eval_file_result f;
+    f.path = j.at("path").get<std::string>();
+    f.name = j.at("name").get<std::string>();
+    f.file_bytes = j.at("file_bytes").get<size_t>();
+    f.tensor_bytes = j.at("tensor_bytes").get<size_t>();
+    f.n_weights = j.at("n_weights").get<int64_t>();
+    f.bpw = j.at("bpw").get<double>();
+    f.ppl = j.at("ppl").get<double>();
+    f.ppl_err = j.at("ppl_err").get<double>();
+    f.ln_ppl_ratio = j.value("ln_ppl_ratio", 0.0);
+    f.ln_ppl_ratio_err = j.value("ln_ppl_ratio_err", 0.0);
+    f.ppl_ratio = j.value("ppl_ratio", 1.0);
+    f.ppl_ratio_err = j.value("ppl_ratio_err", 0.0);
+    f.kld_mean = j.value("kld_mean", 0.0);
+    f.kld_err = j.value("kld_err", 0.0);
+    f.kld_median = j.value("kld_median", 0.0);
+    f.kld_p99 = j.value("kld_p99", 0.0);
+    f.kld_p999 = j.value("kld_p999", 0.0);
+    f.kld_max = j.value("kld_max", 0.0);
+    f.same_top = j.value("same_top", 1.0);
+    f.same_top_err = j.value("same_top_err", 0.0);
+    return f;
+}
+
+}  // namespace
+
+eval_result eval_from_json(const nlohmann::json & j, const std::string & source) {
+    try {
+        eval_result r;
+        r.ref = file_from_json(j.at("reference"));
+        r.reference = r.ref.path;
+        r.text = j.at("text").get<std::string>();
+        r.n_ctx = j.at("n_ctx").get<int>();
+        r.n_chunks = j.at("n_chunks").get<int>();
+        r.n_text_tokens = j.at("n_text_tokens").get<int64_t>();
+        r.n_scored = j.at("n_scored").get<int64_t>();
+        for (const auto & f : j.at("files")) {
+            r.files.push_back(file_from_json(f));
+        }
+        return r;
+    } catch (const nlohmann::json::exception & e) {
+        fail("'{}' is not an eval report of `voodoo eval --json` or `voodoo quantize` ({})", source, e.what());
+    }
+}
+
 bool gnuplot_available() {
     const char * path = std::getenv("PATH");
     if (!path) {

@@ -17,6 +17,10 @@ std::string eval_to_markdown(const eval_result & r);
 /// Every number of the result as JSON (sizes in bytes, KLD in nats per token, same_top as a fraction).
 nlohmann::json eval_to_json(const eval_result & r);
 
+/// The inverse of eval_to_json. Throws voodoo::error naming `source` (the file it came from) when a field is
+/// missing or of the wrong kind.
+eval_result eval_from_json(const nlohmann::json & j, const std::string & source);
+
 /// Draws mean KLD (y, log scale when every KLD is positive) against file size in MiB (x) with gnuplot
 /// (pngcairo, else png), one labelled point per file and the Pareto front (no file both smaller and
 /// closer) joined by a line; the PNG is written atomically to `png_path`. Throws voodoo::error when

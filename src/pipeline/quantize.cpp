@@ -79,6 +79,7 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     if (!t.compute.empty()) {
         args.insert(args.end(), {"--compute", t.compute});
     }
+    args.insert(args.end(), {"--probe-compute", t.probe_compute});
     num("--size-tol", t.size_tol);
     num("--st-gumbel-fraction", t.st_gumbel_fraction);
     num("--probe-sequences", t.probe_sequences);
@@ -213,7 +214,29 @@ std::vector<rung> plan_rungs(const quantize_options & o, const baseline_options 
         fail("--like '{}': no recipe name; give one or a comma list such as Q3_K_M,Q4_K_M,Q6_K", o.like);
     }
     std::stable_sort(rungs.begin(), rungs.end(), [](const rung & a, const rung & b) { return a.order < b.order; });
+    // Stock recipes of the same size (llama.cpp's fallbacks on small models) are one target: the first name.
+    rungs.erase(std::unique(rungs.begin(), rungs.end(), [](const rung & a, const rung & b) { return a.order == b.order; }),
+                rungs.end());
     return rungs;
+}
+
+// Exports the recipe at `recipe_path` to `out` unless `out` already holds that recipe (voodoo.recipe_hash).
+void export_recipe_file(const gguf_file & src, const std::string & recipe_path, const std::string & out,
+                        const train_options & t) {
+    const recipe r = recipe_load(recipe_path);
+    if (fs::exists(out)) {
+        const gguf_file prev(out);
+        if (prev.get_string("voodoo.recipe_hash").value_or("") == recipe_hash(r)) {
+            stage("export", out + " (done)");
+            return;
+        }
+    }
+    stage("export", out);
+    export_options eo = t.export_opts;
+    eo.target = r.target;
+    candidate_cache cache(t.cache_dir);
+    eo.cache = &cache;
+    export_gguf(src, r, out, eo);
 }
 
 // The train and export stages of one target; returns the exported file. `label` non-empty: a ladder's rung
@@ -250,19 +273,7 @@ std::string train_and_export(const quantize_options & o, train_options & t, cons
         out = default_output_path(dir, src, ratio);
         out = out.substr(0, out.size() - 5) + "." + label + ".gguf";
     }
-    bool exported = false;
-    if (fs::exists(out)) {
-        const gguf_file prev(out);
-        exported = prev.get_string("voodoo.recipe_hash").value_or("") == recipe_hash(r);
-    }
-    if (!exported) {
-        stage("export", out);
-        candidate_cache cache(t.cache_dir);
-        eo.cache = &cache;
-        export_gguf(src, r, out, eo);
-    } else {
-        stage("export", out + " (done)");
-    }
+    export_recipe_file(src, recipe_path, out, t);
     return out;
 }
 
@@ -331,6 +342,7 @@ quantize_result run_quantize(const quantize_options & o) {
 
     quantize_result res;
     std::vector<size_t> sizes;
+    std::vector<std::string> peers;
     for (const rung & g : rungs) {
         t.goal = g.goal;
         t.run_dir = (fs::path(work) / (ladder ? "run-" + g.label : "run")).string();
@@ -338,6 +350,12 @@ quantize_result run_quantize(const quantize_options & o) {
         t.prior_recipes.push_back((fs::path(t.run_dir) / "recipe.json").string());
         res.outs.push_back(out);
         sizes.push_back(file_size(out));
+        if (o.greedy_peer) {
+            const std::string peer = (fs::path(work) / fmt::format("{}.greedy{}.gguf", fs::path(o.model).stem().string(),
+                                                                   ladder ? "." + g.label : "")).string();
+            export_recipe_file(src, (fs::path(t.run_dir) / "greedy.recipe.json").string(), peer, t);
+            peers.push_back(peer);
+        }
     }
     res.out = res.outs.back();
     res.file_bytes = file_size(res.out);
@@ -347,6 +365,10 @@ quantize_result run_quantize(const quantize_options & o) {
     }
 
     // eval beside the stock recipes
+    if (o.eval_chunks == 0) {
+        stage("eval", "skipped (--eval-chunks 0)");
+        return res;
+    }
     const auto baselines = pick_baselines(o, bo, sizes, base_dir);
     eval_options ev;
     ev.reference = o.model;
@@ -355,6 +377,7 @@ quantize_result run_quantize(const quantize_options & o) {
     ev.n_chunks = o.eval_chunks;
     ev.n_threads = o.ggml_threads;
     std::vector<std::string> files = res.outs;
+    files.insert(files.end(), peers.begin(), peers.end());
     files.insert(files.end(), baselines.begin(), baselines.end());
     stage("eval", fmt::format("{} files on {}{}", files.size(), ev.text,
                               o.eval_text.empty() ? " (the calibration text: not held out)" : ""));
@@ -362,7 +385,7 @@ quantize_result run_quantize(const quantize_options & o) {
     res.table = eval_to_markdown(res.eval);
     write_file_atomic((fs::path(work) / "eval.md").string(), res.table);
     write_file_atomic((fs::path(work) / "eval.json").string(), eval_to_json(res.eval).dump(2) + "\n");
-    if (ladder) {
+    if (ladder || o.greedy_peer) {
         res.table += "\n" + curve_to_markdown(res.eval);
         write_file_atomic((fs::path(work) / "curve.md").string(), curve_to_markdown(res.eval));
         write_file_atomic((fs::path(work) / "curve.json").string(), curve_to_json(res.eval).dump(2) + "\n");
@@ -371,7 +394,7 @@ quantize_result run_quantize(const quantize_options & o) {
     // job's results and is told how to get the figure.
     if (gnuplot_available()) {
         eval_plot(res.eval, (fs::path(work) / "eval.png").string());
-        if (ladder) {
+        if (ladder || o.greedy_peer) {
             curve_plot(res.eval, (fs::path(work) / "curve.png").string());
         }
     } else {

@@ -19,6 +19,8 @@ struct quantize_options {
     std::vector<target> goals;              // targets of a ladder (one file per target); empty = train.goal
     std::string out;                        // output GGUF ("" = WORK/<model>.Voodoo<NN>.gguf); a ladder: a folder
     std::string work;                       // work folder: data/, imatrix.gguf, run/, baselines/, eval.*
+    bool greedy_peer = false;               // also export the measured-sensitivity greedy knapsack at every size
+                                            // (<model>.greedy[.<label>].gguf) and compare it (bench/greedy_peer)
     std::string baselines = "nearest";      // "nearest", "all-that-fit", "none" or a comma list of recipe names
     int64_t ctx = 512;                      // calibration chunk length
     int64_t imatrix_chunks = 128;           // train chunks the imatrix sees

@@ -20,13 +20,16 @@ namespace voodoo {
 
 namespace {
 
-// The model in f32 for the lifetime of this object (the probe measures differences far below bf16's rounding).
-class f32_scope {
+// The model in `dtype` (f32: the probe measures differences far below bf16's rounding) for the lifetime of
+// this object.
+class dtype_scope {
 public:
-    explicit f32_scope(causal_lm & m) : model_(m), saved_(m.compute_dtype()) { model_.set_compute_dtype(torch::kFloat); }
-    ~f32_scope() { model_.set_compute_dtype(saved_); }
-    f32_scope(const f32_scope &) = delete;
-    f32_scope & operator=(const f32_scope &) = delete;
+    dtype_scope(causal_lm & m, torch::ScalarType dtype) : model_(m), saved_(m.compute_dtype()) {
+        model_.set_compute_dtype(dtype);
+    }
+    ~dtype_scope() { model_.set_compute_dtype(saved_); }
+    dtype_scope(const dtype_scope &) = delete;
+    dtype_scope & operator=(const dtype_scope &) = delete;
 
 private:
     causal_lm & model_;
@@ -70,9 +73,10 @@ double kl_of(causal_lm & model, weight_source & w, const torch::Tensor & h_t, we
 
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
-                                                   const torch::Tensor & tokens, torch::Device device, int64_t chunk) {
+                                                   const torch::Tensor & tokens, torch::Device device, int64_t chunk,
+                                                   torch::ScalarType dtype) {
     torch::NoGradGuard no_grad;
-    f32_scope f32(model);
+    dtype_scope scope(model, dtype);
     const torch::Tensor h_t = model.hidden(tokens, teacher);
     const double base = kl_of(model, dense, h_t, teacher, tokens, chunk);
     int64_t n_candidates = 0;
@@ -95,9 +99,12 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
     return out;
 }
 
-std::string probe_identity(const std::vector<gated_tensor> & gated, const torch::Tensor & tokens) {
+std::string probe_identity(const std::vector<gated_tensor> & gated, const torch::Tensor & tokens,
+                           torch::ScalarType dtype) {
     XXH3_state_t * st = XXH3_createState();
     XXH3_64bits_reset(st);
+    const int32_t dt = static_cast<int32_t>(dtype);
+    XXH3_64bits_update(st, &dt, sizeof dt);
     for (const gated_tensor & g : gated) {
         XXH3_64bits_update(st, g.tensor->name.data(), g.tensor->name.size());
         for (size_t k = 0; k < g.types.size(); ++k) {
@@ -173,7 +180,7 @@ double recipe_kl(causal_lm & model, weight_source & dense, weight_source & teach
         fail("recipe_kl: {} choices for {} gated tensors", choice.size(), gated.size());
     }
     torch::NoGradGuard no_grad;
-    f32_scope f32(model);
+    dtype_scope f32(model, torch::kFloat);
     chosen_weights w(dense);
     for (size_t i = 0; i < gated.size(); ++i) {
         w.set(gated[i].tensor->name,

@@ -15,15 +15,18 @@ namespace voodoo {
 
 /// ΔKL(teacher ‖ student) of every candidate alone on `tokens` ([B, T] int64 on the weights' device):
 /// [tensor][menu type], nats per token, where the student is `dense` with that one tensor replaced by the
-/// candidate's ggml to_float. Runs the model in f32 whatever its compute dtype (restored after), the
-/// vocabulary `chunk` positions at a time. Shows a progress bar.
+/// candidate's ggml to_float. Runs the model in `dtype` (kFloat, the default; kBFloat16 only to measure
+/// what bf16 costs) whatever its compute dtype (restored after), the vocabulary `chunk` positions at a time.
+/// Shows a progress bar.
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
-                                                   const torch::Tensor & tokens, torch::Device device, int64_t chunk);
+                                                   const torch::Tensor & tokens, torch::Device device, int64_t chunk,
+                                                   torch::ScalarType dtype = torch::kFloat);
 
-/// The identity of a probe: the candidates' bytes (every type of every menu), the probe tokens and the model's
-/// tensor names, as 16 hex digits. A probe file with another identity is never reused.
-std::string probe_identity(const std::vector<gated_tensor> & gated, const torch::Tensor & tokens);
+/// The identity of a probe: the candidates' bytes (every type of every menu), the probe tokens, the model's
+/// tensor names and the probe's dtype, as 16 hex digits. A probe file with another identity is never reused.
+std::string probe_identity(const std::vector<gated_tensor> & gated, const torch::Tensor & tokens,
+                           torch::ScalarType dtype = torch::kFloat);
 
 /// Writes the probe to `path` atomically as JSON: {"identity", "tensors": [{"name", "delta_kl": {type: nats}}]}.
 void save_probe(const std::string & path, const std::string & identity, const std::vector<gated_tensor> & gated,

@@ -317,6 +317,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     if (!o.compute.empty() && o.compute != "f32" && o.compute != "bf16") {
         fail("--compute '{}': expected f32 or bf16", o.compute);
     }
+    if (o.probe_compute != "f32" && o.probe_compute != "bf16") {
+        fail("--probe-compute '{}': expected f32 or bf16", o.probe_compute);
+    }
     if (o.select_sequences < 1) {
         fail("--select-sequences must be at least 1 (got {})", o.select_sequences);
     }
@@ -410,10 +413,11 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     const std::vector<int64_t> probe_chunks(order0.begin(), order0.begin() + std::min<int64_t>(o.probe_sequences, n_chunks));
     const torch::Tensor probe_tokens = chunk_tokens(probe_chunks);
     const std::string probe_path = o.probe_file.empty() ? (fs::path(o.run_dir) / "probe.json").string() : o.probe_file;
-    const std::string probe_id = probe_identity(gated, probe_tokens);
+    const torch::ScalarType probe_dtype = o.probe_compute == "bf16" ? torch::kBFloat16 : torch::kFloat;
+    const std::string probe_id = probe_identity(gated, probe_tokens, probe_dtype);
     std::vector<std::vector<double>> sens = load_probe(probe_path, probe_id, gated);
     if (sens.empty()) {
-        sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk);
+        sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk, probe_dtype);
         for (size_t i = 0; i < gated.size(); ++i) {
             for (size_t k = 0; k < gated[i].types.size(); ++k) {
                 if (!std::isfinite(sens[i][k])) {

@@ -45,7 +45,8 @@ struct train_options {
     std::vector<std::string> prior_recipes; // recipe.json files of smaller budgets (a ladder): also candidates of
                                         // the final selection, so a larger budget never measures worse
     std::string compute;                // "f32" or "bf16": the training forward ("" = bf16 on CUDA, f32 on the CPU);
-                                        // the probe and the selection always run in f32
+                                        // the selection always runs in f32
+    std::string probe_compute = "f32";  // the probe's dtype: f32, or bf16 only to measure what bf16 costs
     double gate_init = 3.0;             // the start allocation's gate logit (the others start at 0)
     int journal_every = 50;             // steps between journals (and one at the end)
     bool resume = false;                // continue from <run_dir>/journal.pt
