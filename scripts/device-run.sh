@@ -148,6 +148,30 @@ ablations)
     done
     tar czf "$OUT/ladder/ablations.tgz" -C $W $(cd $W && ls -d abl-*/probe.json abl-*/run-*/{recipe,selection}.json abl-*/run-*/log.jsonl 2>/dev/null)
     ;;
+learning)
+    # Can the gates learn past the probe's allocation? mix30M at five sizes, the gates freer than the defaults
+    # (gate-init 3, lr 0.05), in f32 and in bf16; selection.json holds each candidate recipe's validation KL.
+    log learning
+    [ -f /tmp/mix30M.gguf ] || xz -dc .device-model/mix30M.gguf.xz > /tmp/mix30M.gguf
+    W=/tmp/mixl; T=$D/data/text/tinystories/tinystories_val.txt
+    n=$(wc -l < "$T"); k=$((n * 4 / 5)); mkdir -p $W "$OUT/learning"
+    [ -f $W/calib.txt ] || (cat "$D/data/text/wikitext-2-raw/wiki.valid.raw"; head -n $k "$T") > $W/calib.txt
+    first=""
+    for a in "f32-g1:--compute f32 --gate-init 1 --lr 0.25" "f32-g0:--compute f32 --gate-init 0 --lr 0.25" \
+             "bf16-g1:--compute bf16 --gate-init 1 --lr 0.25"; do
+        name=${a%%:*}; flags=${a#*:}; A=$W/$name; mkdir -p $A
+        if [ -n "$first" ]; then
+            cp -r $first/data $first/imatrix.gguf $first/probe.json $A/; ln -sfn $first/candidates $A/candidates
+            mkdir -p $A/baselines; cp $first/baselines/*.gguf $A/baselines/
+        fi
+        build-cuda/bin/voodoo quantize /tmp/mix30M.gguf --text $W/calib.txt --eval-text $W/calib.txt \
+            --like IQ2_M,Q3_K_M,Q4_K_M,Q5_K_M,Q6_K --ctx 512 --baselines none --eval-chunks 0 --device cuda --work $A \
+            --threads 16 --ggml-threads 16 $flags > "$OUT/learning/$name.log" 2>&1
+        grep "selection on" "$OUT/learning/$name.log" | cut -c1-200
+        first=${first:-$A}
+    done
+    tar czf "$OUT/learning/learning.tgz" -C $W $(cd $W && ls -d */run-*/{recipe,selection}.json */run-*/log.jsonl 2>/dev/null)
+    ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;
 esac

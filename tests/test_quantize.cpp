@@ -5,7 +5,12 @@
 
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
 #include <filesystem>
+#include <fstream>
+#include <limits>
 
 using namespace voodoo;
 
@@ -84,4 +89,47 @@ TEST(quantize, the_train_stage_in_a_child_process_makes_the_same_recipe) {
     child.train_exe = dir.file("no-such-voodoo");
     child.work = dir.file("c");
     EXPECT_NE(test::error_of([&] { run_quantize(child); }).find("train stage"), std::string::npos);
+}
+
+TEST(quantize, a_ladder_makes_one_file_per_size_from_one_probe_and_never_measures_worse_when_larger) {
+    // Three stock sizes in one command: one data/imatrix/candidates/probe, a run per size in increasing order,
+    // each choosing among its own recipes and the smaller sizes' on the validation split, and the curve.
+    test::temp_dir dir;
+    auto q = small_job(dir.file("work"));
+    q.like = "Q5_1,Q4_0,Q5_0";  // any order: the rungs run by size
+    q.baselines = "Q4_0,Q5_0,Q5_1";
+    q.greedy_peer = true;
+    const quantize_result r = run_quantize(q);
+    ASSERT_EQ(r.outs.size(), 3u);
+    const std::filesystem::path w = dir.path / "work";
+    double previous_kl = std::numeric_limits<double>::infinity();
+    for (const char * label : {"Q4_0", "Q5_0", "Q5_1"}) {
+        SCOPED_TRACE(label);
+        const std::filesystem::path run = w / (std::string("run-") + label);
+        std::ifstream in(run / "selection.json");
+        const auto sel = nlohmann::json::parse(in);
+        ASSERT_GE(sel.size(), 3u);  // trained, probe-exact, probe-greedy (+ the smaller sizes' recipes)
+        const double chosen = sel[0]["val_kl"].get<double>();
+        for (const auto & e : sel) {
+            EXPECT_LE(chosen, e["val_kl"].get<double>());
+        }
+        EXPECT_LE(chosen, previous_kl);  // a larger budget never measures worse
+        previous_kl = chosen;
+        EXPECT_TRUE(std::filesystem::exists(w / fmt::format("stories260K.greedy.{}.gguf", label)));
+        const size_t stock = std::filesystem::file_size(w / "baselines" / fmt::format("stories260K-{}.gguf", label));
+        bool found = false;
+        for (const auto & out : r.outs) {
+            if (out.find(std::string(".") + label + ".gguf") != std::string::npos) {
+                found = true;
+                EXPECT_LE(std::filesystem::file_size(out), stock) << out;
+            }
+        }
+        EXPECT_TRUE(found);
+    }
+    EXPECT_TRUE(std::filesystem::exists(w / "probe.json"));
+    for (const char * f : {"curve.md", "curve.json", "curve.png"}) {
+        EXPECT_TRUE(std::filesystem::exists(w / f)) << f;
+    }
+    // Voodoo files, the greedy peer's and the three stock files are all scored.
+    EXPECT_EQ(r.eval.files.size(), 9u);
 }

@@ -58,6 +58,9 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--device", o->q.train.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
     sub->add_option("--mixture", o->q.train.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
+    sub->add_option("--lr", o->q.train.lr, "Peak learning rate of the gates (AdamW, cosine)")->capture_default_str();
+    sub->add_option("--gate-init", o->q.train.gate_init, "Start logit of the probe's allocation (others start at 0)")
+        ->capture_default_str();
     sub->add_option("--lambda-ce", o->q.train.lambda_ce, "Weight of the cross-entropy on the calibration tokens")->capture_default_str();
     sub->add_option("--lambda-kl", o->q.train.lambda_kl, "Weight of KL(teacher ‖ student)")->capture_default_str();
     sub->add_option("--probe-compute", o->q.train.probe_compute, "The probe's dtype: f32, or bf16 only to measure what bf16 costs")
