@@ -264,7 +264,10 @@ TEST(arch_parity, gemma3_sliding_window_changes_the_logits_of_the_test_sequence)
     const torch::Tensor unbounded = libllama_logits(wide, 128);
     const double scale = windowed.abs().max().item<double>();
     EXPECT_GT((windowed - unbounded).abs().max().item<double>() / scale, 1e-2);
-    EXPECT_LE((windowed.slice(0, 0, 16) - unbounded.slice(0, 0, 16)).abs().max().item<double>() / scale, 1e-5);
+    // Within it both runs compute the same logits, but over KV caches of other sizes (other kernels may sum
+    // them): held to the F32 parity bound, which the change after the window exceeds tenfold.
+    EXPECT_LE((windowed.slice(0, 0, 16) - unbounded.slice(0, 0, 16)).abs().max().item<double>() / scale,
+              parity_bound("F32"));
     EXPECT_LE(parity_of(wide, 128).rel_diff, 1e-3);
 }
 

@@ -46,7 +46,7 @@ TEST(cli, inspect_json_gives_sizes_bpw_and_menus) {
     }
     EXPECT_EQ(j["tensor_bytes"], bytes);
     EXPECT_EQ(j["n_weights"], weights);
-    EXPECT_NEAR(j["bpw"].get<double>(), 32.0, 1e-9);  // every tensor is F32
+    EXPECT_EQ(j["bpw"].get<double>(), 32.0);  // every tensor is F32: 8·(4·n)/n is exact in f64
     // token_embd, output and the 7 matrices of each of the 5 blocks.
     EXPECT_EQ(selectable, 2 + 7 * 5);
     EXPECT_EQ(j["n_selectable"], selectable);

@@ -1,12 +1,19 @@
+#include "gate_grad_bound.h"
 #include "ggml/quant.h"
 #include "ggml/types.h"
 #include "test_util.h"
+#include "tolerance.h"
 #include "train/candidates.h"
 #include "train/gated.h"
 
 #include <gtest/gtest.h>
 
 using namespace voodoo;
+using test::gamma_n;
+using test::gate_grad_check;
+using test::matmul_bound;
+using test::quadratic_loss_gate_grad;
+using test::within_bound;
 
 namespace {
 
@@ -27,17 +34,54 @@ double loss_of(const torch::Tensor & w, const torch::Tensor & x) {
     return torch::mm(x, w.to(torch::kDouble).t()).pow(2).sum().item<double>();
 }
 
+// The K candidates as ggml's to_float gives them, [K, rows·ne0] in f64 (every f32 is exact in f64).
+torch::Tensor candidates_f64(const gated_tensor & g) {
+    const int64_t K = static_cast<int64_t>(g.types.size()), n = g.tensor->n_elements();
+    torch::Tensor d = torch::empty({K, n}, torch::kDouble);
+    for (int64_t k = 0; k < K; ++k) {
+        auto v = dequantize(g.types[static_cast<size_t>(k)], g.bytes[static_cast<size_t>(k)], g.tensor->ne[0]);
+        d[k].copy_(torch::from_blob(v.data(), {n}).to(torch::kDouble));
+    }
+    return d;
+}
+
 // The same mixture in double precision from ggml's to_float of each candidate, for finite differences
 // free of f32 rounding.
 torch::Tensor mixture_f64(const torch::Tensor & gate, const gated_tensor & g) {
     const auto p = torch::softmax(gate.to(torch::kDouble), 0);
-    const int64_t rows = g.tensor->n_rows(), ne0 = g.tensor->ne[0];
-    torch::Tensor w = torch::zeros({rows, ne0}, torch::kDouble);
-    for (size_t k = 0; k < g.types.size(); ++k) {
-        auto d = dequantize(g.types[k], g.bytes[k], ne0);
-        w += p[static_cast<int64_t>(k)] * torch::from_blob(d.data(), {rows, ne0}).to(torch::kDouble);
-    }
-    return w;
+    return p.matmul(candidates_f64(g)).view({g.tensor->n_rows(), g.tensor->ne[0]});
+}
+
+// L = ||W[ids]||² (rows of the mixture): G = 2·W[ids] carries W's K-term rounding; ⟨G, D_k[ids]⟩ has
+// ids.numel()·ne0 terms (a full-tensor G is zero outside the rows used, and its zeros add exactly).
+gate_grad_check squared_rows_gate_grad(const torch::Tensor & p, const torch::Tensor & d_rows) {
+    const torch::Tensor pd = p.detach().to(torch::kDouble);
+    const torch::Tensor g = 2 * pd.matmul(d_rows);
+    const torch::Tensor bg = 2 * matmul_bound(pd, d_rows);
+    return test::gate_grad_from(p, d_rows, g, bg);
+}
+
+// Rows ids of the candidates: [K, rows, ne0] → [K, n·ne0].
+torch::Tensor candidate_rows(const torch::Tensor & d, const gated_tensor & g, const torch::Tensor & ids) {
+    return d.view({d.size(0), g.tensor->n_rows(), g.tensor->ne[0]}).index_select(1, ids).reshape({d.size(0), -1});
+}
+
+// ∂L/∂p as a path would give it with the last row of the tensor (ne0 weights) left out of ⟨G, D_k⟩, an
+// off-by-one bug: what the bound on ∂L/∂p must reject.
+torch::Tensor last_row_left_out(const gate_grad_check & c, const torch::Tensor & d, int64_t ne0) {
+    torch::Tensor g = c.g.clone();
+    g.slice(0, g.numel() - ne0).zero_();
+    return d.matmul(g);
+}
+
+// What a path would give with ∂L/∂p of candidates 0 and 1 swapped (a menu-order bug), from its own ∂L/∂p
+// (grad_p, f64): an error the size of the gap between two candidates' gradients, which a bound must reject.
+torch::Tensor swapped_gate_grad(const torch::Tensor & p, const torch::Tensor & grad_p) {
+    const torch::Tensor pd = p.detach().to(torch::kDouble);
+    torch::Tensor gp = grad_p.clone();
+    gp[0] = grad_p[1];
+    gp[1] = grad_p[0];
+    return pd * (gp - (pd * gp).sum());
 }
 
 }  // namespace
@@ -48,12 +92,10 @@ TEST(gated, the_mixture_is_the_probability_weighted_sum_of_dequantized_candidate
     const auto p = torch::softmax(g.gate, 0);
     const auto w = gated_mixture(p, g);
     ASSERT_EQ(w.sizes(), (std::vector<int64_t>{172, 64}));
-    torch::Tensor want = torch::zeros({172, 64});
-    for (size_t k = 0; k < 3; ++k) {
-        auto d = dequantize(g.types[k], g.bytes[k], 64);
-        want += p[static_cast<int64_t>(k)].item<float>() * torch::from_blob(d.data(), {172, 64}).clone();
-    }
-    EXPECT_TRUE(torch::allclose(w, want, 1e-6, 1e-6));
+    const torch::Tensor d = candidates_f64(g);
+    const torch::Tensor pd = p.detach().to(torch::kDouble);
+    // Σ_k p_k·D_k of 3 terms in f32: |Δ| ≤ γ_3·Σ_k p_k|D_k|, 3 units of the last place of Σ p|D|, no more.
+    EXPECT_TRUE(within_bound(w, pd.matmul(d).view({172, 64}), matmul_bound(pd, d).view({172, 64})));
     // One-hot gates give exactly ggml's to_float of the candidate.
     const auto one_hot = gated_mixture(torch::tensor({0.0f, 1.0f, 0.0f}), g);
     auto q8 = dequantize(GGML_TYPE_Q8_0, g.bytes[1], 64);
@@ -65,23 +107,42 @@ TEST(gated, the_gate_gradient_matches_finite_differences) {
     auto g = make_gated(f, "blk.1.attn_q.weight", {GGML_TYPE_Q4_0, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0});
     torch::manual_seed(3);
     const auto x = torch::randn({16, 64}, torch::kDouble);
-    const auto w = gated_mixture(torch::softmax(g.gate, 0), g);
+    const auto p = torch::softmax(g.gate, 0);
+    const auto w = gated_mixture(p, g);
     torch::mm(x, w.to(torch::kDouble).t()).pow(2).sum().backward();
     const auto analytic = g.gate.grad().to(torch::kDouble).clone();
-    const double eps = 1e-4;
+    // The analytic gradient is the exact one at the f32 p̂ within its f32 rounding (W, ⟨G, D_k⟩, softmax
+    // backward); the central difference is the exact one at the f64 p = softmax(g) within h²/6·max|f'''| plus
+    // its f64 rounding over h. f(t) = L(softmax(g + t·e_k)) = pᵀAp with A_kl = ⟨X·D_kᵀ, X·D_lᵀ⟩, so
+    // |f'''| ≤ 2·max|A|·(‖p'''‖₁ + 3‖p''‖₁‖p'‖₁) ≤ 1.08·max|A| (‖p⁽ᵐ⁾‖₁ = 2|σ⁽ᵐ⁾| ≤ 2·{1/4, 1/(6√3), 1/8} for
+    // the logistic σ); each f64 loss is off by ≤ γ_n^f64·Σ(|X|·|W|ᵀ)², n = K + ne0 + 16·64 terms.
+    const torch::Tensor d = candidates_f64(g);
+    const gate_grad_check at_f32_p = quadratic_loss_gate_grad(p, d, 64, x);
+    const gate_grad_check at_f64_p = quadratic_loss_gate_grad(torch::softmax(g.gate.detach().to(torch::kDouble), 0), d, 64, x);
+    const torch::Tensor z = x.matmul(d.view({4, 64, 64}).transpose(1, 2)).reshape({4, -1});  // X·D_kᵀ
+    const double max_a = z.matmul(z.t()).abs().max().item<double>();
+    const double loss_abs = x.abs().matmul(d.abs().amax(0).view({64, 64}).t()).pow(2).sum().item<double>();
+    const double h = 1e-4;
+    const double fd_err = h * h / 6 * 1.08 * max_a + gamma_n(4 + 64 + 16 * 64, test::u_f64) * loss_abs / h;
+    torch::Tensor fd = torch::empty({4}, torch::kDouble);
     for (int64_t k = 0; k < 4; ++k) {
         torch::NoGradGuard no_grad;
         auto plus = g.gate.detach().to(torch::kDouble).clone();
         auto minus = plus.clone();
-        plus[k] += eps;
-        minus[k] -= eps;
-        const double fd = (loss_of(mixture_f64(plus, g), x) - loss_of(mixture_f64(minus, g), x)) / (2 * eps);
-        const double a = analytic[k].item<double>();
-        EXPECT_LE(std::abs(a - fd), 1e-3 * std::abs(fd)) << "k=" << k << " analytic " << a << " fd " << fd;
+        plus[k] += h;
+        minus[k] -= h;
+        fd[k] = (loss_of(mixture_f64(plus, g), x) - loss_of(mixture_f64(minus, g), x)) / (2 * h);
     }
+    const torch::Tensor bound = at_f32_p.grad_bound + (at_f32_p.grad - at_f64_p.grad).abs() + fd_err;
+    EXPECT_TRUE(within_bound(analytic, fd, bound));
+    EXPECT_TRUE(within_bound(analytic, at_f32_p.grad, at_f32_p.grad_bound));
     // grad_p holds ⟨∂L/∂W, deq(Q_k)⟩ for every candidate.
     ASSERT_TRUE(g.grad_p.defined());
     EXPECT_EQ(g.grad_p.numel(), 4);
+    EXPECT_TRUE(within_bound(g.grad_p, at_f32_p.grad_p, at_f32_p.grad_p_bound));
+    // What the bounds reject: ⟨G, D_k⟩ without the last of 64 rows; two candidates' ∂L/∂p swapped.
+    EXPECT_FALSE(within_bound(last_row_left_out(at_f32_p, d, 64), at_f32_p.grad_p, at_f32_p.grad_p_bound));
+    EXPECT_FALSE(within_bound(swapped_gate_grad(p, g.grad_p), fd, bound));
 }
 
 TEST(gated, rows_mix_only_the_rows_asked_for_with_the_same_gradient_rule) {
@@ -91,19 +152,37 @@ TEST(gated, rows_mix_only_the_rows_asked_for_with_the_same_gradient_rule) {
     const auto p = torch::softmax(g.gate, 0);
     const auto rows = gated_mixture_rows(p, ids, g);
     const auto full = gated_mixture(p.detach(), g);
-    EXPECT_TRUE(torch::allclose(rows, full.index_select(0, ids), 1e-6, 1e-6));
+    // Both sides are Σ_k p_k·D_k of 2 terms in f32, each within γ_2·Σ_k p_k|D_k| of the exact rows.
+    const torch::Tensor d_rows = candidate_rows(candidates_f64(g), g, ids);
+    const torch::Tensor pd = p.detach().to(torch::kDouble);
+    const torch::Tensor want = pd.matmul(d_rows).view({4, 64});
+    const torch::Tensor bound = matmul_bound(pd, d_rows).view({4, 64});
+    EXPECT_TRUE(within_bound(rows, want, bound));
+    EXPECT_TRUE(within_bound(full.index_select(0, ids), want, bound));
+    // L = ||W[ids]||² through the rows, then through the full mixture: both the exact gradient within the f32
+    // rounding of W and of ⟨G, D_k⟩ over the 4·64 weights used.
+    const gate_grad_check check = squared_rows_gate_grad(p, d_rows);
     rows.pow(2).sum().backward();
-    const auto grad_rows = g.gate.grad().clone();
+    EXPECT_TRUE(within_bound(g.grad_p, check.grad_p, check.grad_p_bound));
+    EXPECT_TRUE(within_bound(g.gate.grad(), check.grad, check.grad_bound));
+    const auto swapped = swapped_gate_grad(p, g.grad_p);
     g.gate.grad().zero_();
+    g.grad_p = torch::Tensor();
     auto p2 = torch::softmax(g.gate, 0);
     gated_mixture(p2, g).index_select(0, ids).pow(2).sum().backward();
-    EXPECT_TRUE(torch::allclose(grad_rows, g.gate.grad(), 1e-4, 1e-5));
+    EXPECT_TRUE(within_bound(g.grad_p, check.grad_p, check.grad_p_bound));
+    EXPECT_TRUE(within_bound(g.gate.grad(), check.grad, check.grad_bound));
+    // What the bounds reject: ⟨G, D_k⟩ without the last row used; two candidates' ∂L/∂p swapped.
+    EXPECT_FALSE(within_bound(last_row_left_out(check, d_rows, 64), check.grad_p, check.grad_p_bound));
+    EXPECT_FALSE(within_bound(swapped, check.grad, check.grad_bound));
     EXPECT_THROW(gated_mixture_rows(p.detach(), torch::tensor({512}, torch::kLong), g), std::exception);
 }
 
 TEST(gated, the_reference_path_equals_the_cpu_path_in_value_and_gate_gradient) {
     // The reference path (dense candidates, plain LibTorch) is the oracle of the GPU's fused kernels; here
-    // it is checked against the streaming CPU path on the CPU, in f32.
+    // it is checked against the streaming CPU path on the CPU, in f32. The two sum in different orders (∂L/∂p
+    // over 4,096 products: BLAS's gemv against a dot), so each is held to the exact result from the same f32
+    // inputs within the rounding bound of its own computation, not to the other bit for bit.
     gguf_file f(test::stories260k());
     auto cpu = make_gated(f, "blk.1.attn_q.weight", {GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0});
     auto ref = make_gated(f, "blk.1.attn_q.weight", {GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0});
@@ -117,8 +196,23 @@ TEST(gated, the_reference_path_equals_the_cpu_path_in_value_and_gate_gradient) {
         return w.detach();
     };
     const auto w_cpu = loss(cpu), w_ref = loss(ref);
-    EXPECT_TRUE(torch::allclose(w_cpu, w_ref, 1e-6, 1e-6));
-    EXPECT_TRUE(torch::allclose(cpu.gate.grad(), ref.gate.grad(), 1e-4, 1e-5)) << cpu.gate.grad() << ref.gate.grad();
+    const torch::Tensor d = candidates_f64(cpu);
+    const torch::Tensor p = torch::softmax(cpu.gate.detach(), 0), pd = p.to(torch::kDouble);
+    const torch::Tensor w_want = pd.matmul(d).view({64, 64});
+    const torch::Tensor w_bound = matmul_bound(pd, d).view({64, 64});  // 3 terms in f32
+    EXPECT_TRUE(within_bound(w_cpu, w_want, w_bound));
+    EXPECT_TRUE(within_bound(w_ref, w_want, w_bound));
+    // L = ||X·Wᵀ||²: W (3 terms), X·Wᵀ (64), 2·Yᵀ·X (8), ⟨G, D_k⟩ (4,096), softmax backward, all in f32.
+    // ∂L/∂p_k is within ≈ 4,096·u·Σ|G||D_k| (≈ 1e-3 of it), but ∂L/∂g = p ⊙ (∂L/∂p − pᵀ∂L/∂p) is the small
+    // difference of such sums: its bound is a large part of it, and the bound on ∂L/∂p is the sharp check.
+    const gate_grad_check check = quadratic_loss_gate_grad(p, d, 64, x);
+    EXPECT_TRUE(within_bound(cpu.grad_p, check.grad_p, check.grad_p_bound));
+    EXPECT_TRUE(within_bound(ref.grad_p, check.grad_p, check.grad_p_bound));
+    EXPECT_TRUE(within_bound(cpu.gate.grad(), check.grad, check.grad_bound)) << cpu.gate.grad() << ref.gate.grad();
+    EXPECT_TRUE(within_bound(ref.gate.grad(), check.grad, check.grad_bound)) << cpu.gate.grad() << ref.gate.grad();
+    // What the bounds reject: ⟨G, D_k⟩ without the last of 64 rows; two candidates' ∂L/∂p swapped.
+    EXPECT_FALSE(within_bound(last_row_left_out(check, d, 64), check.grad_p, check.grad_p_bound));
+    EXPECT_FALSE(within_bound(swapped_gate_grad(p, cpu.grad_p), check.grad, check.grad_bound));
     // Rows of the embedding: the same rule over the rows used.
     auto ecpu = make_gated(f, "token_embd.weight", {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0});
     auto eref = make_gated(f, "token_embd.weight", {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0});
@@ -126,10 +220,20 @@ TEST(gated, the_reference_path_equals_the_cpu_path_in_value_and_gate_gradient) {
     const auto ids = torch::tensor({3, 400, 3, 17}, torch::kLong);
     const auto r_cpu = gated_mixture_rows(torch::softmax(ecpu.gate, 0), ids, ecpu);
     const auto r_ref = gated_mixture_rows(torch::softmax(eref.gate, 0), ids, eref);
-    EXPECT_TRUE(torch::allclose(r_cpu, r_ref, 1e-6, 1e-6));
+    const torch::Tensor d_rows = candidate_rows(candidates_f64(ecpu), ecpu, ids);
+    const torch::Tensor ep = torch::softmax(ecpu.gate.detach(), 0), epd = ep.to(torch::kDouble);
+    const torch::Tensor r_bound = matmul_bound(epd, d_rows).view({4, 64});  // 2 terms in f32
+    EXPECT_TRUE(within_bound(r_cpu, epd.matmul(d_rows).view({4, 64}), r_bound));
+    EXPECT_TRUE(within_bound(r_ref, epd.matmul(d_rows).view({4, 64}), r_bound));
     r_cpu.pow(2).sum().backward();
     r_ref.pow(2).sum().backward();
-    EXPECT_TRUE(torch::allclose(ecpu.gate.grad(), eref.gate.grad(), 1e-4, 1e-5));
+    const gate_grad_check echeck = squared_rows_gate_grad(ep, d_rows);
+    EXPECT_TRUE(within_bound(ecpu.grad_p, echeck.grad_p, echeck.grad_p_bound));
+    EXPECT_TRUE(within_bound(eref.grad_p, echeck.grad_p, echeck.grad_p_bound));
+    EXPECT_TRUE(within_bound(ecpu.gate.grad(), echeck.grad, echeck.grad_bound));
+    EXPECT_TRUE(within_bound(eref.gate.grad(), echeck.grad, echeck.grad_bound));
+    EXPECT_FALSE(within_bound(last_row_left_out(echeck, d_rows, 64), echeck.grad_p, echeck.grad_p_bound));
+    EXPECT_FALSE(within_bound(swapped_gate_grad(ep, ecpu.grad_p), echeck.grad, echeck.grad_bound));
 }
 
 TEST(gated, paths_a_build_or_device_cannot_run_are_refused_by_name) {
