@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 namespace voodoo {
 
@@ -120,10 +121,25 @@ void curve_plot(const eval_result & r, const std::string & png_path) {
     }
     gnuplot_job job;
     const char * series[] = {"voodoo", "greedy", "stock"};
+    // The x range of the curves (5% margins), so that far-away stock files (F16, BF16) do not squash them.
+    double lo = std::numeric_limits<double>::infinity(), hi = 0;
+    for (const char * name : {"voodoo", "greedy"}) {
+        for (const auto * f : of_series(r, name)) {
+            lo = std::min(lo, static_cast<double>(f->file_bytes) / k_mib);
+            hi = std::max(hi, static_cast<double>(f->file_bytes) / k_mib);
+        }
+    }
+    const bool zoom = hi > 0;
+    lo *= 0.95;
+    hi *= 1.05;
     bool any[3] = {false, false, false};
     for (int s = 0; s < 3; ++s) {
         std::ofstream out(job.path(fmt::format("{}.dat", series[s])));
         for (const auto * f : of_series(r, series[s])) {
+            const double mib = static_cast<double>(f->file_bytes) / k_mib;
+            if (zoom && (mib < lo || mib > hi)) {
+                continue;
+            }
             // Stock files are named <stem>-<RECIPE>.gguf: the recipe labels the point.
             const size_t dash = f->name.rfind('-');
             const std::string label = s == 2 && dash != std::string::npos && f->name.ends_with(".gguf")
@@ -138,6 +154,9 @@ void curve_plot(const eval_result & r, const std::string & png_path) {
                        gp_quote(fmt::format("KLD against {} vs file size ({}, ctx {}, {} chunks)", r.ref.name,
                                             std::filesystem::path(r.text).filename().string(), r.n_ctx, r.n_chunks)) +
                        "\nset logscale y\nset format y '%g'\nset grid\nset key top right\nset xlabel 'file size (MiB)'\n";
+    if (zoom) {
+        body += fmt::format("set xrange [{:.6f}:{:.6f}]\n", lo, hi);
+    }
     for (int col : {2, 3}) {
         body += fmt::format("set ylabel '{}'\nplot ", col == 2 ? "mean KLD (nats/token)" : "p99 KLD (nats/token)");
         std::vector<std::string> parts;
