@@ -133,3 +133,20 @@ TEST(quantize, a_ladder_makes_one_file_per_size_from_one_probe_and_never_measure
     // Voodoo files, the greedy peer's and the three stock files are all scored.
     EXPECT_EQ(r.eval.files.size(), 9u);
 }
+
+TEST(quantize, a_ladder_with_an_impossible_size_is_refused_before_any_training) {
+    test::temp_dir dir;
+    auto q = small_job(dir.file("work"));
+    q.like.clear();
+    q.baselines = "none";
+    q.goals = {{target_kind::size, 300000}, {target_kind::size, 1e9}};
+    const std::string msg = test::error_of([&] { run_quantize(q); });
+    EXPECT_NE(msg.find("size=1000000000"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("outside"), std::string::npos) << msg;
+    EXPECT_FALSE(std::filesystem::exists(dir.path / "work" / "run-size-300000"));
+    // One --out file for several targets is refused too.
+    q.goals = {{target_kind::size, 290000}, {target_kind::size, 300000}};
+    q.out = dir.file("one.gguf");
+    const std::string out_msg = test::error_of([&] { run_quantize(q); });
+    EXPECT_NE(out_msg.find("--out"), std::string::npos) << out_msg;
+}

@@ -29,7 +29,7 @@ command add_curve(CLI::App & app) {
     sub->add_option("--out-dir", o->out_dir, "Folder for curve.md, curve.json and curve.png")->required();
     return {sub, [o] {
         std::ifstream in(o->json);
-        if (!in) {
+        if (!std::filesystem::is_regular_file(o->json) || !in) {
             fail("cannot read '{}': give the eval.json that `voodoo quantize` or `voodoo eval --json` wrote", o->json);
         }
         nlohmann::json j;
@@ -40,6 +40,9 @@ command add_curve(CLI::App & app) {
         }
         const eval_result r = eval_from_json(j, o->json);
         const std::filesystem::path dir(o->out_dir);
+        if (std::filesystem::exists(dir) && !std::filesystem::is_directory(dir)) {
+            fail("--out-dir '{}' is a file: give a folder (it is made when missing)", o->out_dir);
+        }
         std::filesystem::create_directories(dir);
         const std::string table = curve_to_markdown(r);
         fmt::print("{}", table);

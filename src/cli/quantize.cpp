@@ -45,7 +45,8 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--ctx", o->q.ctx, "Calibration chunk length")->capture_default_str();
     sub->add_option("--imatrix-chunks", o->q.imatrix_chunks, "Chunks the imatrix sees")->capture_default_str();
     sub->add_option("--eval-ctx", o->q.eval_ctx, "Eval chunk length")->capture_default_str();
-    sub->add_option("--eval-chunks", o->q.eval_chunks, "Eval chunks (-1 = all, 0 = no eval stage)")->capture_default_str();
+    sub->add_option("--eval-chunks", o->q.eval_chunks, "Eval chunks (-1 = all, 0 = no eval stage)")->capture_default_str()
+        ->check(CLI::Range(-1, 1 << 30));
     sub->add_option("--menu", o->menu, "Candidate types, comma-separated");
     sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES' (repeatable)");
     sub->add_option("--steps", o->q.train.steps, "Training steps")->capture_default_str();
@@ -64,10 +65,12 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--lambda-ce", o->q.train.lambda_ce, "Weight of the cross-entropy on the calibration tokens")->capture_default_str();
     sub->add_option("--lambda-kl", o->q.train.lambda_kl, "Weight of KL(teacher ‖ student)")->capture_default_str();
     sub->add_option("--probe-compute", o->q.train.probe_compute, "The probe's dtype: f32, or bf16 only to measure what bf16 costs")
-        ->capture_default_str();
-    sub->add_option("--compute", o->q.train.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)");
+        ->capture_default_str()->check(CLI::IsMember({"f32", "bf16"}));
+    sub->add_option("--compute", o->q.train.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)")
+        ->check(CLI::IsMember({"f32", "bf16"}));
     sub->add_option("--select-sequences", o->q.train.select_sequences,
-                    "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str();
+                    "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str()
+        ->check(CLI::PositiveNumber);
     sub->add_option("--seed", o->q.train.seed, "Seed")->capture_default_str();
     return {sub, [o, bpw, size, ratio, like] {
         quantize_options q = o->q;
@@ -79,8 +82,10 @@ command add_quantize(CLI::App & app) {
             std::vector<target> goals;
             for (size_t a = 0; a <= list.size();) {
                 const size_t e = std::min(list.find(',', a), list.size());
-                const std::string item = list.substr(a, e - a);
+                std::string item = list.substr(a, e - a);
                 a = e + 1;
+                item.erase(0, item.find_first_not_of(" \t"));
+                item.erase(item.find_last_not_of(" \t") + 1);
                 if (item.empty()) {
                     continue;
                 }

@@ -61,8 +61,9 @@ command add_train(CLI::App & app) {
     sub->add_option("--prior-recipe", o->t.prior_recipes,
                     "recipe.json of a smaller budget, also a candidate of the final selection (repeatable)");
     sub->add_option("--probe-compute", o->t.probe_compute, "The probe's dtype: f32, or bf16 only to measure what bf16 costs")
-        ->capture_default_str();
-    sub->add_option("--compute", o->t.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)");
+        ->capture_default_str()->check(CLI::IsMember({"f32", "bf16"}));
+    sub->add_option("--compute", o->t.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)")
+        ->check(CLI::IsMember({"f32", "bf16"}));
     sub->add_option("--gate-init", o->t.gate_init, "Start logit of the probe's allocation")->capture_default_str();
     sub->add_option("--journal-every", o->t.journal_every, "Steps between journals")->capture_default_str();
     sub->add_flag("--resume", o->t.resume, "Continue the run in --out from its journal");

@@ -193,8 +193,10 @@ std::vector<rung> plan_rungs(const quantize_options & o, const baseline_options 
     if (!o.like.empty()) {
         for (size_t a = 0; a <= o.like.size();) {
             const size_t e = std::min(o.like.find(',', a), o.like.size());
-            const std::string name = o.like.substr(a, e - a);
+            std::string name = o.like.substr(a, e - a);
             a = e + 1;
+            name.erase(0, name.find_first_not_of(" \t"));
+            name.erase(name.find_last_not_of(" \t") + 1);
             if (name.empty()) {
                 continue;
             }
@@ -215,7 +217,13 @@ std::vector<rung> plan_rungs(const quantize_options & o, const baseline_options 
     }
     std::stable_sort(rungs.begin(), rungs.end(), [](const rung & a, const rung & b) { return a.order < b.order; });
     // Stock recipes of the same size (llama.cpp's fallbacks on small models) are one target: the first name.
-    rungs.erase(std::unique(rungs.begin(), rungs.end(), [](const rung & a, const rung & b) { return a.order == b.order; }),
+    rungs.erase(std::unique(rungs.begin(), rungs.end(),
+                            [](const rung & a, const rung & b) {
+                                if (a.order == b.order) {
+                                    stage("target", fmt::format("{} is the same size as {}: one file for both", b.label, a.label));
+                                }
+                                return a.order == b.order;
+                            }),
                 rungs.end());
     return rungs;
 }
@@ -330,6 +338,10 @@ quantize_result run_quantize(const quantize_options & o) {
     fs::create_directories(base_dir);
     std::vector<rung> rungs = plan_rungs(o, bo, base_dir);
     const bool ladder = rungs.size() > 1;
+    if (ladder && !o.out.empty() && o.out.ends_with(".gguf")) {
+        fail("--out '{}' names one file, but {} targets make {} files: give a folder for --out, or one target", o.out,
+             rungs.size(), rungs.size());
+    }
 
     train_options t = o.train;
     t.cache_dir = (fs::path(work) / "candidates").string();
@@ -339,6 +351,19 @@ quantize_result run_quantize(const quantize_options & o) {
     t.threads = o.threads;
     importance_map importance;
     t.export_opts = imatrix_export_options(imatrix_path, imatrix_path, src, importance);
+
+    // Every target is checked against what the menus can reach before any training.
+    {
+        menu_options m = t.menu;
+        m.importance = &importance;
+        const std::vector<tensor_menu> menus = build_menus(src, m);
+        export_options eo = t.export_opts;
+        eo.importance = &importance;
+        for (const rung & g : rungs) {
+            eo.target = g.goal.str();
+            make_budget(src, menus, g.goal, eo);
+        }
+    }
 
     quantize_result res;
     std::vector<size_t> sizes;

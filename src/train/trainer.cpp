@@ -301,6 +301,13 @@ std::vector<int> select_recipe(train_result & res, causal_lm & model, weight_sou
 train_result train_gates(const gguf_file & src, const gguf_file & teacher, const token_file & train,
                          const importance_map * importance, const train_options & o, const token_file * val) {
     const auto t_start = std::chrono::steady_clock::now();
+    if (o.probe_sequences < 1) {
+        fail("--probe-sequences must be at least 1 (got {}): the probe measures every candidate on them", o.probe_sequences);
+    }
+    if (!(o.lambda_ce >= 0) || !(o.lambda_kl >= 0) || !(o.lambda_size >= 0)) {
+        fail("--lambda-ce, --lambda-kl and --lambda-size must be finite and ≥ 0 (got {}, {}, {})", o.lambda_ce, o.lambda_kl,
+             o.lambda_size);
+    }
     if (o.steps < 1 || o.batch < 1 || o.accum < 1) {
         fail("--steps, --batch and --accum must be at least 1 (got {}, {}, {})", o.steps, o.batch, o.accum);
     }
@@ -599,13 +606,17 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const torch::Tensor p = student.probs(i).detach().to(torch::kCPU, torch::kDouble).contiguous();
         probs.emplace_back(p.data_ptr<double>(), p.data_ptr<double>() + p.numel());
     }
+    const torch::Tensor sel_tokens = select_tokens(val, probe_tokens);
+    res.select_tokens_shape = {sel_tokens.size(0), sel_tokens.size(1)};
+    res.select_held_apart = !sel_tokens.is_same(probe_tokens);
     const std::vector<int> choice = select_recipe(res, *model, dense, teacher_weights, gated, menus, b, probs, sens,
-                                                  select_tokens(val, probe_tokens), device, loss_chunk, o);
+                                                  sel_tokens, device, loss_chunk, o);
     res.final_recipe = recipe_from_choice(src, menus, choice, probs, o.goal);
     res.final_recipe.imatrix = o.imatrix_path;
     res.total_bytes = b.total(choice);
     res.summary = summary_table(res.final_recipe, b, res.total_bytes);
-    res.summary += fmt::format("  selection on {} held-apart sequences (KL nats/token, f32): ", o.select_sequences);
+    res.summary += fmt::format("  selection on {} sequences of {} tokens{} (KL nats/token, f32): ", res.select_tokens_shape.first,
+                               res.select_tokens_shape.second, res.select_held_apart ? ", held apart" : " (the probe's: no validation split)");
     for (size_t i = 0; i < res.selection.size(); ++i) {
         const auto & e = res.selection[i];
         res.summary += fmt::format("{}{} {:.6g}{}", i ? ", " : "", e.name, e.val_kl, i ? "" : " (chosen)");

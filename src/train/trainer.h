@@ -75,6 +75,8 @@ struct train_result {
         double bytes;                   // the budgeted quantity
     };
     std::vector<selection_entry> selection;
+    std::pair<int64_t, int64_t> select_tokens_shape{0, 0};  // sequences × tokens the selection measured
+    bool select_held_apart = false;     // the validation split (else the probe's sequences)
     std::string device;                 // where it trained, and how the mixture was formed
     std::string mixture;
     int64_t candidate_device_bytes = 0; // what the candidates took on the device (0 on the cpu path)
