@@ -4,6 +4,7 @@
 #include "pipeline/quantize.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <memory>
 
@@ -55,7 +56,7 @@ command add_quantize(CLI::App & app) {
         ->capture_default_str();
     sub->add_option("--seq", o->q.train.seq, "Tokens per training sequence (0 = --ctx)")->capture_default_str();
     sub->add_option("--threads", o->q.threads, "Threads for LibTorch and quantization (0 = all cores)")->capture_default_str();
-    sub->add_option("--ggml-threads", o->q.ggml_threads, "Threads for libllama (imatrix, eval)")->capture_default_str();
+    sub->add_option("--ggml-threads", o->q.ggml_threads, "Threads for libllama (imatrix, eval); 0 = 1 below 8M weights, else every core")->capture_default_str();
     sub->add_option("--device", o->q.train.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
     sub->add_option("--mixture", o->q.train.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
@@ -64,6 +65,9 @@ command add_quantize(CLI::App & app) {
         ->capture_default_str();
     sub->add_option("--lambda-ce", o->q.train.lambda_ce, "Weight of the cross-entropy on the calibration tokens")->capture_default_str();
     sub->add_option("--lambda-kl", o->q.train.lambda_kl, "Weight of KL(teacher ‖ student)")->capture_default_str();
+    sub->add_option("--probe-anchors", o->q.train.probe_anchors,
+                    "Types measured per tensor; the others are predicted from the imatrix-weighted error (0 = all)")
+        ->capture_default_str()->check(CLI::NonNegativeNumber);
     sub->add_option("--probe-compute", o->q.train.probe_compute, "The probe's dtype: f32, or bf16 only to measure what bf16 costs")
         ->capture_default_str()->check(CLI::IsMember({"f32", "bf16"}));
     sub->add_option("--compute", o->q.train.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)")
@@ -72,8 +76,14 @@ command add_quantize(CLI::App & app) {
                     "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str()
         ->check(CLI::PositiveNumber);
     sub->add_option("--seed", o->q.train.seed, "Seed")->capture_default_str();
-    return {sub, [o, bpw, size, ratio, like] {
+    return {sub, [o, bpw, size, ratio, like, sub] {
         quantize_options q = o->q;
+        if (q.train.device == "cpu") {
+            const auto set = apply_cpu_defaults(q.train, [&](const std::string & f) { return sub->count(f) > 0; }, q.ctx);
+            if (!set.empty()) {
+                fmt::print(stderr, "cpu defaults: {} (docs/BENCHMARKS.md; give a flag to override it)\n", fmt::join(set, ", "));
+            }
+        }
         if (q.train.device != "cpu") {
             q.train_exe = "/proc/self/exe";  // the GPU only in the train stage's own process
         }

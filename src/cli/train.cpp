@@ -5,6 +5,7 @@
 #include "train/trainer.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <memory>
 
@@ -55,6 +56,9 @@ command add_train(CLI::App & app) {
         ->capture_default_str();
     sub->add_option("--probe-sequences", o->t.probe_sequences, "Sequences for each candidate's ΔKL probe")
         ->capture_default_str();
+    sub->add_option("--probe-anchors", o->t.probe_anchors,
+                    "Types measured per tensor; the others are predicted from the imatrix-weighted error (0 = all)")
+        ->capture_default_str()->check(CLI::NonNegativeNumber);
     sub->add_option("--probe-file", o->t.probe_file, "Where the probe is kept and reused (default: RUN/probe.json)");
     sub->add_option("--select-sequences", o->t.select_sequences,
                     "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str();
@@ -72,7 +76,7 @@ command add_train(CLI::App & app) {
     sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
     sub->add_option("--seed", o->t.seed, "Seed (data order, Gumbel noise)")->capture_default_str();
     sub->add_option("--threads", o->t.threads, "Threads (0 = all cores)")->capture_default_str();
-    return {sub, [o, bpw, size, ratio] {
+    return {sub, [o, bpw, size, ratio, sub] {
         train_options t = o->t;
         if (bpw->count()) {
             t.goal = {target_kind::bpw, o->target_bpw};
@@ -94,6 +98,12 @@ command add_train(CLI::App & app) {
         const gguf_file src(o->model);
         const token_data data(o->data);
         data.require_vocab_of(o->model);
+        if (t.device == "cpu") {
+            const auto set = apply_cpu_defaults(t, [&](const std::string & f) { return sub->count(f) > 0; }, data.train().ctx());
+            if (!set.empty()) {
+                fmt::print(stderr, "cpu defaults: {} (docs/BENCHMARKS.md; give a flag to override it)\n", fmt::join(set, ", "));
+            }
+        }
         std::unique_ptr<gguf_file> teacher;
         if (!o->teacher.empty()) {
             teacher = std::make_unique<gguf_file>(o->teacher);

@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 #include <set>
 
 #include <sys/wait.h>
@@ -83,6 +84,7 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     num("--size-tol", t.size_tol);
     num("--st-gumbel-fraction", t.st_gumbel_fraction);
     num("--probe-sequences", t.probe_sequences);
+    num("--probe-anchors", t.probe_anchors);
     num("--gate-init", t.gate_init);
     num("--journal-every", t.journal_every);
     num("--seed", t.seed);
@@ -287,11 +289,23 @@ std::string train_and_export(const quantize_options & o, train_options & t, cons
 
 }  // namespace
 
-quantize_result run_quantize(const quantize_options & o) {
-    if (o.texts.empty()) {
+int ggml_threads_for(int64_t n_weights) {
+    return n_weights < 8'000'000 ? 1 : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+quantize_result run_quantize(const quantize_options & opts) {
+    if (opts.texts.empty()) {
         fail("give at least one calibration text (--text)");
     }
-    const gguf_file src(o.model);
+    const gguf_file src(opts.model);
+    quantize_options o = opts;
+    if (o.ggml_threads <= 0) {
+        int64_t n = 0;
+        for (const gguf_tensor & t : src.tensors()) {
+            n += t.n_elements();
+        }
+        o.ggml_threads = ggml_threads_for(n);
+    }
     const std::string work = o.work.empty() ? (fs::path(o.model).stem().string() + ".voodoo") : o.work;
     fs::create_directories(work);
     const std::string data_dir = (fs::path(work) / "data").string();

@@ -27,7 +27,7 @@ struct quantize_options {
     int eval_ctx = 512;
     int eval_chunks = 100;                  // -1 = every chunk of the eval text
     int threads = 0;
-    int ggml_threads = 1;                   // libllama threads (imatrix, eval): see docs/DATA.md on spinning
+    int ggml_threads = 0;                   // libllama threads (imatrix, eval); 0 = by model size (ggml_threads_for)
     train_options train;                    // goal, menus, schedule (run_dir is WORK/run)
     /// When set (the CLI sets it to itself for --device cuda), the train stage runs as `train_exe train …` in a
     /// child process: the GPU is initialized there only and its memory is given back when training ends, before
@@ -35,6 +35,12 @@ struct quantize_options {
     /// CUDA was libtorch.so's own std::filesystem::remove_all: common/file.h, remove_tree.)
     std::string train_exe;
 };
+
+/// libllama's threads for a model of `n_weights` weights when --ggml-threads is 0: one below 8M weights, where
+/// each decode is so short that ggml's thread barriers (one per collected matmul) cost more than a second
+/// thread gains and spin on a shared machine (docs/DATA.md), else every core. Measured on the 2-core machine:
+/// mix30M's imatrix 49 s on 1 thread, 35 s on 2; its eval 1.4k tok/s on 1 thread (docs/BENCHMARKS.md).
+int ggml_threads_for(int64_t n_weights);
 
 struct quantize_result {
     std::string out;                        // the largest file of a ladder

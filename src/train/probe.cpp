@@ -5,12 +5,16 @@
 #include "common/progress.h"
 #include "ggml/types.h"
 #include "model/replaced_weight.h"
+#include "train/candidates.h"
 #include "train/loss.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <unordered_map>
 
 #define XXH_INLINE_ALL
@@ -69,28 +73,81 @@ double kl_of(causal_lm & model, weight_source & w, const torch::Tensor & h_t, we
     return chunked_distill(model, model.hidden(tokens, w), w, h_t, teacher, tokens, 1.0, 0.0, chunk).kl;
 }
 
+// The teacher's log-probabilities on the probe tokens, computed once: every candidate's KL compares with the
+// same ones, and the teacher's head is as large a matmul as the student's. Kept when they fit in `max_bytes`
+// (f32 [positions, n_vocab]); else cached() is false and each KL recomputes them (kl_of).
+class teacher_logp {
+public:
+    teacher_logp(causal_lm & model, const torch::Tensor & h_t, weight_source & teacher, int64_t chunk,
+                 int64_t max_bytes = int64_t(2) << 30)
+        : chunk_(chunk) {
+        const int64_t n = h_t.size(0) * h_t.size(1);
+        if (n * model.hparams().n_vocab * 4 > max_bytes) {
+            return;
+        }
+        const torch::Tensor ht = h_t.reshape({n, h_t.size(2)});
+        for (int64_t a = 0; a < n; a += chunk) {
+            logp_.push_back(torch::log_softmax(model.head(ht.slice(0, a, std::min(n, a + chunk)), teacher).to(torch::kFloat), -1));
+        }
+    }
+    bool cached() const { return !logp_.empty(); }
+    // Mean KL(teacher ‖ student) per position, the same sum as chunked_distill's (f64 accumulation of f32 chunks).
+    double kl(causal_lm & model, const torch::Tensor & h_s, weight_source & w) const {
+        const int64_t n = h_s.size(0) * h_s.size(1);
+        const torch::Tensor hs = h_s.reshape({n, h_s.size(2)});
+        double sum = 0;
+        for (size_t c = 0; c < logp_.size(); ++c) {
+            const int64_t a = static_cast<int64_t>(c) * chunk_;
+            const torch::Tensor s_logp =
+                torch::log_softmax(model.head(hs.slice(0, a, std::min(n, a + chunk_)), w).to(torch::kFloat), -1);
+            sum += (logp_[c].exp() * (logp_[c] - s_logp)).sum().to(torch::kDouble).item<double>();
+        }
+        return sum / static_cast<double>(n);
+    }
+
+private:
+    int64_t chunk_;
+    std::vector<torch::Tensor> logp_;
+};
+
 }  // namespace
 
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
                                                    const torch::Tensor & tokens, torch::Device device, int64_t chunk,
-                                                   torch::ScalarType dtype) {
+                                                   torch::ScalarType dtype,
+                                                   const std::vector<std::vector<bool>> * measure) {
+    if (measure && measure->size() != gated.size()) {
+        fail("probe_sensitivity: a plan of {} tensors for {} gated tensors", measure->size(), gated.size());
+    }
+    auto wanted = [&](size_t i, size_t k) { return !measure || ((*measure)[i].size() > k && (*measure)[i][k]); };
     torch::NoGradGuard no_grad;
     dtype_scope scope(model, dtype);
     const torch::Tensor h_t = model.hidden(tokens, teacher);
-    const double base = kl_of(model, dense, h_t, teacher, tokens, chunk);
+    const teacher_logp t_logp(model, h_t, teacher, chunk);
+    auto kl = [&](weight_source & w) {
+        return t_logp.cached() ? t_logp.kl(model, model.hidden(tokens, w), w) : kl_of(model, w, h_t, teacher, tokens, chunk);
+    };
+    const double base = kl(dense);
     int64_t n_candidates = 0;
-    for (const auto & g : gated) {
-        n_candidates += static_cast<int64_t>(g.types.size());
+    for (size_t i = 0; i < gated.size(); ++i) {
+        for (size_t k = 0; k < gated[i].types.size(); ++k) {
+            n_candidates += wanted(i, k);
+        }
     }
     progress bar("probe", n_candidates, "cand");
     replaced_weight swap(dense);  // the source model with one tensor as one candidate
     std::vector<std::vector<double>> out;
-    for (const gated_tensor & g : gated) {
+    for (size_t i = 0; i < gated.size(); ++i) {
+        const gated_tensor & g = gated[i];
         std::vector<double> row;
         for (size_t k = 0; k < g.types.size(); ++k) {
+            if (!wanted(i, k)) {
+                row.push_back(std::numeric_limits<double>::quiet_NaN());
+                continue;
+            }
             swap.set(g.tensor->name, candidate_weights(g, k, device).view(torch_shape(g)));
-            row.push_back(kl_of(model, swap, h_t, teacher, tokens, chunk) - base);
+            row.push_back(kl(swap) - base);
             bar.add(1);
         }
         out.push_back(std::move(row));
@@ -99,12 +156,144 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
     return out;
 }
 
+std::vector<std::vector<double>> weighted_errors(weight_source & dense, const std::vector<gated_tensor> & gated,
+                                                 const importance_map * importance, torch::Device device) {
+    torch::NoGradGuard no_grad;
+    std::vector<std::vector<double>> out;
+    for (const gated_tensor & g : gated) {
+        const int64_t ne0 = g.tensor->ne[0];
+        const int64_t experts = g.tensor->n_dims >= 3 ? g.tensor->ne[2] : 1;
+        const torch::Tensor w = dense.get(g.tensor->name).to(device, torch::kFloat).reshape({experts, -1, ne0});
+        const std::span<const float> imp = importance_for(importance, *g.tensor);
+        const torch::Tensor a = imp.empty()
+                                    ? torch::ones({1, 1, ne0}, torch::TensorOptions().device(device))
+                                    : torch::from_blob(const_cast<float *>(imp.data()), {experts, 1, ne0}, torch::kFloat)
+                                          .to(device, torch::kFloat, false, true);
+        std::vector<double> row;
+        for (size_t k = 0; k < g.types.size(); ++k) {
+            const torch::Tensor d = candidate_weights(g, k, device).reshape({experts, -1, ne0}) - w;
+            row.push_back((d.square() * a).sum(torch::kDouble).item<double>());
+        }
+        out.push_back(std::move(row));
+    }
+    return out;
+}
+
+std::vector<std::vector<bool>> anchor_plan(const std::vector<gated_tensor> & gated,
+                                           const std::vector<std::vector<double>> & err, int n_anchors) {
+    std::vector<std::vector<bool>> plan;
+    for (size_t i = 0; i < err.size(); ++i) {
+        const std::vector<double> & e = err[i];
+        const auto is_float = [&](size_t k) {
+            const ggml_type t = gated[i].types[k];
+            return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
+        };
+        bool has_block = false;
+        for (size_t k = 0; k < e.size(); ++k) {
+            has_block = has_block || (e[k] > 0 && !is_float(k));
+        }
+        if (n_anchors <= 0) {
+            std::vector<bool> row(e.size());
+            for (size_t k = 0; k < e.size(); ++k) {
+                row[k] = e[k] > 0;
+            }
+            plan.push_back(std::move(row));
+            continue;
+        }
+        // Anchors among the block types with E > 0, largest E first. A float type of a float source (F16 of a
+        // BF16 file) differs from it in a few rounded values: its ΔKL is below what the probe resolves, so it
+        // is predicted, not measured, unless the menu has no block type.
+        std::vector<size_t> live;
+        for (size_t k = 0; k < e.size(); ++k) {
+            if (e[k] > 0 && (!has_block || !is_float(k))) {
+                live.push_back(k);
+            }
+        }
+        std::stable_sort(live.begin(), live.end(), [&](size_t x, size_t y) { return e[x] > e[y]; });
+        std::vector<bool> row(e.size(), false);
+        if (static_cast<size_t>(n_anchors) >= live.size()) {
+            for (size_t k : live) {
+                row[k] = true;
+            }
+        } else if (n_anchors == 1) {
+            row[live.front()] = true;
+        } else {
+            // Targets evenly spaced in log E from the largest to the least; each takes the nearest unused type.
+            const double hi = std::log(e[live.front()]), lo = std::log(e[live.back()]);
+            std::vector<bool> used(live.size(), false);
+            for (int a = 0; a < n_anchors; ++a) {
+                const double want = hi + (lo - hi) * a / (n_anchors - 1);
+                size_t best = live.size();
+                for (size_t j = 0; j < live.size(); ++j) {
+                    if (!used[j] && (best == live.size() ||
+                                     std::abs(std::log(e[live[j]]) - want) < std::abs(std::log(e[live[best]]) - want))) {
+                        best = j;
+                    }
+                }
+                used[best] = true;
+                row[live[best]] = true;
+            }
+        }
+        plan.push_back(std::move(row));
+    }
+    return plan;
+}
+
+void predict_from_anchors(const std::vector<gated_tensor> & gated, const std::vector<std::vector<double>> & err,
+                          std::vector<std::vector<double>> & sens) {
+    for (size_t i = 0; i < sens.size(); ++i) {
+        const std::vector<double> & e = err[i];
+        std::vector<std::pair<double, double>> known;  // (log E, ΔKL/E) of the measured types with E > 0
+        for (size_t k = 0; k < e.size(); ++k) {
+            if (e[k] > 0 && !std::isnan(sens[i][k])) {
+                known.emplace_back(std::log(e[k]), sens[i][k] / e[k]);
+            }
+        }
+        std::sort(known.begin(), known.end());
+        for (size_t k = 0; k < e.size(); ++k) {
+            if (!std::isnan(sens[i][k])) {
+                continue;
+            }
+            if (e[k] <= 0) {
+                sens[i][k] = 0.0;
+                continue;
+            }
+            if (known.empty()) {
+                fail("tensor '{}': the anchored probe measured none of its types, so {} cannot be predicted",
+                     i < gated.size() ? gated[i].tensor->name : std::to_string(i),
+                     i < gated.size() ? type_name(gated[i].types[k]) : std::to_string(k));
+            }
+            const double x = std::log(e[k]);
+            double r;
+            if (x <= known.front().first) {
+                r = known.front().second;
+            } else if (x >= known.back().first) {
+                r = known.back().second;
+            } else {
+                size_t j = 1;
+                while (known[j].first < x) {
+                    ++j;
+                }
+                const auto [x0, r0] = known[j - 1];
+                const auto [x1, r1] = known[j];
+                const double f = (x - x0) / (x1 - x0);
+                r = r0 > 0 && r1 > 0 ? std::exp(std::log(r0) + f * (std::log(r1) - std::log(r0))) : r0 + f * (r1 - r0);
+            }
+            sens[i][k] = r * e[k];
+        }
+    }
+}
+
 std::string probe_identity(const std::vector<gated_tensor> & gated, const torch::Tensor & tokens,
-                           torch::ScalarType dtype) {
+                           torch::ScalarType dtype, int anchors) {
     XXH3_state_t * st = XXH3_createState();
     XXH3_64bits_reset(st);
     const int32_t dt = static_cast<int32_t>(dtype);
     XXH3_64bits_update(st, &dt, sizeof dt);
+    if (anchors > 0) {  // 0 hashes as before, so full probes of earlier runs stay valid
+        const int32_t a = anchors;
+        XXH3_64bits_update(st, &a, sizeof a);
+    }
     for (const gated_tensor & g : gated) {
         XXH3_64bits_update(st, g.tensor->name.data(), g.tensor->name.size());
         for (size_t k = 0; k < g.types.size(); ++k) {
@@ -123,14 +312,18 @@ std::string probe_identity(const std::vector<gated_tensor> & gated, const torch:
 }
 
 void save_probe(const std::string & path, const std::string & identity, const std::vector<gated_tensor> & gated,
-                const std::vector<std::vector<double>> & sens) {
+                const std::vector<std::vector<double>> & sens, const std::vector<std::vector<bool>> * measured) {
     nlohmann::json tensors = nlohmann::json::array();
     for (size_t i = 0; i < gated.size(); ++i) {
         nlohmann::json kl = nlohmann::json::object();
+        nlohmann::json which = nlohmann::json::array();
         for (size_t k = 0; k < gated[i].types.size(); ++k) {
             kl[type_name(gated[i].types[k])] = sens[i][k];
+            if (!measured || (*measured)[i][k]) {
+                which.push_back(type_name(gated[i].types[k]));
+            }
         }
-        tensors.push_back({{"name", gated[i].tensor->name}, {"delta_kl", kl}});
+        tensors.push_back({{"name", gated[i].tensor->name}, {"delta_kl", kl}, {"measured", which}});
     }
     const nlohmann::json j = {{"identity", identity}, {"unit", "nats per token, f32"}, {"tensors", tensors}};
     write_file_atomic(path, j.dump(1) + "\n");

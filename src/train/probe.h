@@ -4,6 +4,7 @@
 #pragma once
 
 #include "model/model.h"
+#include "imatrix/imatrix.h"
 #include "train/gated.h"
 
 #include <torch/torch.h>
@@ -18,19 +19,51 @@ namespace voodoo {
 /// candidate's ggml to_float. Runs the model in `dtype` (kFloat, the default; kBFloat16 only to measure
 /// what bf16 costs) whatever its compute dtype (restored after), the vocabulary `chunk` positions at a time.
 /// Shows a progress bar.
+/// `measure` (optional, [tensor][menu type]): only the pairs marked true are measured, the others are NaN
+/// (predict_from_anchors fills them).
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
                                                    const torch::Tensor & tokens, torch::Device device, int64_t chunk,
-                                                   torch::ScalarType dtype = torch::kFloat);
+                                                   torch::ScalarType dtype = torch::kFloat,
+                                                   const std::vector<std::vector<bool>> * measure = nullptr);
+
+/// The importance-weighted squared error of every candidate, [tensor][menu type]:
+///   E_k = Σ_rows Σ_j a_j · (W_ij − deq(Q_k)_ij)²,
+/// W the source weights (`dense`), a the tensor's imatrix importance (per input column, per expert for 3-D
+/// tensors; 1 where `importance` has no entry). This is the quantity llama.cpp's quantizers minimize
+/// (ggml-quants.c, quant_weights), and, with the Fisher's Kronecker factorization F ≈ E[ggᵀ] ⊗ E[xxᵀ] whose
+/// input factor the imatrix's diagonal is, the second-order ΔKL of candidate k is c_t · E_k up to the
+/// output factor c_t, which is the same for every type of one tensor. Exact 0 for a candidate equal to the
+/// source. Computed on `device` in f32 (f64 sums).
+std::vector<std::vector<double>> weighted_errors(weight_source & dense, const std::vector<gated_tensor> & gated,
+                                                 const importance_map * importance, torch::Device device);
+
+/// Which candidates an anchored probe measures, [tensor][menu type]: per tensor, `n_anchors` block types spread
+/// evenly in log E over those with E > 0 (the one of largest E always; with n ≥ 2 the one of least E). Float
+/// types (F16/BF16/F32) are anchors only in a menu without block types: one that differs from a float source
+/// in a few rounded values has a ΔKL below the probe's resolution. Types with E = 0 (the source's own bytes)
+/// are never measured (ΔKL 0). n_anchors ≤ 0: every type with E > 0.
+std::vector<std::vector<bool>> anchor_plan(const std::vector<gated_tensor> & gated,
+                                           const std::vector<std::vector<double>> & err, int n_anchors);
+
+/// Fills the unmeasured entries of `sens` (NaN) from the measured ones of the same tensor: ΔKL_k = r(E_k) · E_k,
+/// where r = ΔKL/E is interpolated between the two measured types nearest in E (log r linear in log E when both
+/// ratios are positive, else r linear in log E) and held constant beyond the measured range; E_k = 0 gives 0.
+/// Throws voodoo::error naming the tensor when an entry with E > 0 has no measured type to predict it from.
+void predict_from_anchors(const std::vector<gated_tensor> & gated, const std::vector<std::vector<double>> & err,
+                          std::vector<std::vector<double>> & sens);
 
 /// The identity of a probe: the candidates' bytes (every type of every menu), the probe tokens, the model's
-/// tensor names and the probe's dtype, as 16 hex digits. A probe file with another identity is never reused.
+/// tensor names, the probe's dtype and its anchors per tensor (0 = all), as 16 hex digits. A probe file with another identity is never reused.
 std::string probe_identity(const std::vector<gated_tensor> & gated, const torch::Tensor & tokens,
-                           torch::ScalarType dtype = torch::kFloat);
+                           torch::ScalarType dtype = torch::kFloat, int anchors = 0);
 
-/// Writes the probe to `path` atomically as JSON: {"identity", "tensors": [{"name", "delta_kl": {type: nats}}]}.
+/// Writes the probe to `path` atomically as JSON: {"identity", "tensors": [{"name", "delta_kl": {type: nats},
+/// "measured": [types]}]}; "measured" lists the types a forward measured (the others were predicted or are the
+/// source's own bytes), every type when `measured` is null.
 void save_probe(const std::string & path, const std::string & identity, const std::vector<gated_tensor> & gated,
-                const std::vector<std::vector<double>> & sens);
+                const std::vector<std::vector<double>> & sens,
+                const std::vector<std::vector<bool>> * measured = nullptr);
 
 /// The probe stored at `path` when it exists and has `identity` and the same tensors and menus; else empty.
 /// Throws voodoo::error naming the file when it exists but is not a probe file.

@@ -57,6 +57,9 @@ std::string fingerprint(const gguf_file & src, const std::vector<tensor_menu> & 
                         {"lambda_size", o.lambda_size}, {"tol", o.size_tol}, {"st", o.st_gumbel_fraction},
                         {"seed", o.seed}, {"data", data_hash}, {"gate_init", o.gate_init}, {"probe", o.probe_sequences}, {"model", src.tensors().size()},
                         {"lambda_ce", o.lambda_ce}, {"compute", o.compute}};
+    if (o.probe_anchors > 0) {
+        j["probe_anchors"] = o.probe_anchors;
+    }
     for (const tensor_menu & m : menus) {
         std::string types;
         for (ggml_type t : m.types) {
@@ -68,7 +71,26 @@ std::string fingerprint(const gguf_file & src, const std::vector<tensor_menu> & 
     return fmt::format("{:016x}", XXH3_64bits(s.data(), s.size()));
 }
 
-// Every candidate's bytes, built in parallel on all cores, through the cache.
+}  // namespace
+
+std::vector<std::string> apply_cpu_defaults(train_options & o, const std::function<bool(const std::string &)> & given,
+                                            int64_t ctx) {
+    std::vector<std::string> set;
+    auto def = [&](const char * flag, auto & field, auto value) {
+        if (!given(flag)) {
+            field = value;
+            set.push_back(fmt::format("{} {}", flag, value));
+        }
+    };
+    def("--probe-sequences", o.probe_sequences, 2);
+    def("--probe-anchors", o.probe_anchors, 2);
+    def("--steps", o.steps, 40);
+    def("--batch", o.batch, 2);
+    def("--seq", o.seq, static_cast<int>(std::min<int64_t>(128, ctx)));
+    def("--select-sequences", o.select_sequences, 8);
+    return set;
+}
+
 std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vector<tensor_menu> & menus,
                                            const importance_map * importance, const candidate_cache & cache,
                                            int threads) {
@@ -113,6 +135,8 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
     }
     return out;
 }
+
+namespace {
 
 double cosine_lr(const train_options & o, int step) {
     const double x = o.steps > 1 ? static_cast<double>(step) / (o.steps - 1) : 1.0;
@@ -402,32 +426,41 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
     const int64_t loss_chunk = o.loss_chunk > 0 ? o.loss_chunk : distill_chunk(model->hparams().n_vocab);
     const int64_t n_chunks = train.n_chunks();
-    auto chunk_tokens = [&](const std::vector<int64_t> & chunks) {
-        auto tokens = torch::empty({static_cast<int64_t>(chunks.size()), seq}, torch::kLong);
+    // The first `len` tokens of the given chunks of `file`, [chunks, len] int64 on the device.
+    auto tokens_of = [&](const token_file & file, const std::vector<int64_t> & chunks, int64_t len) {
+        auto tokens = torch::empty({static_cast<int64_t>(chunks.size()), len}, torch::kLong);
         auto acc = tokens.accessor<int64_t, 2>();
         for (size_t j = 0; j < chunks.size(); ++j) {
-            const auto c = train.chunk(chunks[j]);
-            for (int64_t p = 0; p < seq; ++p) {
+            const auto c = file.chunk(chunks[j]);
+            for (int64_t p = 0; p < len; ++p) {
                 acc[static_cast<int64_t>(j)][p] = c[static_cast<size_t>(p)];
             }
         }
         return tokens.to(device);
     };
+    auto chunk_tokens = [&](const std::vector<int64_t> & chunks) { return tokens_of(train, chunks, seq); };
 
     // Sensitivities (kept in the probe file, shared by the sizes of a ladder), and the allocation they
     // suggest: the least total ΔKL under the budget (allocate_exact). The gates start there.
     const std::vector<int64_t> order0 = epoch_order(n_chunks, o.seed, 0);
     const std::vector<int64_t> probe_chunks(order0.begin(), order0.begin() + std::min<int64_t>(o.probe_sequences, n_chunks));
-    const torch::Tensor probe_tokens = chunk_tokens(probe_chunks);
+    // Whole chunks, whatever --seq the training uses: the probe and the selection judge the context the
+    // model will serve, not the training's shorter windows.
+    const torch::Tensor probe_tokens = tokens_of(train, probe_chunks, train.ctx());
     const std::string probe_path = o.probe_file.empty() ? (fs::path(o.run_dir) / "probe.json").string() : o.probe_file;
     const torch::ScalarType probe_dtype = o.probe_compute == "bf16" ? torch::kBFloat16 : torch::kFloat;
-    const std::string probe_id = probe_identity(gated, probe_tokens, probe_dtype);
+    const std::string probe_id = probe_identity(gated, probe_tokens, probe_dtype, o.probe_anchors);
     std::vector<std::vector<double>> sens = load_probe(probe_path, probe_id, gated);
     if (sens.empty()) {
-        sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk, probe_dtype);
+        // Every candidate equal to the source (E = 0) has ΔKL 0 without a forward; with --probe-anchors N only N
+        // types per tensor are measured and the rest predicted from their importance-weighted error.
+        const std::vector<std::vector<double>> err = weighted_errors(dense, gated, importance, device);
+        const std::vector<std::vector<bool>> plan = anchor_plan(gated, err, o.probe_anchors);
+        sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk, probe_dtype,
+                                 &plan);
         for (size_t i = 0; i < gated.size(); ++i) {
             for (size_t k = 0; k < gated[i].types.size(); ++k) {
-                if (!std::isfinite(sens[i][k])) {
+                if (plan[i][k] && !std::isfinite(sens[i][k])) {
                     fail("the loss is not finite: the KL probe of tensor '{}' as {} gives {} (every tensor does when the "
                          "teacher's or the source's own logits are not finite); nothing was trained and {}",
                          gated[i].tensor->name, type_name(gated[i].types[k]), sens[i][k],
@@ -436,7 +469,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 }
             }
         }
-        save_probe(probe_path, probe_id, gated, sens);
+        predict_from_anchors(gated, err, sens);
+        save_probe(probe_path, probe_id, gated, sens, &plan);
     } else {
         fmt::print(stderr, "probe: {} (reused)\n", probe_path);
     }
@@ -580,22 +614,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
     bar.finish();
 
-    // The selection's chunks: the validation split (never trained on), else the probe's.
-    auto select_tokens = [&](const token_file * v, const torch::Tensor & fallback) {
-        if (!v || v->n_chunks() == 0 || v->ctx() < seq) {
-            return fallback;
-        }
-        const int64_t n = std::min<int64_t>(o.select_sequences, v->n_chunks());
-        auto tokens = torch::empty({n, seq}, torch::kLong);
-        auto acc = tokens.accessor<int64_t, 2>();
-        for (int64_t j = 0; j < n; ++j) {
-            const auto c = v->chunk(j);
-            for (int64_t p = 0; p < seq; ++p) {
-                acc[j][p] = c[static_cast<size_t>(p)];
-            }
-        }
-        return tokens.to(device);
-    };
     train_result res;
     res.finished = !stopped;
     res.steps_done = step;
@@ -606,9 +624,15 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const torch::Tensor p = student.probs(i).detach().to(torch::kCPU, torch::kDouble).contiguous();
         probs.emplace_back(p.data_ptr<double>(), p.data_ptr<double>() + p.numel());
     }
-    const torch::Tensor sel_tokens = select_tokens(val, probe_tokens);
+    // The selection's chunks: the first --select-sequences of the validation split (never trained on), else the
+    // probe's.
+    res.select_held_apart = val && val->n_chunks() > 0 && val->ctx() >= train.ctx();
+    std::vector<int64_t> sel_chunks;
+    for (int64_t j = 0; res.select_held_apart && j < std::min<int64_t>(o.select_sequences, val->n_chunks()); ++j) {
+        sel_chunks.push_back(j);
+    }
+    const torch::Tensor sel_tokens = res.select_held_apart ? tokens_of(*val, sel_chunks, train.ctx()) : probe_tokens;
     res.select_tokens_shape = {sel_tokens.size(0), sel_tokens.size(1)};
-    res.select_held_apart = !sel_tokens.is_same(probe_tokens);
     const std::vector<int> choice = select_recipe(res, *model, dense, teacher_weights, gated, menus, b, probs, sens,
                                                   sel_tokens, device, loss_chunk, o);
     res.final_recipe = recipe_from_choice(src, menus, choice, probs, o.goal);

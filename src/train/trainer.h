@@ -6,6 +6,7 @@
 #include "ggml/gguf.h"
 #include "train/budget.h"
 #include "train/candidates.h"
+#include "train/gated.h"
 
 #include <torch/torch.h>
 
@@ -39,6 +40,8 @@ struct train_options {
     double size_tol = 0.005;
     double st_gumbel_fraction = 0.0;    // last fraction of steps with straight-through Gumbel hardening
     int probe_sequences = 8;            // sequences on which each candidate's ΔKL alone is measured
+    int probe_anchors = 0;              // types measured per tensor, the rest predicted from the imatrix-weighted
+                                        // error (anchor_plan); 0 = every type
     std::string probe_file;             // where the probe is kept and reused ("" = <run_dir>/probe.json); the ladder
                                         // of `voodoo quantize` shares one between its sizes
     int select_sequences = 16;          // validation sequences on which the final selection measures each recipe
@@ -81,6 +84,22 @@ struct train_result {
     std::string mixture;
     int64_t candidate_device_bytes = 0; // what the candidates took on the device (0 on the cpu path)
 };
+
+/// Every candidate's bytes of `menus` (menu order), quantized on `threads` cores (0 = all) through `cache`,
+/// with a progress bar. Throws voodoo::error naming the tensor when llama.cpp's quantizer refuses a type.
+std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vector<tensor_menu> & menus,
+                                           const importance_map * importance, const candidate_cache & cache,
+                                           int threads);
+
+/// The defaults for `--device cpu`, where one forward of a 30M-weight model runs about 1,000× slower than on
+/// an H200 and a run must still take minutes (docs/BENCHMARKS.md, "One size of mix30M on the CPU"): the probe on
+/// 2 sequences, measuring 2 types per tensor and predicting the rest (bench/probe_anchors: 0.6% mean knapsack
+/// regret on mix30M); 40 training steps of 2 × 128 tokens; the final selection on 8 sequences. Each is set only
+/// where given(flag) is false: "--probe-sequences", "--probe-anchors", "--steps", "--batch", "--seq",
+/// "--select-sequences". Returns the flags it set, for the run's log.
+/// `ctx`: the calibration chunk length (the training sequences are at most 128 tokens and at most ctx).
+std::vector<std::string> apply_cpu_defaults(train_options & o, const std::function<bool(const std::string &)> & given,
+                                            int64_t ctx);
 
 /// The torch device of a --device value: "cpu", "cuda" or "cuda:N". Throws voodoo::error naming the flag
 /// when the value is malformed, or when CUDA is asked of a build or machine without it.

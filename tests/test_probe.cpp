@@ -1,0 +1,161 @@
+// The anchored probe: the importance-weighted error of every candidate, which candidates it measures, how the
+// others are predicted, and that what it measures is what the full probe measures.
+#include "ggml/gguf.h"
+#include "model/gguf_weights.h"
+#include "model/registry.h"
+#include "train/candidates.h"
+#include "train/loss.h"
+#include "train/probe.h"
+#include "test_util.h"
+#include "tolerance.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+using namespace voodoo;
+
+namespace {
+
+const double unmeasured = std::numeric_limits<double>::quiet_NaN();
+
+// Two tensors of stories260K, each with its own bytes (F32, the source), Q8_0 and Q4_0 as llama.cpp makes them.
+std::vector<gated_tensor> three_candidates(const gguf_file & f, const importance_map * importance) {
+    std::vector<gated_tensor> gated;
+    for (const char * name : {"blk.0.attn_q.weight", "blk.2.ffn_up.weight"}) {
+        gated_tensor g;
+        g.tensor = &f.tensor(name);
+        g.types = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, GGML_TYPE_F32};
+        for (ggml_type t : g.types) {
+            g.bytes.push_back(quantize_tensor(f, *g.tensor, t, importance_for(importance, *g.tensor)));
+        }
+        gated.push_back(std::move(g));
+    }
+    return gated;
+}
+
+gated_tensor of_types(std::vector<ggml_type> types) {
+    gated_tensor g;
+    g.types = std::move(types);
+    return g;
+}
+
+}  // namespace
+
+TEST(probe, the_weighted_error_is_the_importance_weighted_squared_error_of_each_candidate) {
+    const gguf_file f(test::stories260k());
+    importance_map importance;
+    for (const char * name : {"blk.0.attn_q.weight", "blk.2.ffn_up.weight"}) {
+        const std::vector<float> g = test::gaussian(static_cast<size_t>(f.tensor(name).ne[0]), 7);
+        std::vector<float> a;
+        for (float x : g) {
+            a.push_back(0.1f + x * x);  // positive, uneven across columns
+        }
+        importance[name] = a;
+    }
+    const std::vector<gated_tensor> gated = three_candidates(f, &importance);
+    gguf_weights dense(f);
+    const auto err = weighted_errors(dense, gated, &importance, torch::kCPU);
+    ASSERT_EQ(err.size(), 2u);
+    for (size_t i = 0; i < gated.size(); ++i) {
+        const torch::Tensor w = dense.get(gated[i].tensor->name).to(torch::kDouble).reshape({-1, gated[i].tensor->ne[0]});
+        const torch::Tensor a = torch::tensor(importance[gated[i].tensor->name], torch::kDouble);
+        for (size_t k = 0; k < gated[i].types.size(); ++k) {
+            const torch::Tensor q = candidate_weights(gated[i], k, torch::kCPU).to(torch::kDouble);
+            const double want = ((w - q).square() * a).sum().item<double>();
+            // Per term: the f32 difference, its square and the product with a each round once (≤ 4u relative);
+            // the sum is in f64.
+            EXPECT_LE(std::abs(err[i][k] - want), test::gamma_n(4) * want + 1e-300)
+                << gated[i].tensor->name << " type " << k;
+        }
+        EXPECT_EQ(err[i][2], 0.0) << "the source's own bytes differ from the source";
+        EXPECT_GT(err[i][0], err[i][1]) << "Q4_0 must err more than Q8_0";
+    }
+    // Without an importance entry every column weighs 1.
+    const auto plain = weighted_errors(dense, gated, nullptr, torch::kCPU);
+    const torch::Tensor w = dense.get(gated[0].tensor->name).to(torch::kDouble).reshape({-1, gated[0].tensor->ne[0]});
+    const double want = (w - candidate_weights(gated[0], 0, torch::kCPU).to(torch::kDouble)).square().sum().item<double>();
+    EXPECT_LE(std::abs(plain[0][0] - want), test::gamma_n(3) * want);
+}
+
+TEST(probe, an_anchor_plan_measures_block_types_spread_in_error_and_never_the_source_bytes) {
+    // Menu Q2_K, Q4_K, Q5_K, Q6_K, Q8_0, F16, BF16 of a BF16 source: BF16 is the source (E = 0), F16 differs
+    // in a few rounded values.
+    std::vector<gated_tensor> gated = {of_types({GGML_TYPE_Q2_K, GGML_TYPE_Q4_K, GGML_TYPE_Q5_K, GGML_TYPE_Q6_K,
+                                                  GGML_TYPE_Q8_0, GGML_TYPE_F16, GGML_TYPE_BF16}),
+                                       of_types({GGML_TYPE_F16, GGML_TYPE_BF16})};
+    const std::vector<std::vector<double>> err = {{1000, 60, 15, 4, 0.25, 1e-9, 0}, {2e-9, 0}};
+    const auto all = anchor_plan(gated, err, 0);
+    EXPECT_EQ(all[0], (std::vector<bool>{true, true, true, true, true, true, false}));
+    EXPECT_EQ(all[1], (std::vector<bool>{true, false}));
+    const auto one = anchor_plan(gated, err, 1);
+    EXPECT_EQ(one[0], (std::vector<bool>{true, false, false, false, false, false, false}));
+    const auto two = anchor_plan(gated, err, 2);
+    EXPECT_EQ(two[0], (std::vector<bool>{true, false, false, false, true, false, false}))
+        << "the largest and least error among the block types, not F16";
+    // Three: the middle target is ln E = (ln 1000 + ln 0.25) / 2 ≈ 2.76, nearest Q5_K (ln 15 ≈ 2.71).
+    const auto three = anchor_plan(gated, err, 3);
+    EXPECT_EQ(three[0], (std::vector<bool>{true, false, true, false, true, false, false}));
+    // A menu of floats only measures its float type (there is nothing else to measure).
+    EXPECT_EQ(two[1], (std::vector<bool>{true, false}));
+    // More anchors than types: every block type with E > 0.
+    const auto many = anchor_plan(gated, err, 9);
+    EXPECT_EQ(many[0], (std::vector<bool>{true, true, true, true, true, false, false}));
+}
+
+TEST(probe, unmeasured_types_are_predicted_from_the_error_ratio_of_the_nearest_measured_ones) {
+    std::vector<gated_tensor> gated = {of_types({GGML_TYPE_Q2_K, GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, GGML_TYPE_Q8_0,
+                                                  GGML_TYPE_F16, GGML_TYPE_BF16})};
+    gguf_tensor t;
+    t.name = "blk.0.attn_q.weight";
+    gated[0].tensor = &t;
+    const std::vector<std::vector<double>> err = {{100, 10, 1, 0.01, 1e-6, 0}};
+    // Measured Q2_K (ratio 4) and Q6_K (ratio 1): Q4_K lies halfway in ln E, so its ratio is √(4 · 1) = 2;
+    // Q8_0 and F16, below the least measured E, keep ratio 1; BF16 (E = 0) is 0.
+    std::vector<std::vector<double>> sens = {{400, unmeasured, 1, unmeasured, unmeasured, unmeasured}};
+    predict_from_anchors(gated, err, sens);
+    EXPECT_DOUBLE_EQ(sens[0][0], 400);
+    EXPECT_NEAR(sens[0][1], 20, 20 * 1e-12);
+    EXPECT_DOUBLE_EQ(sens[0][2], 1);
+    EXPECT_NEAR(sens[0][3], 0.01, 0.01 * 1e-12);
+    EXPECT_NEAR(sens[0][4], 1e-6, 1e-6 * 1e-12);
+    EXPECT_EQ(sens[0][5], 0.0);
+    // A measured ΔKL at or below 0 (the probe's resolution): the ratio is interpolated linearly, not in logs.
+    std::vector<std::vector<double>> flat = {{400, unmeasured, -1, unmeasured, unmeasured, unmeasured}};
+    predict_from_anchors(gated, err, flat);
+    EXPECT_NEAR(flat[0][1], 10 * (4 + 0.5 * (-1 - 4)), 1e-9);
+    // Nothing measured: an error naming the tensor and the type.
+    std::vector<std::vector<double>> none = {{unmeasured, unmeasured, unmeasured, unmeasured, unmeasured, unmeasured}};
+    const std::string msg = test::error_of([&] { predict_from_anchors(gated, err, none); });
+    EXPECT_NE(msg.find("blk.0.attn_q.weight"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("q2_K"), std::string::npos) << msg;
+}
+
+TEST(probe, an_anchored_probe_measures_exactly_what_the_full_probe_measures_at_its_anchors) {
+    const gguf_file f(test::stories260k());
+    const std::vector<gated_tensor> gated = three_candidates(f, nullptr);
+    std::unique_ptr<causal_lm> model = build_model(f);
+    gguf_weights dense(f), teacher(f);
+    const torch::Tensor tokens = torch::randint(1, model->hparams().n_vocab, {2, 32}, torch::kLong);
+    const int64_t chunk = 24;  // not a divisor of the 64 positions: the last chunk is short
+    const auto full = probe_sensitivity(*model, dense, teacher, gated, tokens, torch::kCPU, chunk);
+    const auto err = weighted_errors(dense, gated, nullptr, torch::kCPU);
+    const auto plan = anchor_plan(gated, err, 1);
+    const auto part = probe_sensitivity(*model, dense, teacher, gated, tokens, torch::kCPU, chunk, torch::kFloat, &plan);
+    for (size_t i = 0; i < gated.size(); ++i) {
+        EXPECT_EQ(full[i][2], 0.0) << "the source's own bytes change nothing";
+        EXPECT_GT(full[i][0], full[i][1]) << "Q4_0 must cost more KL than Q8_0";
+        for (size_t k = 0; k < 3; ++k) {
+            if (plan[i][k]) {
+                EXPECT_EQ(part[i][k], full[i][k]);  // the same forward on the same tokens
+            } else {
+                EXPECT_TRUE(std::isnan(part[i][k]));
+            }
+        }
+    }
+    // What the probe computes with its cached teacher log-probabilities is the KL of the recipe that differs
+    // from the source in that one tensor, as the final selection measures it (chunked_distill, recomputed).
+    const double one = recipe_kl(*model, dense, teacher, gated, {0, 2}, tokens, torch::kCPU, chunk);
+    EXPECT_EQ(one, full[0][0]);
+}
