@@ -131,6 +131,33 @@ ladder-mix30M)
     tar czf "$OUT/ladder/mix30M.tgz" -C $W/work imatrix.gguf probe.json \
         $(cd $W/work && ls -d run-*/{recipe,greedy.recipe,selection,sensitivity}.json run-*/log.jsonl 2>/dev/null)
     ;;
+ladder-mix30M-eval)
+    # The same ladder evaluated here (libllama on the machine's 16 cores, every stock recipe, 40 chunks of
+    # wiki.test.raw), then bench/probe_anchors on its full probe, and the ladder again with --probe-anchors 2
+    # (the selection's validation KL of each size, against the full probe's).
+    log ladder mix30M with eval
+    [ -f /tmp/mix30M.gguf ] || xz -dc .device-model/mix30M.gguf.xz > /tmp/mix30M.gguf
+    W=/tmp/mixw; T=$D/data/text/tinystories/tinystories_val.txt
+    n=$(wc -l < "$T"); k=$((n * 4 / 5)); mkdir -p $W "$OUT/ladder"
+    (cat "$D/data/text/wikitext-2-raw/wiki.valid.raw"; head -n $k "$T") > $W/calib.txt
+    cp "$D/data/text/wikitext-2-raw/wiki.test.raw" $W/
+    L="${MIX_LADDER:-IQ1_M,IQ2_XXS,IQ2_XS,IQ2_S,IQ2_M,IQ3_XXS,IQ3_XS,IQ3_S,IQ3_M,Q2_K_S,Q2_K,Q3_K_S,Q3_K_M,Q3_K_L,IQ4_XS,IQ4_NL,Q4_0,Q4_1,Q4_K_S,Q4_K_M,Q5_0,Q5_1,Q5_K_S,Q5_K_M,Q6_K,Q8_0}"
+    build-cuda/bin/voodoo quantize /tmp/mix30M.gguf --text $W/calib.txt --eval-text $W/wiki.test.raw --like "$L" \
+        --ctx 512 --baselines all-that-fit --greedy-peer --eval-chunks 40 --device cuda --work $W/work \
+        --threads 16 --ggml-threads 16 > "$OUT/ladder/mix30M.log" 2>&1
+    tail -3 "$OUT/ladder/mix30M.log"
+    log probe anchors
+    build-cuda/bin/probe_anchors /tmp/mix30M.gguf --imatrix $W/work/imatrix.gguf --probe $W/work/probe.json \
+        --cache $W/work/candidates --threads 16 --out "$OUT/ladder/anchors-mix30M.json" > "$OUT/ladder/anchors-mix30M.log" 2>&1
+    tail -8 "$OUT/ladder/anchors-mix30M.log"
+    log ladder mix30M, anchored probe
+    build-cuda/bin/voodoo quantize /tmp/mix30M.gguf --text $W/calib.txt --like "$L" --probe-anchors 2 \
+        --ctx 512 --baselines none --eval-chunks 0 --device cuda --work $W/anchored \
+        --threads 16 --ggml-threads 16 > "$OUT/ladder/mix30M-anchored.log" 2>&1
+    tail -3 "$OUT/ladder/mix30M-anchored.log"
+    tar czf "$OUT/ladder/mix30M.tgz" -C $W work/imatrix.gguf work/probe.json anchored/probe.json \
+        $(cd $W && ls -d work/{curve,eval}.* work/run-*/{recipe,greedy.recipe,selection}.json anchored/run-*/selection.json 2>/dev/null)
+    ;;
 ablations)
     # mix30M at three sizes, one change each against the ladder's defaults: training in f32, no CE term,
     # the probe in bf16 (as before the f32 probe). Data, imatrix and candidates are the ladder's.

@@ -3,6 +3,7 @@
 #include "data/dataset.h"
 #include "ggml/gguf.h"
 #include "imatrix/collect.h"
+#include "model/fixture.h"
 #include "model/gguf_weights.h"
 #include "model/parity.h"
 #include "model/registry.h"
@@ -12,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <fstream>
 #include <map>
 
@@ -20,8 +22,9 @@ namespace {
 using voodoo::test::stories260k;
 using voodoo::test::temp_dir;
 
-TEST(imatrix_cross_check, stories260k_on_64_tinystories_chunks_agrees_with_the_libtorch_forward_within_f32_summation_and_parity) {
-    temp_dir tmp;
+// Collects the imatrix of `model` on 64 chunks of 64 tokens of TinyStories and checks every entry against the
+// LibTorch forward's Σx²; returns the entries' names.
+std::vector<std::string> cross_check(const std::string & model_path, const temp_dir & tmp) {
     {
         std::ifstream in(voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt", std::ios::binary);
         std::string text(30000, '\0');
@@ -30,7 +33,7 @@ TEST(imatrix_cross_check, stories260k_on_64_tinystories_chunks_agrees_with_the_l
         std::ofstream(tmp.file("stories.txt"), std::ios::binary) << text;
     }
     voodoo::data_options d;
-    d.model = stories260k();
+    d.model = model_path;
     d.texts = {tmp.file("stories.txt")};
     d.ctx = 64;
     d.val_fraction = 0.0;
@@ -39,12 +42,12 @@ TEST(imatrix_cross_check, stories260k_on_64_tinystories_chunks_agrees_with_the_l
     constexpr int64_t n_chunks = 64;
 
     voodoo::imatrix_options o;
-    o.model = stories260k();
+    o.model = model_path;
     o.data_dir = d.out_dir;
     o.max_chunks = n_chunks;
     o.n_threads = 1;  // ggml's spinning thread pool crawls on cores other tests share (docs/DATA.md)
     const voodoo::imatrix im = voodoo::collect_imatrix(o);
-    ASSERT_EQ(im.chunk_count, n_chunks);
+    EXPECT_EQ(im.chunk_count, n_chunks);
 
     // The same chunks through the LibTorch forward, Σx² accumulated in f64.
     const voodoo::token_data data(d.out_dir);
@@ -55,7 +58,7 @@ TEST(imatrix_cross_check, stories260k_on_64_tinystories_chunks_agrees_with_the_l
         }
     }
     const torch::Tensor tokens = torch::tensor(ids, torch::kLong).reshape({n_chunks, data.train().ctx()});
-    const voodoo::gguf_file file(stories260k());
+    const voodoo::gguf_file file(model_path);
     auto model = voodoo::build_model(file);
     voodoo::gguf_weights w(file);
     std::map<std::string, torch::Tensor> sums;
@@ -71,15 +74,23 @@ TEST(imatrix_cross_check, stories260k_on_64_tinystories_chunks_agrees_with_the_l
         model->forward(tokens, w);
     }
 
-    ASSERT_EQ(sums.size(), im.entries.size());
+    EXPECT_EQ(sums.size(), im.entries.size());
+    std::vector<std::string> names;
     double worst = 0.0;
     std::string worst_name;
     for (const auto & [name, e] : im.entries) {
         SCOPED_TRACE(name);
-        ASSERT_TRUE(sums.contains(name));
+        names.push_back(name);
+        if (!sums.contains(name)) {
+            ADD_FAILURE() << "libllama collected " << name << ", which the LibTorch forward never multiplies";
+            continue;
+        }
         EXPECT_EQ(e.counts, std::vector<int64_t>({counts[name]}));
         const torch::Tensor ref = sums[name];
-        ASSERT_EQ(ref.size(0), e.ne0());
+        if (ref.size(0) != e.ne0()) {
+            ADD_FAILURE() << ref.size(0) << " columns in LibTorch, " << e.ne0() << " in the imatrix";
+            continue;
+        }
         const auto r = ref.accessor<double, 1>();
         for (int64_t j = 0; j < e.ne0(); ++j) {
             const double rel = std::abs(static_cast<double>(e.in_sum2[static_cast<size_t>(j)]) - r[j]) / r[j];
@@ -97,6 +108,33 @@ TEST(imatrix_cross_check, stories260k_on_64_tinystories_chunks_agrees_with_the_l
     EXPECT_LE(worst, bound) << "worst at " << worst_name;
     EXPECT_GT(1.0 / n_chunks, bound);
     std::printf("imatrix vs LibTorch: worst relative error per column %.3g (%s)\n", worst, worst_name.c_str());
+    return names;
+}
+
+TEST(imatrix_cross_check, stories260k_on_64_tinystories_chunks_agrees_with_the_libtorch_forward_within_f32_summation_and_parity) {
+    temp_dir tmp;
+    const std::vector<std::string> names = cross_check(stories260k(), tmp);
+    // Untied: the head is output.weight; token_embd is only looked up (get_rows), so it has no entry.
+    EXPECT_NE(std::find(names.begin(), names.end(), "output.weight"), names.end());
+    EXPECT_EQ(std::find(names.begin(), names.end(), "token_embd.weight"), names.end());
+}
+
+TEST(imatrix_cross_check, a_tied_head_gets_the_entry_of_its_matmul_under_token_embd) {
+    temp_dir tmp;
+    voodoo::fixture_spec spec;
+    spec.vocab_path = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf";
+    spec.n_embd = 64;
+    spec.n_layer = 2;
+    spec.n_head = 2;
+    spec.n_head_kv = 1;
+    spec.head_dim = 32;
+    spec.n_ff = 128;
+    spec.tied_output = true;
+    voodoo::write_fixture(spec, tmp.file("tied.gguf"));
+    const std::vector<std::string> names = cross_check(tmp.file("tied.gguf"), tmp);
+    // 7 matrices in each of 2 blocks and the head, read from token_embd.weight (64 columns: n_embd).
+    EXPECT_EQ(names.size(), 7u * 2 + 1);
+    EXPECT_NE(std::find(names.begin(), names.end(), "token_embd.weight"), names.end());
 }
 
 }  // namespace

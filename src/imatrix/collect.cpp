@@ -49,7 +49,9 @@ struct collector {
             return false;
         }
         const std::string name = weight_name(t->src[0]->name);
-        return name.starts_with("blk.") || name == "output.weight";
+        // A tied head reads token_embd.weight in a matmul (the lookup is a get_rows, never seen here): it gets
+        // the head's entry, as output.weight does with llama-imatrix's --process-output.
+        return name.starts_with("blk.") || name == "output.weight" || name == "token_embd.weight";
     }
 
     bool fail_with(std::string why) {
@@ -232,7 +234,7 @@ imatrix collect_imatrix(const imatrix_options & o) {
     }
     llama_batch_free(batch);
     if (c.im.entries.empty()) {
-        fail("no matmul of '{}' was seen; libllama computed no weight named blk.* or output.weight", o.model);
+        fail("no matmul of '{}' was seen; libllama computed no weight named blk.*, output.weight or a tied token_embd.weight", o.model);
     }
     c.im.chunk_size = train.ctx();
     c.im.chunk_count = n_chunks;
