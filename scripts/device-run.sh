@@ -151,7 +151,7 @@ ladder-mix30M-eval)
         --cache $W/work/candidates --threads 16 --out "$OUT/ladder/anchors-mix30M.json" > "$OUT/ladder/anchors-mix30M.log" 2>&1
     tail -8 "$OUT/ladder/anchors-mix30M.log"
     log ladder mix30M, anchored probe
-    build-cuda/bin/voodoo quantize /tmp/mix30M.gguf --text $W/calib.txt --like "$L" --probe-anchors 2 \
+    build-cuda/bin/voodoo quantize /tmp/mix30M.gguf --text $W/calib.txt --like "${ANCHORED_LADDER:-IQ2_M,Q3_K_M,Q4_K_M,Q5_K_M,Q6_K}" --probe-anchors 2 \
         --ctx 512 --baselines none --eval-chunks 0 --device cuda --work $W/anchored \
         --threads 16 --ggml-threads 16 > "$OUT/ladder/mix30M-anchored.log" 2>&1
     tail -3 "$OUT/ladder/mix30M-anchored.log"
