@@ -6,6 +6,7 @@
 #include "train/candidates.h"
 #include "train/loss.h"
 #include "train/probe.h"
+#include "train/trainer.h"
 #include "test_util.h"
 #include "tolerance.h"
 
@@ -158,4 +159,20 @@ TEST(probe, an_anchored_probe_measures_exactly_what_the_full_probe_measures_at_i
     // from the source in that one tensor, as the final selection measures it (chunked_distill, recomputed).
     const double one = recipe_kl(*model, dense, teacher, gated, {0, 2}, tokens, torch::kCPU, chunk);
     EXPECT_EQ(one, full[0][0]);
+}
+
+TEST(probe, cpu_defaults_set_only_the_flags_not_given_and_never_a_sequence_longer_than_the_chunks) {
+    train_options o;
+    o.steps = 7;  // as if given on the command line
+    const auto set = apply_cpu_defaults(o, [](const std::string & f) { return f == "--steps"; }, 64);
+    EXPECT_EQ(o.steps, 7);
+    EXPECT_EQ(o.probe_sequences, 2);
+    EXPECT_EQ(o.probe_anchors, 2);
+    EXPECT_EQ(o.batch, 2);
+    EXPECT_EQ(o.seq, 64) << "at most the calibration chunk length";
+    EXPECT_EQ(o.select_sequences, 8);
+    EXPECT_EQ(set.size(), 5u);
+    train_options all;
+    EXPECT_TRUE(apply_cpu_defaults(all, [](const std::string &) { return true; }, 512).empty());
+    EXPECT_EQ(all.steps, train_options{}.steps);
 }
