@@ -72,30 +72,24 @@ int main(int argc, char ** argv) {
         gguf_weights dense(src, torch::kCPU);
         const std::vector<std::vector<double>> err = weighted_errors(dense, gated, &importance, torch::kCPU);
 
+        // The stored probe under its own identity: load_probe checks the tensors and every menu type.
         std::ifstream in(probe_path);
         if (!in) {
             fail("cannot open the probe '{}'", probe_path);
         }
         const nlohmann::json pj = nlohmann::json::parse(in);
-        std::vector<std::vector<double>> full(gated.size());
-        for (size_t i = 0; i < gated.size(); ++i) {
-            const nlohmann::json * t = nullptr;
-            for (const auto & e : pj.at("tensors")) {
-                if (e.value("name", "") == gated[i].tensor->name) {
-                    t = &e;
-                }
-            }
-            if (!t) {
-                fail("probe '{}' has no tensor '{}': it was measured on another model or menu", probe_path,
-                     gated[i].tensor->name);
-            }
-            for (ggml_type type : gated[i].types) {
-                const auto it = t->at("delta_kl").find(type_name(type));
-                if (it == t->at("delta_kl").end()) {
-                    fail("probe '{}': tensor '{}' has no {}: a full probe measures every menu type", probe_path,
-                         gated[i].tensor->name, type_name(type));
-                }
-                full[i].push_back(it->get<double>());
+        const std::vector<std::vector<double>> full = load_probe(probe_path, pj.value("identity", ""), gated);
+        if (full.empty()) {
+            fail("probe '{}' does not hold every menu type of every tensor of '{}': it was measured on another model "
+                 "or menu", probe_path, model_path);
+        }
+        // An anchored probe stores predictions beside its measurements: every nonzero ΔKL must be measured.
+        for (const auto & t : pj.at("tensors")) {
+            const size_t n_nonzero = std::count_if(t.at("delta_kl").begin(), t.at("delta_kl").end(),
+                                                   [](const nlohmann::json & v) { return v.get<double>() != 0.0; });
+            if (t.contains("measured") && t.at("measured").size() < n_nonzero) {
+                fail("probe '{}' is anchored (tensor '{}' has predicted types): give a full probe (--probe-anchors 0)",
+                     probe_path, t.value("name", ""));
             }
         }
 

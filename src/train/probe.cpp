@@ -188,10 +188,6 @@ std::vector<std::vector<bool>> anchor_plan(const std::vector<gated_tensor> & gat
             const ggml_type t = gated[i].types[k];
             return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
         };
-        bool has_block = false;
-        for (size_t k = 0; k < e.size(); ++k) {
-            has_block = has_block || (e[k] > 0 && !is_float(k));
-        }
         if (n_anchors <= 0) {
             std::vector<bool> row(e.size());
             for (size_t k = 0; k < e.size(); ++k) {
@@ -199,6 +195,10 @@ std::vector<std::vector<bool>> anchor_plan(const std::vector<gated_tensor> & gat
             }
             plan.push_back(std::move(row));
             continue;
+        }
+        bool has_block = false;
+        for (size_t k = 0; k < e.size(); ++k) {
+            has_block = has_block || (e[k] > 0 && !is_float(k));
         }
         // Anchors among the block types with E > 0, largest E first. A float type of a float source (F16 of a
         // BF16 file) differs from it in a few rounded values: its ΔKL is below what the probe resolves, so it
@@ -215,14 +215,13 @@ std::vector<std::vector<bool>> anchor_plan(const std::vector<gated_tensor> & gat
             for (size_t k : live) {
                 row[k] = true;
             }
-        } else if (n_anchors == 1) {
-            row[live.front()] = true;
         } else {
-            // Targets evenly spaced in log E from the largest to the least; each takes the nearest unused type.
+            // Targets evenly spaced in log E from the largest to the least (one anchor: the largest); each takes
+            // the nearest unused type.
             const double hi = std::log(e[live.front()]), lo = std::log(e[live.back()]);
             std::vector<bool> used(live.size(), false);
             for (int a = 0; a < n_anchors; ++a) {
-                const double want = hi + (lo - hi) * a / (n_anchors - 1);
+                const double want = n_anchors == 1 ? hi : hi + (lo - hi) * a / (n_anchors - 1);
                 size_t best = live.size();
                 for (size_t j = 0; j < live.size(); ++j) {
                     if (!used[j] && (best == live.size() ||
@@ -260,8 +259,7 @@ void predict_from_anchors(const std::vector<gated_tensor> & gated, const std::ve
             }
             if (known.empty()) {
                 fail("tensor '{}': the anchored probe measured none of its types, so {} cannot be predicted",
-                     i < gated.size() ? gated[i].tensor->name : std::to_string(i),
-                     i < gated.size() ? type_name(gated[i].types[k]) : std::to_string(k));
+                     gated[i].tensor->name, type_name(gated[i].types[k]));
             }
             const double x = std::log(e[k]);
             double r;
