@@ -79,7 +79,7 @@ quantized run_chain(const test::temp_dir & dir, const std::string & arch) {
     o.train.probe_sequences = 1;
     o.train.menu.types = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0};
     q.result = run_quantize(o);
-    q.final_recipe = recipe_load(dir.file("work/run/recipe.json"));
+    q.final_recipe = recipe_load(dir.file("work/run-Q4_0/recipe.json"));
     return q;
 }
 

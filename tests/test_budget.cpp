@@ -58,6 +58,10 @@ TEST(budget, sizes_parse_with_decimal_and_binary_units) {
     EXPECT_EQ(parse_size("2 MiB", "--target-size"), 2 * 1024 * 1024);
     EXPECT_EQ(parse_size("4.5GiB", "--target-size"), std::floor(4.5 * 1024 * 1024 * 1024));
     EXPECT_EQ(parse_size("1gb", "--target-size"), 1e9);
+    // The bare K/M/G of ls -h and df -h (issue #21: "4G" and "300k" were refused): powers of 1024.
+    EXPECT_EQ(parse_size("4G", "--target-size"), 4.0 * 1024 * 1024 * 1024);
+    EXPECT_EQ(parse_size("300k", "--target-size"), 300 * 1024);
+    EXPECT_EQ(parse_size("21.5M", "--target-size"), std::floor(21.5 * 1024 * 1024));
     const std::string msg = error_of([] { parse_size("lots", "--target-size"); });
     EXPECT_NE(msg.find("--target-size 'lots'"), std::string::npos) << msg;
 }

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
 #include <fstream>
 
 using voodoo::test::run_voodoo;
@@ -101,4 +102,34 @@ TEST(cli, doctor_reports_the_llama_cpp_release_and_libtorch) {
         all_ok = all_ok && c["ok"].get<bool>();
     }
     EXPECT_EQ(r.exit_code, all_ok ? 0 : 1);
+}
+
+TEST(cli, version_and_command_line_errors_follow_one_convention) {
+    // Issue #21: --version, and a command line CLI11 cannot parse gets the same "voodoo: error:" line as every
+    // other error, with exit code 2 (1: the job failed; 3: an internal error; 130: stopped by Ctrl-C).
+    const auto v = run_voodoo("--version");
+    EXPECT_EQ(v.exit_code, 0);
+    EXPECT_EQ(v.output.rfind("voodoo 0.", 0), 0u) << v.output;
+    EXPECT_NE(v.output.find("llama.cpp"), std::string::npos) << v.output;
+    const auto bad = run_voodoo("quantize x.gguf --text t.txt --like Q4_0 --no-such-flag");
+    EXPECT_EQ(bad.exit_code, 2);
+    EXPECT_EQ(bad.output.rfind("voodoo: error: ", 0), 0u) << bad.output;
+    EXPECT_NE(bad.output.find("--no-such-flag"), std::string::npos) << bad.output;
+    EXPECT_NE(bad.output.find("voodoo quantize --help"), std::string::npos) << bad.output;
+    const auto none = run_voodoo("");
+    EXPECT_EQ(none.exit_code, 2);
+    EXPECT_EQ(none.output.rfind("voodoo: error: give a command", 0), 0u) << none.output;
+}
+
+TEST(cli, quantize_takes_the_model_as_llama_cpp_does_and_refuses_a_bad_target_before_making_anything) {
+    voodoo::test::temp_dir dir;
+    const std::string text = voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt";
+    const auto r = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                              " --target-size 1KB --work " + dir.file("w"));
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_EQ(r.output.rfind("voodoo: error: target size=1000 is outside", 0), 0u) << r.output;
+    EXPECT_NE(r.output.find("MiB"), std::string::npos) << r.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("w")));
+    const auto both = run_voodoo("quantize a.gguf -m b.gguf --text " + text + " --like Q4_0");
+    EXPECT_EQ(both.exit_code, 2) << both.output;
 }

@@ -1,4 +1,5 @@
 #include "common/error.h"
+#include "eval/baseline.h"
 #include "ggml/gguf.h"
 #include "pipeline/quantize.h"
 #include "test_util.h"
@@ -10,6 +11,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iostream>
 #include <limits>
 
 using namespace voodoo;
@@ -48,7 +51,7 @@ TEST(quantize, one_command_makes_a_file_within_the_stock_size_and_compares_it) {
     ASSERT_EQ(r.eval.files.size(), 3u);  // ours, Q4_0, Q5_0
     EXPECT_GT(r.eval.files[0].kld_mean, 0.0);
     EXPECT_NE(r.table.find("Q5_0"), std::string::npos);
-    for (const char * f : {"eval.md", "eval.json", "eval.png", "imatrix.gguf", "run/recipe.json", "data/data.json"}) {
+    for (const char * f : {"eval.md", "eval.json", "eval.png", "imatrix.gguf", "run-Q5_0/recipe.json", "data/data.json"}) {
         EXPECT_TRUE(std::filesystem::exists(dir.path / "work" / f)) << f;
     }
     // Again: every stage is found done, and the same file comes out.
@@ -58,18 +61,186 @@ TEST(quantize, one_command_makes_a_file_within_the_stock_size_and_compares_it) {
     EXPECT_EQ(std::filesystem::last_write_time(r.out), before);
 }
 
-TEST(quantize, a_work_folder_of_other_texts_is_refused) {
+// Runs the job and returns what it printed on stderr (the stage lines).
+std::string stages_of(const quantize_options & q) {
+    testing::internal::CaptureStderr();
+    try {
+        run_quantize(q);
+    } catch (...) {
+        std::cerr << testing::internal::GetCapturedStderr();
+        throw;
+    }
+    return testing::internal::GetCapturedStderr();
+}
+
+bool has_line(const std::string & log, const std::string & start, const std::string & also = "") {
+    for (size_t a = 0; a < log.size();) {
+        const size_t e = std::min(log.find('\n', a), log.size());
+        const std::string line = log.substr(a, e - a);
+        if (line.rfind(start, 0) == 0 && line.find(also) != std::string::npos) {
+            return true;
+        }
+        a = e + 1;
+    }
+    return false;
+}
+
+TEST(quantize, a_rerun_with_other_options_makes_again_what_they_change_and_says_so) {
+    // Issue #21: a re-run in the same work folder used to reuse every stage whatever changed. Each stage now
+    // keeps a record of its inputs; a change re-does that stage and every stage after it, in one line each.
     test::temp_dir dir;
     auto q = small_job(dir.file("work"));
     q.baselines = "none";
-    run_quantize(q);
-    q.texts = {test::shared_data() + "/text/tinyshakespeare/input.txt"};
-    try {
-        run_quantize(q);
-        FAIL() << "expected an error";
-    } catch (const error & e) {
-        EXPECT_NE(std::string(e.what()).find("other texts"), std::string::npos) << e.what();
+    q.eval_chunks = 0;
+    const std::string w = dir.file("work");
+    auto data_json = [&] {
+        std::ifstream in(w + "/data/data.json");
+        return nlohmann::json::parse(in);
+    };
+    stages_of(q);
+    std::string log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== data:", "(done)")) << log;
+    EXPECT_TRUE(has_line(log, "== imatrix:", "(done)")) << log;
+    EXPECT_TRUE(has_line(log, "== train:", "(done)")) << log;
+    EXPECT_TRUE(has_line(log, "== export:", "(done)")) << log;
+
+    q.ctx = 48;  // the data, so everything after it
+    log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== data:", "made again (ctx 64 → 48)")) << log;
+    EXPECT_TRUE(has_line(log, "== imatrix:", "made again (data ")) << log;
+    EXPECT_TRUE(has_line(log, "== baselines:", "made again (imatrix ")) << log;
+    EXPECT_TRUE(has_line(log, "== train:", "made again (")) << log;
+    EXPECT_EQ(data_json()["ctx"], 48);
+
+    q.train.seed = 7;  // the shuffle of the documents and the training
+    log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== data:", "seed 42 → 7")) << log;
+    EXPECT_EQ(data_json()["seed"], 7);
+
+    q.imatrix_chunks = 4;  // the imatrix, not the data
+    log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== data:", "(done)")) << log;
+    EXPECT_TRUE(has_line(log, "== imatrix:", "made again (chunks 8 → 4)")) << log;
+    EXPECT_TRUE(has_line(log, "== train:", "made again (")) << log;
+
+    q.train.steps = 2;  // only the training
+    log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== imatrix:", "(done)")) << log;
+    EXPECT_TRUE(has_line(log, "== train:", "made again (steps 3 → 2)")) << log;
+
+    q.texts = {test::shared_data() + "/text/tinyshakespeare/input.txt"};  // other texts
+    log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== data:", "made again (texts ")) << log;
+    EXPECT_EQ(data_json()["sources"].size(), 1u);
+    EXPECT_NE(data_json()["sources"][0].dump().find("tinyshakespeare"), std::string::npos);
+
+    // A second target in the same work folder trains beside the first and shares every earlier stage.
+    const std::string first = test::read_file(w + "/run-Q5_0/recipe.json");
+    q.like = "Q4_0";
+    log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== data:", "(done)")) << log;
+    EXPECT_TRUE(has_line(log, "== imatrix:", "(done)")) << log;
+    EXPECT_TRUE(has_line(log, "== train:", "run-Q4_0")) << log;
+    EXPECT_EQ(test::read_file(w + "/run-Q5_0/recipe.json"), first);
+    EXPECT_NE(test::read_file(w + "/run-Q4_0/recipe.json"), first);
+}
+
+TEST(quantize, an_imatrix_the_user_has_replaces_the_imatrix_stage) {
+    test::temp_dir dir;
+    auto q = small_job(dir.file("a"));
+    q.baselines = "none";
+    q.eval_chunks = 0;
+    stages_of(q);
+    auto given = small_job(dir.file("b"));
+    given.baselines = "none";
+    given.eval_chunks = 0;
+    given.imatrix = dir.file("a/imatrix.gguf");
+    const std::string log = stages_of(given);
+    EXPECT_TRUE(has_line(log, "== imatrix:", "(given)")) << log;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("b/imatrix.gguf")));
+    // The same imatrix and options: the same recipe.
+    EXPECT_EQ(test::read_file(dir.file("a/run-Q5_0/recipe.tensor-types.txt")),
+              test::read_file(dir.file("b/run-Q5_0/recipe.tensor-types.txt")));
+    // An imatrix of another model is refused before anything is made.
+    auto other = given;
+    other.work = dir.file("c");
+    other.model = test::shared_data() + "/models/mix30M/mix30M.gguf";
+    const std::string msg = test::error_of([&] { run_quantize(other); });
+    EXPECT_NE(msg.find(given.imatrix), std::string::npos) << msg;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("c")));
+}
+
+TEST(quantize, every_bad_option_is_refused_before_anything_is_made) {
+    // Issue #21: these were refused only after the data and imatrix stages (or after training). Each is now
+    // refused from the model file alone, naming the flag or file, and no work folder is created.
+    test::temp_dir dir;
+    const std::string work = dir.file("work");
+    struct bad {
+        const char * what;
+        std::function<void(quantize_options &)> change;
+        std::vector<std::string> says;
+    };
+    std::string q8_0 = dir.file("stories260K-Q8_0.gguf");
+    {
+        baseline_options bo;
+        bo.source = test::stories260k();
+        make_baseline(bo, "Q8_0", q8_0);
     }
+    const std::vector<bad> cases = {
+        {"a recipe name", [](auto & q) { q.like = "Q9_K"; }, {"unknown recipe 'Q9_K'", "Q4_K_M"}},
+        {"a baseline name", [](auto & q) { q.baselines = "Q4_0,nope"; }, {"unknown recipe 'nope'"}},
+        {"a size too small",
+         [](auto & q) {
+             q.like.clear();
+             q.goals = {{target_kind::size, 1000}};
+         },
+         {"size=1000", "outside", "MiB", "BPW"}},
+        {"a ratio too large",
+         [](auto & q) {
+             q.like.clear();
+             q.goals = {{target_kind::ratio, 2}};
+         },
+         {"ratio=2", "outside", "of the all-Q8_0 file"}},
+        {"a BPW of 0",
+         [](auto & q) {
+             q.like.clear();
+             q.goals = {{target_kind::bpw, 0}};
+         },
+         {"bpw=0", "outside"}},
+        {"a device", [](auto & q) { q.train.device = "gpu"; }, {"--device 'gpu'"}},
+        {"a missing eval text", [&](auto & q) { q.eval_text = dir.file("none.txt"); }, {"none.txt"}},
+        {"a missing calibration text", [&](auto & q) { q.texts.push_back(dir.file("gone.txt")); }, {"gone.txt"}},
+        {"a negative ctx", [](auto & q) { q.ctx = -1; }, {"--ctx -1"}},
+        {"imatrix chunks 0", [](auto & q) { q.imatrix_chunks = 0; }, {"--imatrix-chunks 0", "-1 for all"}},
+        {"negative threads", [](auto & q) { q.threads = -3; }, {"--threads -3"}},
+        {"a --menu-for that matches nothing",
+         [](auto & q) { q.train.menu.per_role = {{"nomatch.*", {GGML_TYPE_Q4_0}}}; },
+         {"--menu-for 'nomatch.*'", "matches no"}},
+        {"a missing imatrix", [&](auto & q) { q.imatrix = dir.file("im.gguf"); }, {"im.gguf"}},
+        {"a quantized source", [&](auto & q) { q.model = q8_0; }, {"already quantized", "convert"}},
+    };
+    for (const bad & c : cases) {
+        SCOPED_TRACE(c.what);
+        auto q = small_job(work);
+        c.change(q);
+        const std::string msg = test::error_of([&] { run_quantize(q); });
+        for (const std::string & s : c.says) {
+            EXPECT_NE(msg.find(s), std::string::npos) << msg;
+        }
+        EXPECT_FALSE(std::filesystem::exists(work)) << msg;
+    }
+}
+
+TEST(quantize, a_menu_that_leaves_tensors_at_their_source_type_says_which) {
+    // stories260K's ffn_down (172 wide) fits no block type: with a menu of block types only it stays F32.
+    auto q = small_job("unused");
+    q.train.menu.types = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0};
+    testing::internal::CaptureStderr();
+    check_quantize_options(q, gguf_file(q.model));
+    const std::string log = testing::internal::GetCapturedStderr();
+    EXPECT_NE(log.find("voodoo: warning: 5 tensors"), std::string::npos) << log;
+    EXPECT_NE(log.find("blk.0.ffn_down.weight (44032 bytes)"), std::string::npos) << log;
+    EXPECT_NE(log.find("220160 bytes"), std::string::npos) << log;
 }
 
 TEST(quantize, the_train_stage_in_a_child_process_makes_the_same_recipe) {
@@ -83,9 +254,9 @@ TEST(quantize, the_train_stage_in_a_child_process_makes_the_same_recipe) {
     child.train_exe = VOODOO_BIN;
     run_quantize(in_process);
     run_quantize(child);
-    const std::string a = test::read_file(dir.file("a/run/recipe.tensor-types.txt"));
+    const std::string a = test::read_file(dir.file("a/run-Q5_0/recipe.tensor-types.txt"));
     EXPECT_FALSE(a.empty());
-    EXPECT_EQ(a, test::read_file(dir.file("b/run/recipe.tensor-types.txt")));
+    EXPECT_EQ(a, test::read_file(dir.file("b/run-Q5_0/recipe.tensor-types.txt")));
     child.train_exe = dir.file("no-such-voodoo");
     child.work = dir.file("c");
     EXPECT_NE(test::error_of([&] { run_quantize(child); }).find("train stage"), std::string::npos);

@@ -1,5 +1,6 @@
 // voodoo: learned per-tensor llama.cpp quantization. Parses the command line and calls the library.
 #include "cli/commands.h"
+#include "common/doctor.h"
 #include "common/error.h"
 
 #include <fmt/format.h>
@@ -76,7 +77,8 @@ int run_main(int argc, char ** argv) {
     mallopt(M_TRIM_THRESHOLD, 1 << 30);
     mallopt(M_TOP_PAD, 64 << 20);
     CLI::App app{"voodoo: the best GGUF of an LLM for a given size, learned by gradient descent"};
-    app.require_subcommand(1);
+    app.require_subcommand(0, 1);
+    app.set_version_flag("--version", [] { return voodoo::version_line(); });
     app.footer(R"(examples:
   voodoo doctor
   voodoo inspect model.gguf
@@ -87,8 +89,22 @@ Run `voodoo <command> --help` for a command's options.)");
 
     try {
         app.parse(argc, argv);
-    } catch (const CLI::ParseError & e) {
+    } catch (const CLI::CallForHelp & e) {
         return app.exit(e);
+    } catch (const CLI::CallForAllHelp & e) {
+        return app.exit(e);
+    } catch (const CLI::CallForVersion & e) {
+        return app.exit(e);
+    } catch (const CLI::ParseError & e) {
+        // A command line that cannot be parsed: one line, the same prefix as every other error, exit 2.
+        std::string what = e.what();
+        fmt::print(stderr, "voodoo: error: {}; run `voodoo {}--help` for the options\n", what,
+                   app.get_subcommands().empty() ? "" : app.get_subcommands().front()->get_name() + " ");
+        return 2;
+    }
+    if (app.get_subcommands().empty()) {
+        fmt::print(stderr, "voodoo: error: give a command; run `voodoo --help` for the list\n");
+        return 2;
     }
     try {
         for (const auto & c : commands) {
@@ -103,7 +119,7 @@ Run `voodoo <command> --help` for a command's options.)");
     } catch (const std::exception & e) {
         std::fflush(stdout);
         fmt::print(stderr, "voodoo: internal error: {}\n", e.what());
-        return 2;
+        return 3;
     }
     return 0;
 }

@@ -23,15 +23,20 @@ command add_quantize(CLI::App & app) {
                 "Run it again after a stop: finished stages are kept, training resumes from its journal.");
     struct options {
         quantize_options q;
-        std::string target_size, menu, target_bpw, ratio;
+        std::string target_size, menu, target_bpw, ratio, model_flag;
         std::vector<std::string> menu_for;
     };
     auto o = std::make_shared<options>();
-    sub->add_option("model", o->q.model, "Source GGUF (F32/F16/BF16)")->required();
+    auto * model_pos = sub->add_option("model", o->q.model, "Source GGUF (F32/F16/BF16); or -m");
+    auto * model_opt = sub->add_option("-m,--model", o->model_flag, "Source GGUF (as llama.cpp's tools take it)");
+    model_pos->excludes(model_opt);
+    sub->add_option("--imatrix", o->q.imatrix,
+                    "An imatrix you have (llama-imatrix's GGUF or legacy .dat), checked against the model: no imatrix stage");
     sub->add_option("--text", o->q.texts, "Calibration text file(s)")->required();
     sub->add_option("--eval-text", o->q.eval_text, "Held-out text for the comparison (default: the first --text)");
     auto * bpw = sub->add_option("--target-bpw", o->target_bpw, "Budget in bits per weight (llama-quantize's BPW); a comma list makes a ladder");
-    auto * size = sub->add_option("--target-size", o->target_size, "Budget as the file size on disk: bytes, KB, MiB, GiB; a comma list makes a ladder");
+    auto * size = sub->add_option("--target-size", o->target_size,
+                                  "Budget as the file size on disk: bytes, KB/MB/GB, KiB/MiB/GiB or K/M/G (= KiB/MiB/GiB); a comma list makes a ladder");
     auto * ratio = sub->add_option("--ratio", o->ratio, "Budget as a fraction of the all-Q8_0 file; a comma list makes a ladder");
     auto * like = sub->add_option("--like", o->q.like, "Budget = the size of this stock recipe's file (Q4_K_M, …); a comma list makes a ladder");
     bpw->excludes(size)->excludes(ratio)->excludes(like);
@@ -43,11 +48,10 @@ command add_quantize(CLI::App & app) {
         ->capture_default_str();
     sub->add_flag("--greedy-peer", o->q.greedy_peer,
                   "Also export and compare the measured-sensitivity greedy knapsack at every size (<model>.greedy*.gguf)");
-    sub->add_option("--ctx", o->q.ctx, "Calibration chunk length")->capture_default_str();
-    sub->add_option("--imatrix-chunks", o->q.imatrix_chunks, "Chunks the imatrix sees")->capture_default_str();
+    sub->add_option("-c,--ctx-size,--ctx", o->q.ctx, "Calibration chunk length")->capture_default_str();
+    sub->add_option("--imatrix-chunks", o->q.imatrix_chunks, "Chunks the imatrix sees (-1 = all)")->capture_default_str();
     sub->add_option("--eval-ctx", o->q.eval_ctx, "Eval chunk length")->capture_default_str();
-    sub->add_option("--eval-chunks", o->q.eval_chunks, "Eval chunks (-1 = all, 0 = no eval stage)")->capture_default_str()
-        ->check(CLI::Range(-1, 1 << 30));
+    sub->add_option("--eval-chunks", o->q.eval_chunks, "Eval chunks (-1 = all, 0 = no eval stage)")->capture_default_str();
     sub->add_option("--menu", o->menu, "Candidate types, comma-separated");
     sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES' (repeatable)");
     sub->add_option("--steps", o->q.train.steps, "Training steps")->capture_default_str();
@@ -76,13 +80,17 @@ command add_quantize(CLI::App & app) {
                     "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str()
         ->check(CLI::PositiveNumber);
     sub->add_option("--seed", o->q.train.seed, "Seed")->capture_default_str();
-    return {sub, [o, bpw, size, ratio, like, sub] {
+    return {sub, [o, bpw, size, ratio, like, sub, model_opt] {
         quantize_options q = o->q;
+        if (model_opt->count()) {
+            q.model = o->model_flag;
+        }
+        if (q.model.empty()) {
+            fail("give the source model: voodoo quantize MODEL.gguf … (or -m MODEL.gguf)");
+        }
+        std::vector<std::string> cpu_defaults;
         if (q.train.device == "cpu") {
-            const auto set = apply_cpu_defaults(q.train, [&](const std::string & f) { return sub->count(f) > 0; }, q.ctx);
-            if (!set.empty()) {
-                fmt::print(stderr, "cpu defaults: {} (docs/BENCHMARKS.md; give a flag to override it)\n", fmt::join(set, ", "));
-            }
+            cpu_defaults = apply_cpu_defaults(q.train, [&](const std::string & f) { return sub->count(f) > 0; }, q.ctx);
         }
         if (q.train.device != "cpu") {
             q.train_exe = "/proc/self/exe";  // the GPU only in the train stage's own process
@@ -136,6 +144,10 @@ command add_quantize(CLI::App & app) {
         }
         for (const auto & spec : o->menu_for) {
             q.train.menu.per_role.push_back(parse_menu_for(spec));
+        }
+        if (!cpu_defaults.empty()) {
+            q.announce = fmt::format("cpu defaults: {} (docs/BENCHMARKS.md; give a flag to override it)",
+                                     fmt::join(cpu_defaults, ", "));
         }
         q.train.should_stop = stop_on_sigint();
         const quantize_result r = run_quantize(q);

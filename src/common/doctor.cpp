@@ -50,6 +50,10 @@ bool on_path(const char * program) {
 
 }  // namespace
 
+std::string version_line() {
+    return fmt::format("voodoo {} (llama.cpp {}, LibTorch {})", VOODOO_VERSION, llama_release(), torch_version());
+}
+
 std::vector<doctor_check> run_doctor(const std::string & dir) {
     std::vector<doctor_check> checks;
     checks.push_back({"voodoo", true, VOODOO_VERSION, ""});

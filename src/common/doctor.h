@@ -15,6 +15,9 @@ struct doctor_check {
     std::string fix;        // one actionable line when !ok
 };
 
+/// "voodoo 0.1.0 (llama.cpp b…, LibTorch …)": what `voodoo --version` prints.
+std::string version_line();
+
 /// Runs every check. `dir` is the folder whose free disk space is reported (runs and outputs go there).
 std::vector<doctor_check> run_doctor(const std::string & dir);
 

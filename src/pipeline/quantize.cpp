@@ -10,6 +10,8 @@
 #include "ggml/types.h"
 #include "imatrix/collect.h"
 #include "imatrix/imatrix.h"
+#include "ggml/selection.h"
+#include "pipeline/stages.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -20,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 #include <set>
 
@@ -33,6 +36,25 @@ namespace {
 namespace fs = std::filesystem;
 
 void stage(const char * name, const std::string & what) { fmt::print(stderr, "== {}: {}\n", name, what); }
+
+// Splits "a,b , c" into its non-empty, trimmed items.
+std::vector<std::string> comma_list(const std::string & list) {
+    std::vector<std::string> items;
+    for (size_t a = 0; a <= list.size();) {
+        const size_t e = std::min(list.find(',', a), list.size());
+        std::string item = list.substr(a, e - a);
+        a = e + 1;
+        item.erase(0, item.find_first_not_of(" \t"));
+        item.erase(item.find_last_not_of(" \t") + 1);
+        if (!item.empty()) {
+            items.push_back(item);
+        }
+    }
+    return items;
+}
+
+std::string mib(double bytes) { return fmt::format("{:.2f} MiB", bytes / (1024.0 * 1024.0)); }
+
 
 std::string types_list(const std::vector<ggml_type> & types) {
     std::string s;
@@ -230,13 +252,27 @@ std::vector<rung> plan_rungs(const quantize_options & o, const baseline_options 
     return rungs;
 }
 
-// Exports the recipe at `recipe_path` to `out` unless `out` already holds that recipe (voodoo.recipe_hash).
+// Exports the recipe at `recipe_path` to `out` unless `out` already holds that recipe made with this imatrix
+// (the run folder's exports.json records each file it exported: recipe hash, imatrix digest, bytes).
 void export_recipe_file(const gguf_file & src, const std::string & recipe_path, const std::string & out,
-                        const train_options & t) {
+                        const train_options & t, const std::string & imatrix_digest) {
     const recipe r = recipe_load(recipe_path);
-    if (fs::exists(out)) {
-        const gguf_file prev(out);
-        if (prev.get_string("voodoo.recipe_hash").value_or("") == recipe_hash(r)) {
+    const std::string record_path = (fs::path(recipe_path).parent_path() / "exports.json").string();
+    nlohmann::json records = nlohmann::json::object();
+    if (std::ifstream in(record_path); in) {
+        records = nlohmann::json::parse(in, nullptr, false);
+        if (!records.is_object()) {
+            records = nlohmann::json::object();
+        }
+    }
+    const std::string key = fs::absolute(out).lexically_normal().string();
+    nlohmann::json made = {{"recipe_hash", recipe_hash(r)}, {"imatrix", imatrix_digest}};
+    if (fs::exists(out) && records.contains(key)) {
+        nlohmann::json was = records[key];
+        const size_t bytes = was.value("bytes", size_t{0});
+        was.erase("bytes");
+        if (was == made && bytes == file_size(out) &&
+            gguf_file(out).get_string("voodoo.recipe_hash").value_or("") == recipe_hash(r)) {
             stage("export", out + " (done)");
             return;
         }
@@ -247,15 +283,53 @@ void export_recipe_file(const gguf_file & src, const std::string & recipe_path, 
     candidate_cache cache(t.cache_dir);
     eo.cache = &cache;
     export_gguf(src, r, out, eo);
+    made["bytes"] = file_size(out);
+    records[key] = made;
+    write_file_atomic(record_path, records.dump(2) + "\n");
 }
 
-// The train and export stages of one target; returns the exported file. `label` non-empty: a ladder's rung
-// (its file is named <model>.Voodoo<NN>.<label>.gguf, in --out when that is a folder).
+// What decides a run's recipe: every input's digest and every option of the training and the final selection
+// (not where or how fast it runs: device, mixture path, threads, loss chunk, journal cadence).
+nlohmann::json run_inputs(const train_options & t, const std::string & model, const std::string & data,
+                          const std::string & imatrix) {
+    nlohmann::json menus = nlohmann::json::array();
+    menus.push_back(types_list(t.menu.types));
+    for (const auto & [regex, types] : t.menu.per_role) {
+        menus.push_back(regex + "=" + types_list(types));
+    }
+    nlohmann::json priors = nlohmann::json::array();
+    for (const std::string & p : t.prior_recipes) {
+        priors.push_back(recipe_hash(recipe_load(p)));
+    }
+    return {{"model", model}, {"data", data}, {"imatrix", imatrix}, {"target", t.goal.str()}, {"menus", menus},
+            {"steps", t.steps}, {"batch", t.batch}, {"accum", t.accum}, {"seq", t.seq}, {"lr", t.lr},
+            {"lr_final", t.lr_final}, {"weight_decay", t.weight_decay}, {"tau0", t.tau0}, {"tau1", t.tau1},
+            {"lambda_kl", t.lambda_kl}, {"lambda_ce", t.lambda_ce}, {"lambda_size", t.lambda_size},
+            {"size_tol", t.size_tol}, {"st_gumbel_fraction", t.st_gumbel_fraction}, {"gate_init", t.gate_init},
+            {"probe_sequences", t.probe_sequences}, {"probe_anchors", t.probe_anchors},
+            {"probe_compute", t.probe_compute}, {"compute", t.compute}, {"select_sequences", t.select_sequences},
+            {"seed", t.seed}, {"smaller_sizes", priors}};
+}
+
+// The train and export stages of one target; returns the exported file. `label`: the rung's name (its run
+// folder is WORK/run-<label>; in a ladder its file is named <model>.Voodoo<NN>.<label>.gguf, in --out when that
+// is a folder). A run folder made with other inputs or options is made again.
 std::string train_and_export(const quantize_options & o, train_options & t, const gguf_file & src,
                              const token_data & data, const importance_map & importance,
-                             const std::string & imatrix_path, const std::string & work, const std::string & label) {
+                             const std::string & imatrix_path, const std::string & work, const std::string & label,
+                             bool ladder, const nlohmann::json & inputs) {
     const std::string recipe_path = (fs::path(t.run_dir) / "recipe.json").string();
+    const std::string record = (fs::path(t.run_dir) / "stage.json").string();
+    const std::string changed = fs::exists(t.run_dir) ? stage_changes(record, inputs) : "";
+    if (!changed.empty()) {
+        stage("train", fmt::format("{}: made again ({})", t.run_dir, changed));
+        if (!remove_tree(t.run_dir)) {
+            fail("cannot remove the old run folder '{}'; remove it by hand", t.run_dir);
+        }
+    }
     if (!fs::exists(recipe_path)) {
+        fs::create_directories(t.run_dir);
+        stage_save(record, inputs);
         t.resume = fs::exists(fs::path(t.run_dir) / "journal.pt");
         stage("train", t.run_dir + (t.resume ? " (resuming)" : ""));
         if (!o.train_exe.empty()) {
@@ -277,13 +351,13 @@ std::string train_and_export(const quantize_options & o, train_options & t, cons
     const double ratio = static_cast<double>(planned_file_bytes(src, r, eo)) /
                          static_cast<double>(q8_0_file_bytes(src, eo));
     std::string out = o.out.empty() ? default_output_path(work, src, ratio) : o.out;
-    if (!label.empty()) {
+    if (ladder) {
         const std::string dir = o.out.empty() ? work : o.out;
         fs::create_directories(dir);
         out = default_output_path(dir, src, ratio);
         out = out.substr(0, out.size() - 5) + "." + label + ".gguf";
     }
-    export_recipe_file(src, recipe_path, out, t);
+    export_recipe_file(src, recipe_path, out, t, inputs["imatrix"].get<std::string>());
     return out;
 }
 
@@ -293,11 +367,122 @@ int ggml_threads_for(int64_t n_weights) {
     return n_weights < 8'000'000 ? 1 : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+void check_quantize_options(const quantize_options & o, const gguf_file & src) {
+    auto at_least = [](const char * flag, int64_t v, int64_t min, const char * what) {
+        if (v < min) {
+            fail("{} {}: {}", flag, v, what);
+        }
+    };
+    if (o.texts.empty()) {
+        fail("give at least one calibration text (--text)");
+    }
+    for (const std::string & t : o.texts) {
+        if (file_size(t) == 0) {
+            fail("--text '{}' is empty; give a UTF-8 text file (a few hundred KB or more)", t);
+        }
+    }
+    if (!o.eval_text.empty()) {
+        file_size(o.eval_text);
+    }
+    at_least("--ctx", o.ctx, 8, "expected at least 8 tokens per chunk (llama-perplexity's 512 is the usual)");
+    if (o.imatrix_chunks == 0 || o.imatrix_chunks < -1) {
+        fail("--imatrix-chunks {}: expected a positive number of chunks, or -1 for all", o.imatrix_chunks);
+    }
+    at_least("--eval-ctx", o.eval_ctx, 8, "expected at least 8 tokens per chunk (512 is the usual)");
+    at_least("--eval-chunks", o.eval_chunks, -1, "expected a number of chunks, -1 for all or 0 for no eval stage");
+    at_least("--threads", o.threads, 0, "expected a number of threads, or 0 for every core");
+    at_least("--ggml-threads", o.ggml_threads, 0, "expected a number of threads, or 0 to choose by model size");
+    at_least("--steps", o.train.steps, 0, "expected a number of steps (0: no training, the probe's recipe)");
+    at_least("--batch", o.train.batch, 1, "expected at least one sequence per step");
+    at_least("--seq", o.train.seq, 0, "expected tokens per sequence, or 0 for --ctx");
+    at_least("--probe-sequences", o.train.probe_sequences, 1, "expected at least one sequence");
+    at_least("--probe-anchors", o.train.probe_anchors, 0, "expected a number of types, or 0 to measure every type");
+    at_least("--select-sequences", o.train.select_sequences, 1, "expected at least one sequence");
+    check_device_name(o.train.device);
+    if (o.train.device == "cpu" && o.train.mixture == "fused") {
+        fail("--mixture fused runs on a CUDA device; pass --device cuda (a CUDA build), or --mixture cpu");
+    }
+
+    // The source: full precision, since Voodoo's candidates and its teacher are made from it.
+    for (const gguf_tensor & t : src.tensors()) {
+        if (tensor_is_selectable(t.name, t.n_dims) && type_info_of(t.type).is_quantized) {
+            fail("'{}' is already quantized ({} is {}): Voodoo quantizes from the full-precision model (F32, F16 or "
+                 "BF16), which is also its teacher; convert the original checkpoint (convert_hf_to_gguf.py --outtype "
+                 "bf16) and give that", src.path(), t.name, type_name(t.type));
+        }
+    }
+
+    // Recipe names.
+    for (const std::string & name : comma_list(o.like)) {
+        recipe_by_name(name);
+    }
+    if (o.baselines != "nearest" && o.baselines != "all-that-fit" && o.baselines != "none") {
+        const auto names = comma_list(o.baselines);
+        if (names.empty()) {
+            fail("--baselines '{}': give nearest, all-that-fit, none or a comma list of recipe names", o.baselines);
+        }
+        for (const std::string & name : names) {
+            recipe_by_name(name);
+        }
+    }
+    if (!o.like.empty() && comma_list(o.like).empty()) {
+        fail("--like '{}': no recipe name; give one or a comma list such as Q3_K_M,Q4_K_M,Q6_K", o.like);
+    }
+    const size_t n_targets = !o.like.empty() ? comma_list(o.like).size() : std::max<size_t>(1, o.goals.size());
+    if (n_targets > 1 && !o.out.empty() && o.out.ends_with(".gguf")) {
+        fail("--out '{}' names one file, but {} targets make {} files: give a folder for --out, or one target", o.out,
+             n_targets, n_targets);
+    }
+
+    // Menus (an imatrix will be there: made by the imatrix stage or given), and every target against them.
+    menu_options m = o.train.menu;
+    m.has_imatrix = true;
+    const std::vector<tensor_menu> menus = build_menus(src, m);
+    std::set<std::string> chosen;
+    for (const tensor_menu & tm : menus) {
+        chosen.insert(tm.tensor->name);
+    }
+    std::string kept;
+    size_t kept_bytes = 0, n_kept = 0;
+    for (const gguf_tensor & t : src.tensors()) {
+        if (tensor_is_selectable(t.name, t.n_dims) && !chosen.count(t.name)) {
+            ++n_kept;
+            kept_bytes += t.n_bytes;
+            if (n_kept <= 4) {
+                kept += fmt::format("{}{} ({} bytes)", kept.empty() ? "" : ", ", t.name, t.n_bytes);
+            }
+        }
+    }
+    if (n_kept > 0) {
+        fmt::print(stderr,
+                   "voodoo: warning: {} tensor{} of '{}' fit{} no type of the menu and keep{} the source type, {} bytes "
+                   "in all: {}{}; add F16 or BF16 to --menu to let them shrink\n",
+                   n_kept, n_kept == 1 ? "" : "s", src.path(), n_kept == 1 ? "s" : "", n_kept == 1 ? "s" : "",
+                   kept_bytes, kept, n_kept > 4 ? ", …" : "");
+    }
+    if (o.like.empty()) {
+        export_options eo;  // the imatrix's metadata changes the file by a few bytes: checked again once it exists
+        eo.imatrix_file = o.imatrix.empty() ? "imatrix.gguf" : o.imatrix;
+        for (const target & g : o.goals.empty() ? std::vector<target>{o.train.goal} : o.goals) {
+            eo.target = g.str();
+            make_budget(src, menus, g, eo);
+        }
+    }
+    if (!o.imatrix.empty()) {
+        require_imatrix_fits(read_imatrix(o.imatrix), src, o.imatrix);
+    }
+}
+
 quantize_result run_quantize(const quantize_options & opts) {
     if (opts.texts.empty()) {
         fail("give at least one calibration text (--text)");
     }
     const gguf_file src(opts.model);
+    // Every option is checked before anything is made.
+    check_quantize_options(opts, src);
+    if (!opts.announce.empty()) {
+        fmt::print(stderr, "{}\n", opts.announce);
+    }
     quantize_options o = opts;
     if (o.ggml_threads <= 0) {
         int64_t n = 0;
@@ -309,10 +494,17 @@ quantize_result run_quantize(const quantize_options & opts) {
     const std::string work = o.work.empty() ? (fs::path(o.model).stem().string() + ".voodoo") : o.work;
     fs::create_directories(work);
     const std::string data_dir = (fs::path(work) / "data").string();
+    const std::string model_id = model_digest(o.model, (fs::path(work) / "model.digest.json").string());
 
-    // data
-    if (!fs::exists(fs::path(data_dir) / "data.json")) {
-        stage("data", data_dir);
+    // data: the texts' contents, the chunk length and the shuffle's seed (the vocabulary is checked below)
+    nlohmann::json data_in = {{"ctx", o.ctx}, {"seed", o.train.seed}, {"texts", nlohmann::json::array()}};
+    for (const std::string & t : o.texts) {
+        data_in["texts"].push_back({{"path", t}, {"digest", file_digest(t)}});
+    }
+    const std::string data_record = (fs::path(data_dir) / "stage.json").string();
+    auto make_data = [&](const std::string & why) {
+        stage("data", data_dir + why);
+        remove_tree(data_dir);
         data_options d;
         d.model = o.model;
         d.texts = o.texts;
@@ -320,42 +512,70 @@ quantize_result run_quantize(const quantize_options & opts) {
         d.seed = o.train.seed;
         d.out_dir = data_dir;
         prepare_data(d);
+        stage_save(data_record, data_in);
+    };
+    if (!fs::exists(fs::path(data_dir) / "data.json")) {
+        make_data("");
+    } else if (const std::string changed = stage_changes(data_record, data_in); !changed.empty()) {
+        make_data(fmt::format(": made again ({})", changed));
     } else {
-        stage("data", data_dir + " (done)");
+        try {
+            token_data(data_dir).require_vocab_of(o.model);
+            stage("data", data_dir + " (done)");
+        } catch (const error & e) {
+            make_data(fmt::format(": made again (the model's vocabulary is another: {})", e.what()));
+        }
     }
     const token_data data(data_dir);
     data.require_vocab_of(o.model);
-    if (data.sources() != o.texts) {
-        fail("work folder '{}' holds data made from other texts; give the same --text or another --work", work);
-    }
+    const std::string data_id = stage_digest(data_in);
 
-    // imatrix
-    const std::string imatrix_path = (fs::path(work) / "imatrix.gguf").string();
-    if (!fs::exists(imatrix_path)) {
-        stage("imatrix", imatrix_path);
-        imatrix_options io;
-        io.model = o.model;
-        io.data_dir = data_dir;
-        io.max_chunks = o.imatrix_chunks;
-        io.n_threads = o.ggml_threads;
-        write_imatrix_gguf(imatrix_path, collect_imatrix(io));
+    // imatrix: made from the data and the model, or given
+    std::string imatrix_path = (fs::path(work) / "imatrix.gguf").string();
+    if (!o.imatrix.empty()) {
+        imatrix_path = o.imatrix;
+        stage("imatrix", imatrix_path + " (given)");
     } else {
-        stage("imatrix", imatrix_path + " (done)");
+        const nlohmann::json im_in = {{"model", model_id}, {"data", data_id}, {"chunks", o.imatrix_chunks}};
+        const std::string record = (fs::path(work) / "imatrix.stage.json").string();
+        const std::string changed = fs::exists(imatrix_path) ? stage_changes(record, im_in) : "";
+        if (!fs::exists(imatrix_path) || !changed.empty()) {
+            stage("imatrix", imatrix_path + (changed.empty() ? "" : fmt::format(": made again ({})", changed)));
+            imatrix_options io;
+            io.model = o.model;
+            io.data_dir = data_dir;
+            io.max_chunks = o.imatrix_chunks < 0 ? 0 : o.imatrix_chunks;
+            io.n_threads = o.ggml_threads;
+            write_imatrix_gguf(imatrix_path, collect_imatrix(io));
+            stage_save(record, im_in);
+        } else {
+            stage("imatrix", imatrix_path + " (done)");
+        }
     }
+    const std::string imatrix_id = file_digest(imatrix_path);
 
-    // the targets: one, or a ladder; a stock recipe's size when asked
+    // the stock files: made with the model and the imatrix
     baseline_options bo;
     bo.source = o.model;
     bo.imatrix = imatrix_path;
     bo.n_threads = o.threads;
     const std::string base_dir = (fs::path(work) / "baselines").string();
-    fs::create_directories(base_dir);
+    {
+        const nlohmann::json base_in = {{"model", model_id}, {"imatrix", imatrix_id}};
+        const std::string record = (fs::path(base_dir) / "stage.json").string();
+        if (fs::exists(base_dir)) {
+            if (const std::string changed = stage_changes(record, base_in); !changed.empty()) {
+                stage("baselines", fmt::format("{}: made again ({})", base_dir, changed));
+                remove_tree(base_dir);
+            }
+        }
+        fs::create_directories(base_dir);
+        stage_save(record, base_in);
+    }
+
+    // the targets: one, or a ladder; a stock recipe's size when asked
     std::vector<rung> rungs = plan_rungs(o, bo, base_dir);
     const bool ladder = rungs.size() > 1;
-    if (ladder && !o.out.empty() && o.out.ends_with(".gguf")) {
-        fail("--out '{}' names one file, but {} targets make {} files: give a folder for --out, or one target", o.out,
-             rungs.size(), rungs.size());
-    }
 
     train_options t = o.train;
     t.cache_dir = (fs::path(work) / "candidates").string();
@@ -384,15 +604,16 @@ quantize_result run_quantize(const quantize_options & opts) {
     std::vector<std::string> peers;
     for (const rung & g : rungs) {
         t.goal = g.goal;
-        t.run_dir = (fs::path(work) / (ladder ? "run-" + g.label : "run")).string();
-        const std::string out = train_and_export(o, t, src, data, importance, imatrix_path, work, ladder ? g.label : "");
+        t.run_dir = (fs::path(work) / ("run-" + g.label)).string();
+        const std::string out = train_and_export(o, t, src, data, importance, imatrix_path, work, g.label, ladder,
+                                                 run_inputs(t, model_id, data_id, imatrix_id));
         t.prior_recipes.push_back((fs::path(t.run_dir) / "recipe.json").string());
         res.outs.push_back(out);
         sizes.push_back(file_size(out));
         if (o.greedy_peer) {
             const std::string peer = (fs::path(work) / fmt::format("{}.greedy{}.gguf", fs::path(o.model).stem().string(),
                                                                    ladder ? "." + g.label : "")).string();
-            export_recipe_file(src, (fs::path(t.run_dir) / "greedy.recipe.json").string(), peer, t);
+            export_recipe_file(src, (fs::path(t.run_dir) / "greedy.recipe.json").string(), peer, t, imatrix_id);
             peers.push_back(peer);
         }
     }

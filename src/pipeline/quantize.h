@@ -18,18 +18,20 @@ struct quantize_options {
                                             // (a ladder: one file per size); "" = goals or train.goal
     std::vector<target> goals;              // targets of a ladder (one file per target); empty = train.goal
     std::string out;                        // output GGUF ("" = WORK/<model>.Voodoo<NN>.gguf); a ladder: a folder
-    std::string work;                       // work folder: data/, imatrix.gguf, run/, baselines/, eval.*
+    std::string work;                       // work folder: data/, imatrix.gguf, run-<label>/, baselines/, eval.*
+    std::string imatrix;                    // an imatrix the user has (GGUF or legacy .dat): no imatrix stage
     bool greedy_peer = false;               // also export the measured-sensitivity greedy knapsack at every size
                                             // (<model>.greedy[.<label>].gguf) and compare it (bench/greedy_peer)
     std::string baselines = "nearest";      // "nearest", "all-that-fit", "none" or a comma list of recipe names
     int64_t ctx = 512;                      // calibration chunk length
-    int64_t imatrix_chunks = 128;           // train chunks the imatrix sees
+    int64_t imatrix_chunks = 128;           // train chunks the imatrix sees; -1 = all
     int eval_ctx = 512;
     int eval_chunks = 40;                   // -1 = every chunk of the eval text; 40 × 256 scored tokens give a
                                             // mean KLD within ~1% (its stderr), and the eval is libllama on the CPU
     int threads = 0;
     int ggml_threads = 0;                   // libllama threads (imatrix, eval); 0 = by model size (ggml_threads_for)
-    train_options train;                    // goal, menus, schedule (run_dir is WORK/run)
+    train_options train;                    // goal, menus, schedule (run_dir is WORK/run-<label>)
+    std::string announce;                   // a line printed once the options pass their checks (the CLI's cpu defaults)
     /// When set (the CLI sets it to itself for --device cuda), the train stage runs as `train_exe train …` in a
     /// child process: the GPU is initialized there only and its memory is given back when training ends, before
     /// this process's libllama work (eval) loads models. (A crash first blamed on libllama sharing a process with
@@ -52,7 +54,17 @@ struct quantize_result {
     std::string table;                      // the final comparison table (markdown)
 };
 
-/// Runs the chain. A ladder (several targets) shares data, imatrix, candidates and the probe; its sizes train
+/// Checks every option against the source model before anything is made (no file, no folder): texts and files
+/// exist, counts are in range, recipe and type names exist, the device is one this build has, the source is full
+/// precision, every --menu-for pattern names a tensor, and every --target-bpw/--target-size/--ratio is within what
+/// the menus can reach (the range printed in bytes, MiB and BPW). Prints a warning naming the tensors a --menu
+/// leaves at their source type. Throws voodoo::error naming the flag or file and what would work.
+void check_quantize_options(const quantize_options & opts, const gguf_file & src);
+
+/// Runs the chain. Each stage keeps a record of what made it (pipeline/stages.h): a re-run with other texts,
+/// --ctx, --seed, --imatrix-chunks, model, imatrix or training options re-does that stage and every stage after it,
+/// saying so in one line; a new target in the same work folder trains beside the earlier ones (WORK/run-<label>).
+/// A ladder (several targets) shares data, imatrix, candidates and the probe; its sizes train
 /// in increasing order (WORK/run-<label>), each also choosing among the smaller sizes' recipes, so a larger
 /// file never measures worse on the validation split; the curve against every stock file it compares with is
 /// written as WORK/curve.{md,json,png}. Throws voodoo::error from any stage, naming it; what finished stays in WORK.

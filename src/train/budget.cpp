@@ -66,14 +66,16 @@ std::vector<tensor_menu> build_menus(const gguf_file & file, const menu_options 
         asked.insert(types.begin(), types.end());
     }
     std::vector<tensor_menu> menus;
+    std::vector<bool> role_used(roles.size(), false);
     for (const gguf_tensor & t : file.tensors()) {
         if (!tensor_is_selectable(t.name, t.n_dims)) {
             continue;
         }
         const std::vector<ggml_type> * types = &base;
-        for (const auto & [re, role_types] : roles) {
-            if (std::regex_search(t.name, re)) {
-                types = role_types;
+        for (size_t r = 0; r < roles.size(); ++r) {
+            if (std::regex_search(t.name, roles[r].first)) {
+                types = roles[r].second;
+                role_used[r] = true;
                 break;
             }
         }
@@ -88,6 +90,12 @@ std::vector<tensor_menu> build_menus(const gguf_file & file, const menu_options 
                                     [](ggml_type ty) { return type_info_of(ty).is_quantized; });
         used.insert(m.types.begin(), m.types.end());
         menus.push_back(std::move(m));
+    }
+    for (size_t r = 0; r < roles.size(); ++r) {
+        if (!role_used[r]) {
+            fail("--menu-for '{}': the pattern matches no quantizable tensor of '{}' (or only tensors an earlier "
+                 "--menu-for took); `voodoo inspect {}` lists the names", opts.per_role[r].first, file.path(), file.path());
+        }
     }
     for (ggml_type t : asked) {
         if (!used.count(t)) {
@@ -111,16 +119,18 @@ std::string target::str() const {
 }
 
 double parse_size(const std::string & s, const std::string & flag) {
-    static const std::regex re(R"(^\s*([0-9]+(\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$)", std::regex::icase);
+    static const std::regex re(R"(^\s*([0-9]+(\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$)", std::regex::icase);
     std::smatch m;
     if (!std::regex_match(s, m, re)) {
-        fail("{} '{}': expected a size such as 304352, 300KB, 512MiB or 4.5GiB", flag, s);
+        fail("{} '{}': expected a size such as 304352, 300KB, 512MiB, 4.5GiB or 4G (K, M, G: powers of 1024, as ls -h "
+             "prints; KB, MB, GB: powers of 1000)", flag, s);
     }
     double v = std::stod(m[1].str());
     std::string unit = m[3].str();
     std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char c) { return std::toupper(c); });
     if (!unit.empty() && unit != "B") {
-        const double base = unit.size() == 3 ? 1024.0 : 1000.0;  // "KIB" vs "KB"
+        // "KIB" and a bare "K" (as ls -h and df -h print sizes) are powers of 1024; "KB" of 1000.
+        const double base = unit.size() != 2 ? 1024.0 : 1000.0;
         const int power = std::string("KMGT").find(unit[0]) + 1;
         v *= std::pow(base, power);
     }
@@ -207,10 +217,15 @@ budget make_budget(const gguf_file & file, const std::vector<tensor_menu> & menu
             break;
     }
     if (b.limit < b.min_total || b.limit > b.max_total) {
-        const char * unit = goal.kind == target_kind::bpw ? " BPW" : goal.kind == target_kind::size ? " bytes" : "";
-        fail("target {} is outside what the menus can reach for '{}': from {:.6g}{} (every tensor at its cheapest "
-             "type) to {:.6g}{} (every tensor at its dearest)",
-             goal.str(), file.path(), b.in_target_unit(b.min_total), unit, b.in_target_unit(b.max_total), unit);
+        const double w = static_cast<double>(b.n_weights);
+        const std::string ratio = goal.kind == target_kind::ratio
+                                      ? fmt::format(", {:.4g} to {:.4g} of the all-Q8_0 file", b.min_total / b.q8_0_bytes,
+                                                    b.max_total / b.q8_0_bytes)
+                                      : "";
+        fail("target {} is outside what the menus can reach for '{}': from {:.0f} to {:.0f} bytes{} ({:.2f} to {:.2f} "
+             "MiB, {:.3f} to {:.3f} BPW{}; every tensor at its cheapest type, every tensor at its dearest)",
+             goal.str(), file.path(), b.min_total, b.max_total, file_mode ? " of file" : " of tensor data",
+             b.min_total / 1048576.0, b.max_total / 1048576.0, 8 * b.min_total / w, 8 * b.max_total / w, ratio);
     }
     return b;
 }

@@ -53,8 +53,9 @@ struct target {
     std::string str() const;
 };
 
-/// Parses a size: "304352", "300KB", "296.5KiB", "1.5GiB", "500MiB", "2GB" (B, KB/MB/GB powers of
-/// 1000, KiB/MiB/GiB powers of 1024). Throws voodoo::error naming the flag and the accepted forms.
+/// Parses a size: "304352", "300KB", "296.5KiB", "1.5GiB", "500MiB", "2GB", "4G", "300k" (B; KB/MB/GB powers of
+/// 1000; KiB/MiB/GiB and the bare K/M/G of `ls -h` powers of 1024; any case). Throws voodoo::error naming the
+/// flag and the accepted forms.
 double parse_size(const std::string & s, const std::string & flag);
 
 /// Exact costs: cost[t][k] is what tensor t adds when it takes menu type k; `fixed` is the rest, so

@@ -670,6 +670,25 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     return res;
 }
 
+void check_device_name(const std::string & s) {
+    if (s == "cpu") {
+        return;
+    }
+    if (s == "cuda" || s.rfind("cuda:", 0) == 0) {
+#if !defined(VOODOO_HAVE_CUDA)
+        fail("--device {}: this voodoo was built without CUDA; build it against a CUDA LibTorch with -DVOODOO_CUDA=ON "
+             "(README: building for the GPU), or use --device cpu", s);
+#else
+        const std::string n = s.size() > 5 ? s.substr(5) : "0";
+        if (n.empty() || n.size() > 3 || !std::all_of(n.begin(), n.end(), [](unsigned char c) { return std::isdigit(c); })) {
+            fail("--device '{}': expected cpu, cuda or cuda:N with N a device number", s);
+        }
+        return;
+#endif
+    }
+    fail("--device '{}': expected cpu, cuda or cuda:N", s);
+}
+
 torch::Device parse_train_device(const std::string & s) {
     if (s == "cpu") {
         return torch::kCPU;

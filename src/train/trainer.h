@@ -105,6 +105,11 @@ std::vector<std::string> apply_cpu_defaults(train_options & o, const std::functi
 /// when the value is malformed, or when CUDA is asked of a build or machine without it.
 torch::Device parse_train_device(const std::string & s);
 
+/// Checks a --device name ("cpu", "cuda", "cuda:N") against this build without touching the GPU, so that a
+/// parent process can refuse it at once and leave CUDA to its training child. Whether cuda:N exists is known
+/// only once CUDA starts (parse_train_device). Throws voodoo::error naming the flag.
+void check_device_name(const std::string & s);
+
 /// Trains the gates of `src` on `train` chunks with `teacher` as the distillation target (usually src
 /// itself) and writes the run directory. `importance` (optional) is the imatrix's per-tensor importance.
 /// Throws voodoo::error before any work for an impossible target, a menu type no tensor takes, a token
