@@ -26,7 +26,7 @@ command add_check_parity(CLI::App & app) {
     sub->add_option("file", o->path, "GGUF file")->required();
     sub->add_option("--text", o->parity.text_path, "Tokenize this text file (default: fixed pseudo-random token ids)");
     sub->add_option("--tokens", o->parity.n_tokens, "Positions to compare")->capture_default_str();
-    sub->add_option("--threads", o->parity.n_threads, "Threads for both runtimes (0 = all cores)")->capture_default_str();
+    sub->add_option("--threads", o->parity.n_threads, "Threads for both runtimes (0 = all cores)")->capture_default_str()->check(non_negative());
     sub->add_flag("--json", o->json, "Print the report as JSON");
     return {sub, [o] {
         const parity_report report = check_parity(o->path, o->parity);

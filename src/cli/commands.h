@@ -22,6 +22,24 @@ bool register_command(const char * name, command_factory factory);
 /// Ctrl-C was pressed, so the run writes its journal and exits cleanly.
 std::function<bool(int)> stop_on_sigint();
 
+/// A count that must be a whole number ≥ 0 (threads, anchors): "-3" is refused as "expected a whole number ≥ 0,
+/// got '-3'" instead of CLI11's NonNegativeNumber message with its 300-digit range.
+inline CLI::Validator non_negative() {
+    return CLI::Validator(
+        [](std::string & v) -> std::string {
+            try {
+                size_t used = 0;
+                const long long n = std::stoll(v, &used);
+                if (used == v.size() && n >= 0) {
+                    return {};
+                }
+            } catch (const std::exception &) {
+            }
+            return "expected a whole number >= 0, got '" + v + "'";
+        },
+        "INT>=0");
+}
+
 /// Every registered subcommand added to app, in name order.
 std::vector<command> add_all_commands(CLI::App & app);
 

@@ -33,8 +33,8 @@ command add_eval(CLI::App & app) {
     sub->add_option("--text", o->eval.text, "UTF-8 text file to score")->required();
     sub->add_option("--ctx", o->eval.n_ctx, "Tokens per chunk; the second half of each is scored")
         ->capture_default_str();
-    sub->add_option("--chunks", o->eval.n_chunks, "Chunks to score (default: every whole chunk of the text)");
-    sub->add_option("--threads", o->eval.n_threads, "Threads (default: every core)");
+    sub->add_option("--chunks", o->eval.n_chunks, "Chunks to score (-1, the default: every whole chunk of the text)");
+    sub->add_option("--threads", o->eval.n_threads, "Threads (default: every core)")->check(non_negative());
     sub->add_option("--json", o->json, "Write the results as JSON here (default with --out-dir: DIR/eval.json)");
     sub->add_option("--plot", o->plot, "Draw mean KLD against file size as PNG here (default with --out-dir: DIR/eval.png)");
     sub->add_option("--out-dir", o->out_dir, "Folder for eval.md, eval.json and eval.png");

@@ -6,6 +6,9 @@
 #include "imatrix/imatrix.h"
 
 #include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
@@ -55,13 +58,15 @@ command add_imatrix(CLI::App & app) {
     auto * data = sub->add_option("--data,-d", o->collect.data_dir, "A folder written by `voodoo data` (train split)");
     auto * out = sub->add_option("--out,-o", o->out, "Output imatrix GGUF");
     auto * show = sub->add_option("--show", o->show, "Read an imatrix (GGUF or legacy .dat), check it fits the model, list it");
-    sub->add_option("--chunks", o->collect.max_chunks, "Use the first N train chunks (0 = all)")->capture_default_str();
-    sub->add_option("--threads", o->collect.n_threads, "CPU threads (0 = all cores)")->capture_default_str();
+    sub->add_option("--chunks", o->collect.max_chunks, "Use the first N train chunks (-1 or 0 = all)")->capture_default_str()
+        ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()));
+    sub->add_option("--threads", o->collect.n_threads, "CPU threads (0 = all cores)")->capture_default_str()->check(non_negative());
     sub->add_flag("--json", o->json, "Print the summary as JSON");
     data->needs(out);
     out->needs(data);
     show->excludes(data);
     return {sub, [o] {
+        o->collect.max_chunks = std::max<int64_t>(o->collect.max_chunks, 0);  // -1 = all, as llama.cpp's tools
         if (o->show.empty() && o->collect.data_dir.empty()) {
             fail("voodoo imatrix: give --data DIR --out FILE to collect, or --show FILE to check an imatrix");
         }

@@ -59,8 +59,8 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--probe-sequences", o->q.train.probe_sequences, "Sequences for each candidate's ΔKL probe")
         ->capture_default_str();
     sub->add_option("--seq", o->q.train.seq, "Tokens per training sequence (0 = --ctx)")->capture_default_str();
-    sub->add_option("--threads", o->q.threads, "Threads for LibTorch and quantization (0 = all cores)")->capture_default_str();
-    sub->add_option("--ggml-threads", o->q.ggml_threads, "Threads for libllama (imatrix, eval); 0 = 1 below 8M weights, else every core")->capture_default_str();
+    sub->add_option("--threads", o->q.threads, "Threads for LibTorch and quantization (0 = all cores)")->capture_default_str()->check(non_negative());
+    sub->add_option("--ggml-threads", o->q.ggml_threads, "Threads for libllama (imatrix, eval)->check(non_negative()); 0 = 1 below 8M weights, else every core")->capture_default_str();
     sub->add_option("--device", o->q.train.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
     sub->add_option("--mixture", o->q.train.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
@@ -71,7 +71,7 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--lambda-kl", o->q.train.lambda_kl, "Weight of KL(teacher ‖ student)")->capture_default_str();
     sub->add_option("--probe-anchors", o->q.train.probe_anchors,
                     "Types measured per tensor; the others are predicted from the imatrix-weighted error (0 = all)")
-        ->capture_default_str()->check(CLI::NonNegativeNumber);
+        ->capture_default_str()->check(non_negative());
     sub->add_option("--probe-compute", o->q.train.probe_compute, "The probe's dtype: f32, or bf16 only to measure what bf16 costs")
         ->capture_default_str()->check(CLI::IsMember({"f32", "bf16"}));
     sub->add_option("--compute", o->q.train.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)")

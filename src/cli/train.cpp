@@ -58,7 +58,7 @@ command add_train(CLI::App & app) {
         ->capture_default_str();
     sub->add_option("--probe-anchors", o->t.probe_anchors,
                     "Types measured per tensor; the others are predicted from the imatrix-weighted error (0 = all)")
-        ->capture_default_str()->check(CLI::NonNegativeNumber);
+        ->capture_default_str()->check(non_negative());
     sub->add_option("--probe-file", o->t.probe_file, "Where the probe is kept and reused (default: RUN/probe.json)");
     sub->add_option("--select-sequences", o->t.select_sequences,
                     "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str();
@@ -75,7 +75,7 @@ command add_train(CLI::App & app) {
     sub->add_option("--mixture", o->t.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
     sub->add_option("--seed", o->t.seed, "Seed (data order, Gumbel noise)")->capture_default_str();
-    sub->add_option("--threads", o->t.threads, "Threads (0 = all cores)")->capture_default_str();
+    sub->add_option("--threads", o->t.threads, "Threads (0 = all cores)")->capture_default_str()->check(non_negative());
     return {sub, [o, bpw, size, ratio, sub] {
         train_options t = o->t;
         if (bpw->count()) {

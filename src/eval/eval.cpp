@@ -293,7 +293,7 @@ eval_result run_eval(const eval_options & opt, const std::vector<std::string> & 
         fail("--ctx {} is too small: use at least {} (llama-perplexity's default is 512)", opt.n_ctx, k_min_ctx);
     }
     if (opt.n_chunks == 0 || opt.n_chunks < -1) {
-        fail("--chunks {} must be positive (or left out for every chunk of the text)", opt.n_chunks);
+        fail("--chunks {}: expected a positive number of chunks, or -1 for every chunk of the text", opt.n_chunks);
     }
     const int n_threads = opt.n_threads > 0 ? opt.n_threads : std::max(1, (int) std::thread::hardware_concurrency());
 
