@@ -63,6 +63,30 @@ e2e-0.6b)
     ls -la /tmp/e2e-06b/*.gguf
     cp /tmp/e2e-06b/eval.md "$OUT/e2e/qwen3-0.6b-eval.md" 2>/dev/null
     ;;
+e2e-1.7b)
+    # Issue #16: `voodoo quantize --device cuda` with the default menu on a synthetic model of Qwen3-1.7B's shape
+    # (every layer, the full 151,936-token vocabulary, BF16, tied head; random weights: speed and memory only),
+    # at stock Q4_K_M's size, beside stock Q4_K_M; the probe with 2 anchors per tensor. Every stage's time is in
+    # the log's last "== times:" line and WORK/times.json; GPU memory sampled each second; disk per folder.
+    log e2e qwen3-1.7b shape
+    mkdir -p "$OUT/e2e"
+    /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch qwen3 --vocab "$D/llama/models/ggml-vocab-qwen2.gguf" \
+        --n-embd 2048 --n-layer 28 --n-head 16 --n-head-kv 8 --head-dim 128 --n-ff 6144 --type bf16 --tied \
+        -o /tmp/qwen3-1.7b-shape.gguf > "$OUT/e2e/fixture-1.7b.log" 2>&1
+    ls -la /tmp/qwen3-1.7b-shape.gguf
+    T=$D/data/text/wikitext-2-raw/wiki.valid.raw
+    nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 1000 > "$OUT/e2e/gpu-mem-1.7b.csv" 2>&1 &
+    SMI=$!
+    /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/qwen3-1.7b-shape.gguf --text "$T" --like Q4_K_M \
+        --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --eval-chunks 8 \
+        --probe-anchors 2 --device cuda --work /tmp/e2e-17b > "$OUT/e2e/qwen3-1.7b.log" 2>&1
+    kill $SMI
+    grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed" "$OUT/e2e/qwen3-1.7b.log" | cut -c1-220 | tail -40
+    du -sh /tmp/e2e-17b/* > "$OUT/e2e/disk-1.7b.txt" 2>&1; cat "$OUT/e2e/disk-1.7b.txt"
+    cp /tmp/e2e-17b/times.json "$OUT/e2e/times-1.7b.json" 2>/dev/null
+    cp /tmp/e2e-17b/eval.md "$OUT/e2e/qwen3-1.7b-eval.md" 2>/dev/null
+    awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 + 0 > m) m = $2 + 0} END {print "peak GPU memory used:", m, "MiB"}' "$OUT/e2e/gpu-mem-1.7b.csv"
+    ;;
 bench-small)
     log bench qwen3-0.6b
     build-cuda/bin/train_step --shape qwen3-0.6b --min-blocks "${MIN_BLOCKS:-0}" --work /tmp/bench --json "$OUT/bench-qwen3-0.6b.json" 2>&1 | tee "$OUT/bench-qwen3-0.6b.log" | tail -8

@@ -132,4 +132,13 @@ TEST(cli, quantize_takes_the_model_as_llama_cpp_does_and_refuses_a_bad_target_be
     EXPECT_FALSE(std::filesystem::exists(dir.file("w")));
     const auto both = run_voodoo("quantize a.gguf -m b.gguf --text " + text + " --like Q4_0");
     EXPECT_EQ(both.exit_code, 2) << both.output;
+    // llama.cpp's short flags: -o for the output file, -t for the threads (whole numbers >= 0).
+    const auto short_flags = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                                        " --target-size 1KB -o " + dir.file("x.gguf") + " -t 1 --work " + dir.file("w"));
+    EXPECT_EQ(short_flags.exit_code, 1) << short_flags.output;
+    EXPECT_EQ(short_flags.output.rfind("voodoo: error: target size=1000 is outside", 0), 0u) << short_flags.output;
+    const auto bad_threads = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                                        " --like Q4_0 -t -2 --ggml-threads -1");
+    EXPECT_EQ(bad_threads.exit_code, 2) << bad_threads.output;
+    EXPECT_NE(bad_threads.output.find("-2"), std::string::npos) << bad_threads.output;
 }

@@ -1,4 +1,5 @@
 #include "common/error.h"
+#include "common/file.h"
 #include "ggml/gguf.h"
 #include "ggml/quant.h"
 #include "ggml/types.h"
@@ -11,6 +12,8 @@
 
 #include <signal.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 using namespace voodoo;
 using voodoo::test::temp_dir;
@@ -251,6 +254,49 @@ TEST(gguf, bad_files_give_one_line_errors) {
     expect_error_naming(version, "version 9");
 
     expect_error_naming(dir.path.string(), "not a regular file");
+}
+
+TEST(file, a_second_lock_on_a_work_folder_is_refused_naming_the_holder_and_is_granted_once_it_ends) {
+    temp_dir dir;
+    const std::string work = dir.file("work");
+    {
+        const folder_lock first(work);
+        EXPECT_TRUE(std::filesystem::is_directory(work));
+        const std::string msg = test::error_of([&] { folder_lock second(work); });
+        EXPECT_NE(msg.find("'" + work + "' is in use by another voodoo job (pid " + std::to_string(::getpid()) + ")"),
+                  std::string::npos)
+            << msg;
+    }
+    EXPECT_NO_THROW(folder_lock again(work));
+}
+
+TEST(file, a_lock_whose_job_was_killed_with_sigkill_is_not_stuck) {
+    temp_dir dir;
+    const std::string work = dir.file("work");
+    int ready[2];
+    ASSERT_EQ(::pipe(ready), 0);
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {  // the first job: takes the lock, says so, and waits to be killed
+        const folder_lock held(work);
+        const char c = 'x';
+        (void) !::write(ready[1], &c, 1);
+        for (;;) {
+            ::pause();
+        }
+    }
+    char c = 0;
+    ASSERT_EQ(::read(ready[0], &c, 1), 1);
+    const std::string msg = test::error_of([&] { folder_lock second(work); });
+    EXPECT_NE(msg.find("(pid " + std::to_string(pid) + ")"), std::string::npos) << msg;
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+    EXPECT_TRUE(std::filesystem::exists(work + "/.lock")) << "the killed job's lock file is still there";
+    EXPECT_NO_THROW(folder_lock after(work)) << "a killed job's lock was left stuck";
+    ::close(ready[0]);
+    ::close(ready[1]);
 }
 
 TEST(file, remove_tree_removes_a_nested_folder_without_following_links) {

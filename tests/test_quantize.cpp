@@ -1,4 +1,5 @@
 #include "common/error.h"
+#include "common/file.h"
 #include "eval/baseline.h"
 #include "ggml/gguf.h"
 #include "pipeline/quantize.h"
@@ -14,6 +15,8 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+
+#include <unistd.h>
 
 using namespace voodoo;
 
@@ -229,6 +232,18 @@ TEST(quantize, every_bad_option_is_refused_before_anything_is_made) {
         }
         EXPECT_FALSE(std::filesystem::exists(work)) << msg;
     }
+}
+
+TEST(quantize, a_second_job_in_the_same_work_folder_is_refused_at_once_naming_the_first) {
+    // Issue #19: two jobs in one work folder would write the same stage files. What a running job holds:
+    test::temp_dir dir;
+    const std::string work = dir.file("work");
+    const folder_lock first(work);
+    const std::string msg = test::error_of([&] { run_quantize(small_job(work)); });
+    EXPECT_NE(msg.find("in use by another voodoo job (pid " + std::to_string(::getpid()) + ")"), std::string::npos)
+        << msg;
+    EXPECT_FALSE(std::filesystem::exists(work + "/data")) << "the second job made its data stage";
+    EXPECT_FALSE(std::filesystem::exists(work + "/model.digest.json")) << "the second job read the model";
 }
 
 TEST(quantize, a_menu_that_leaves_tensors_at_their_source_type_says_which) {

@@ -4,6 +4,7 @@
 #include "ggml/gguf.h"
 #include "imatrix/collect.h"
 #include "imatrix/imatrix.h"
+#include "train/trainer.h"
 
 #include <fmt/format.h>
 
@@ -51,6 +52,7 @@ command add_imatrix(CLI::App & app) {
         imatrix_options collect;
         std::string out;
         std::string show;
+        std::string device = "cpu";
         bool json = false;
     };
     auto o = std::make_shared<options>();
@@ -61,6 +63,10 @@ command add_imatrix(CLI::App & app) {
     sub->add_option("--chunks", o->collect.max_chunks, "Use the first N train chunks (-1 or 0 = all)")->capture_default_str()
         ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()));
     sub->add_option("--threads", o->collect.n_threads, "CPU threads (0 = all cores)")->capture_default_str()->check(non_negative());
+    sub->add_option("--device", o->device,
+                    "cpu: libllama's own graph (llama-imatrix's statistic); cuda or cuda:N (CUDA builds): Voodoo's "
+                    "LibTorch forward of the model on that GPU, the same statistic within the two forwards' parity")
+        ->capture_default_str();
     sub->add_flag("--json", o->json, "Print the summary as JSON");
     data->needs(out);
     out->needs(data);
@@ -78,7 +84,8 @@ command add_imatrix(CLI::App & app) {
             if (same_file(o->out, o->collect.model)) {
                 fail("--out '{}' is the source model; choose another file", o->out);
             }
-            im = collect_imatrix(o->collect);
+            im = o->device == "cpu" ? collect_imatrix(o->collect)
+                                    : collect_imatrix_torch(o->collect, parse_train_device(o->device));
             write_imatrix_gguf(o->out, im);
         }
         if (o->json) {

@@ -27,7 +27,8 @@ command add_quantize(CLI::App & app) {
         std::vector<std::string> menu_for;
     };
     auto o = std::make_shared<options>();
-    auto * model_pos = sub->add_option("model", o->q.model, "Source GGUF (F32/F16/BF16); or -m");
+    // Named MODEL, not model: CLI11 2.4 (Ubuntu 24.04's) refuses a positional whose name is also --model's.
+    auto * model_pos = sub->add_option("MODEL", o->q.model, "Source GGUF (F32/F16/BF16); or -m");
     auto * model_opt = sub->add_option("-m,--model", o->model_flag, "Source GGUF (as llama.cpp's tools take it)");
     model_pos->excludes(model_opt);
     sub->add_option("--imatrix", o->q.imatrix,
@@ -42,7 +43,8 @@ command add_quantize(CLI::App & app) {
     bpw->excludes(size)->excludes(ratio)->excludes(like);
     size->excludes(ratio)->excludes(like);
     ratio->excludes(like);
-    sub->add_option("--out", o->q.out, "Output GGUF (default: WORK/<model>.Voodoo<NN>.gguf)");
+    sub->add_option("-o,--output,--out", o->q.out,
+                    "Output GGUF (default: WORK/<model>.Voodoo<NN>.gguf); with several sizes, a folder");
     sub->add_option("--work", o->q.work, "Work folder (default: <model>.voodoo)");
     sub->add_option("--baselines", o->q.baselines, "Stock recipes to compare: nearest, all-that-fit, none, or Q4_K_M,Q5_0,…")
         ->capture_default_str();
@@ -59,8 +61,14 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--probe-sequences", o->q.train.probe_sequences, "Sequences for each candidate's ΔKL probe")
         ->capture_default_str();
     sub->add_option("--seq", o->q.train.seq, "Tokens per training sequence (0 = --ctx)")->capture_default_str();
-    sub->add_option("--threads", o->q.threads, "Threads for LibTorch and quantization (0 = all cores)")->capture_default_str()->check(non_negative());
-    sub->add_option("--ggml-threads", o->q.ggml_threads, "Threads for libllama (imatrix, eval)->check(non_negative()); 0 = 1 below 8M weights, else every core")->capture_default_str();
+    auto * threads = sub->add_option("-t,--threads", o->q.threads,
+                                     "CPU threads for everything: LibTorch, quantization and libllama (0 = all cores; "
+                                     "libllama's then by model size)")
+                         ->capture_default_str()->check(non_negative());
+    auto * ggml_threads = sub->add_option("--ggml-threads", o->q.ggml_threads,
+                                          "Threads for libllama alone (imatrix, eval), over -t; 0 = 1 below 8M weights, "
+                                          "else every core")
+                              ->capture_default_str()->check(non_negative());
     sub->add_option("--device", o->q.train.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
     sub->add_option("--mixture", o->q.train.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
@@ -80,10 +88,13 @@ command add_quantize(CLI::App & app) {
                     "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str()
         ->check(CLI::PositiveNumber);
     sub->add_option("--seed", o->q.train.seed, "Seed")->capture_default_str();
-    return {sub, [o, bpw, size, ratio, like, sub, model_opt] {
+    return {sub, [o, bpw, size, ratio, like, sub, model_opt, threads, ggml_threads] {
         quantize_options q = o->q;
         if (model_opt->count()) {
             q.model = o->model_flag;
+        }
+        if (threads->count() && !ggml_threads->count()) {
+            q.ggml_threads = q.threads;  // one -t for all CPU threads, as llama.cpp's tools take it
         }
         if (q.model.empty()) {
             fail("give the source model: voodoo quantize MODEL.gguf … (or -m MODEL.gguf)");

@@ -10,6 +10,7 @@
 
 #include <fcntl.h>
 #include <ftw.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -153,6 +154,43 @@ void write_file_atomic(const std::string & path, std::span<const uint8_t> bytes)
 
 void write_file_atomic(const std::string & path, const std::string & text) {
     write_file_atomic(path, std::span<const uint8_t>(reinterpret_cast<const uint8_t *>(text.data()), text.size()));
+}
+
+folder_lock::folder_lock(const std::string & dir) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const std::string path = (std::filesystem::path(dir) / ".lock").string();
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) {
+        fail("cannot open the lock file '{}': {}", path, std::strerror(errno));
+    }
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+        const int err = errno;
+        char buf[32] = {};
+        const ssize_t n = ::pread(fd_, buf, sizeof buf - 1, 0);
+        ::close(fd_);
+        fd_ = -1;
+        if (err == EWOULDBLOCK) {
+            const std::string pid = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("unknown");
+            fail("the work folder '{}' is in use by another voodoo job (pid {}); wait for it to end, or give this "
+                 "one another --work folder",
+                 dir, pid.substr(0, pid.find_first_of("\n ")));
+        }
+        fail("cannot lock '{}': {}", path, std::strerror(err));
+    }
+    const std::string pid = std::to_string(::getpid()) + "\n";
+    if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+        const int err = errno;
+        ::close(fd_);
+        fd_ = -1;
+        fail("cannot write the lock file '{}': {}", path, std::strerror(err));
+    }
+}
+
+folder_lock::~folder_lock() {
+    if (fd_ >= 0) {
+        ::close(fd_);  // releases the flock
+    }
 }
 
 }  // namespace voodoo

@@ -72,6 +72,23 @@ private:
     bool committed_ = false;
 };
 
+/// One job at a time in a work folder: an exclusive flock(2) on `<dir>/.lock`, held as long as this object (and
+/// so its process) lives. The kernel drops it when the process ends in any way, SIGKILL included, so a killed job
+/// never leaves a stuck lock; the file itself stays and only records the holder's process id. Not inherited by
+/// programs the holder starts (close-on-exec): a child does its part under the parent's lock.
+class folder_lock {
+public:
+    /// Creates `dir` when missing and takes the lock at once (never waits). Throws voodoo::error naming the
+    /// folder and the process id of the job that holds it, or the OS reason when the lock file cannot be opened.
+    explicit folder_lock(const std::string & dir);
+    ~folder_lock();
+    folder_lock(const folder_lock &) = delete;
+    folder_lock & operator=(const folder_lock &) = delete;
+
+private:
+    int fd_ = -1;
+};
+
 /// Writes a whole text or binary file atomically (atomic_file + commit).
 void write_file_atomic(const std::string & path, std::span<const uint8_t> bytes);
 void write_file_atomic(const std::string & path, const std::string & text);

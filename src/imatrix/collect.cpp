@@ -6,6 +6,9 @@
 #include "ggml/log.h"
 #include "ggml/quant.h"
 #include "ggml/runtime.h"
+#include "ggml/gguf.h"
+#include "model/gguf_weights.h"
+#include "model/registry.h"
 
 #include <ggml-backend.h>
 #include <llama.h>
@@ -13,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <memory>
 
 namespace voodoo {
@@ -155,12 +159,8 @@ struct context_deleter {
     void operator()(llama_context * c) const { llama_free(c); }
 };
 
-}  // namespace
-
-imatrix collect_imatrix(const imatrix_options & o) {
-    const token_data data(o.data_dir);
-    data.require_vocab_of(o.model);
-    const token_file & train = data.train();
+// The number of train chunks the imatrix reads (max_chunks, or all), after the checks both collectors share.
+int64_t chunks_to_read(const imatrix_options & o, const token_file & train) {
     if (train.ctx() < 16) {
         fail("'{}' has chunks of {} tokens; the imatrix needs at least 16 (llama-imatrix skips smaller batches): "
              "run `voodoo data` with a larger --ctx",
@@ -170,6 +170,16 @@ imatrix collect_imatrix(const imatrix_options & o) {
     if (n_chunks == 0) {
         fail("'{}' has no train chunks; run `voodoo data` on more text", o.data_dir);
     }
+    return n_chunks;
+}
+
+}  // namespace
+
+imatrix collect_imatrix(const imatrix_options & o) {
+    const token_data data(o.data_dir);
+    data.require_vocab_of(o.model);
+    const token_file & train = data.train();
+    const int64_t n_chunks = chunks_to_read(o, train);
 
     llama_runtime_init();
     llama_model_params mp = llama_model_default_params();
@@ -240,6 +250,76 @@ imatrix collect_imatrix(const imatrix_options & o) {
     c.im.chunk_count = n_chunks;
     c.im.datasets = data.sources();
     return std::move(c.im);
+}
+
+imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, int64_t batch_tokens) {
+    const token_data data(o.data_dir);
+    data.require_vocab_of(o.model);
+    const token_file & train = data.train();
+    const int64_t n_chunks = chunks_to_read(o, train);
+    const int64_t ctx = train.ctx();
+    const int64_t per_forward = std::max<int64_t>(1, batch_tokens / ctx);
+
+    const gguf_file file(o.model);
+    auto model = build_model(file);
+    gguf_weights w(file, device, o.n_threads);
+    torch::NoGradGuard no_grad;
+
+    // Σx² per input column (f64, on the device) and activation rows, by weight name.
+    std::map<std::string, torch::Tensor> sums;
+    std::map<std::string, int64_t> rows_seen;
+    model->set_observer([&](const std::string & name, const torch::Tensor & x) {
+        const torch::Tensor rows = x.reshape({-1, x.size(-1)});
+        const torch::Tensor s = rows.to(torch::kDouble).square().sum(0);
+        auto it = sums.find(name);
+        if (it == sums.end()) {
+            sums.emplace(name, s);
+        } else {
+            it->second.add_(s);
+        }
+        rows_seen[name] += rows.size(0);
+    });
+
+    const auto start = std::chrono::steady_clock::now();
+    {
+        progress bar("imatrix", n_chunks, "chunks");
+        for (int64_t first = 0; first < n_chunks; first += per_forward) {
+            const int64_t n = std::min(per_forward, n_chunks - first);
+            std::vector<int64_t> ids;
+            ids.reserve(static_cast<size_t>(n * ctx));
+            for (int64_t i = first; i < first + n; ++i) {
+                for (int32_t t : train.chunk(i)) {
+                    ids.push_back(t);
+                }
+            }
+            const torch::Tensor tokens = torch::tensor(ids, torch::kLong).reshape({n, ctx}).to(device);
+            const torch::Tensor h = model->hidden(tokens, w);
+            // The head on every position, one chunk at a time (libllama computes every chunk's logits: the
+            // head's entry counts every token), without keeping [n, ctx, n_vocab] logits at once.
+            for (int64_t i = 0; i < n; ++i) {
+                model->head(h[i], w);
+            }
+            const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+            bar.add(n, fmt::format("{:.0f} tok/s", static_cast<double>((first + n) * ctx) / std::max(s, 1e-9)));
+        }
+    }
+    if (sums.empty()) {
+        fail("no matmul of '{}' was seen by the LibTorch forward", o.model);
+    }
+    imatrix im;
+    for (const auto & [name, s] : sums) {
+        const torch::Tensor f = s.to(torch::kCPU).to(torch::kFloat).contiguous();
+        if (!torch::isfinite(f).all().item<bool>()) {
+            fail("non-finite activations reached '{}'; the model or its input is broken", name);
+        }
+        imatrix_entry & e = im.entries[name];
+        e.in_sum2.assign(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+        e.counts = {rows_seen[name]};
+    }
+    im.chunk_size = ctx;
+    im.chunk_count = n_chunks;
+    im.datasets = data.sources();
+    return im;
 }
 
 }  // namespace voodoo

@@ -4,6 +4,8 @@
 
 #include "imatrix/imatrix.h"
 
+#include <torch/torch.h>
+
 #include <cstdint>
 #include <string>
 
@@ -28,5 +30,15 @@ struct imatrix_options {
 /// Throws voodoo::error when the tokens were made with another vocabulary, ctx < 16 (llama-imatrix skips such
 /// batches), the model cannot be loaded, a decode fails, or an activation is not finite.
 imatrix collect_imatrix(const imatrix_options & options);
+
+/// The same statistic from Voodoo's LibTorch forward of the model (src/model: the architectures the runtime
+/// supports) on `device`, for a GPU where libllama's CPU backend would take minutes (a 1.7B model: 7 min 19 s for
+/// 128 chunks of 512 on 16 cores, docs/BENCHMARKS.md). The same chunks, the same matmuls (every weight of a
+/// `blk.*` matmul, the output head under its own name or token_embd.weight when tied), the same counts; compute in
+/// f32, each chunk's Σx² summed in f64 on the device and rounded to f32 once. Against libllama's it differs by
+/// the two forwards' parity (tests/test_imatrix_torch.cpp bounds it). Chunks run `batch_tokens / ctx` at a time
+/// (at least one). MoE weights (MUL_MAT_ID) are not in the runtime: such a model is refused by build_model.
+/// Throws voodoo::error as collect_imatrix does, and naming the tensor when a column sum is not finite.
+imatrix collect_imatrix_torch(const imatrix_options & options, torch::Device device, int64_t batch_tokens = 8192);
 
 }  // namespace voodoo

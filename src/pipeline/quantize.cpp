@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -35,7 +36,46 @@ namespace {
 
 namespace fs = std::filesystem;
 
-void stage(const char * name, const std::string & what) { fmt::print(stderr, "== {}: {}\n", name, what); }
+// Each stage line also marks the time: the job ends with how long each stage took (WORK/times.json).
+struct stage_mark {
+    std::string name;
+    std::chrono::steady_clock::time_point at;
+};
+
+std::vector<stage_mark> & stage_marks() {
+    static std::vector<stage_mark> marks;
+    return marks;
+}
+
+void stage(const char * name, const std::string & what) {
+    stage_marks().push_back({name, std::chrono::steady_clock::now()});
+    fmt::print(stderr, "== {}: {}\n", name, what);
+}
+
+// Seconds per stage (summed over a ladder's rungs, in order of first appearance) from the marks, printed in one
+// line and written to WORK/times.json.
+void report_stage_times(const std::string & work) {
+    auto & marks = stage_marks();
+    if (marks.empty()) {
+        return;
+    }
+    const auto end = std::chrono::steady_clock::now();
+    nlohmann::ordered_json j = nlohmann::ordered_json::object();
+    for (size_t i = 0; i < marks.size(); ++i) {
+        const auto until = i + 1 < marks.size() ? marks[i + 1].at : end;
+        const double s = std::chrono::duration<double>(until - marks[i].at).count();
+        j[marks[i].name] = j.value(marks[i].name, 0.0) + s;
+    }
+    const double total = std::chrono::duration<double>(end - marks.front().at).count();
+    std::string line;
+    for (const auto & [name, s] : j.items()) {
+        line += fmt::format("{}{} {:.1f} s", line.empty() ? "" : " · ", name, s.get<double>());
+    }
+    j["total"] = total;
+    fmt::print(stderr, "== times: {} · total {:.1f} s ({})\n", line, total, (fs::path(work) / "times.json").string());
+    write_file_atomic((fs::path(work) / "times.json").string(), j.dump(2) + "\n");
+    marks.clear();
+}
 
 // Splits "a,b , c" into its non-empty, trimmed items.
 std::vector<std::string> comma_list(const std::string & list) {
@@ -53,15 +93,42 @@ std::vector<std::string> comma_list(const std::string & list) {
     return items;
 }
 
-std::string mib(double bytes) { return fmt::format("{:.2f} MiB", bytes / (1024.0 * 1024.0)); }
-
-
 std::string types_list(const std::vector<ggml_type> & types) {
     std::string s;
     for (ggml_type t : types) {
         s += (s.empty() ? "" : ",") + type_name(t);
     }
     return s;
+}
+
+// Runs args[0] with args and waits for it. Throws voodoo::error naming `what` when it cannot start, when it
+// exits 130 (interrupted: `stopped`), or when it fails (its own error is on stderr).
+void run_child(std::vector<std::string> args, const std::string & what, const std::string & stopped) {
+    std::vector<char *> argv;
+    for (auto & a : args) {
+        argv.push_back(a.data());
+    }
+    argv.push_back(nullptr);
+    std::fflush(nullptr);
+    const pid_t pid = fork();
+    if (pid < 0) {
+        fail("{}: cannot start a child process: {}", what, std::strerror(errno));
+    }
+    if (pid == 0) {
+        execv(argv[0], argv.data());
+        std::fprintf(stderr, "cannot run %s: %s\n", argv[0], std::strerror(errno));
+        _exit(127);
+    }
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 130) {
+        fail("{}", stopped);
+    }
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fail("{} failed{}", what,
+             WIFSIGNALED(status) ? fmt::format(" with signal {}", WTERMSIG(status)) : fmt::format(" (exit {})", WEXITSTATUS(status)));
+    }
 }
 
 // `exe train …` with the same options, in a child process; returns when it has finished. Throws
@@ -119,31 +186,17 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     if (t.resume) {
         args.push_back("--resume");
     }
-    std::vector<char *> argv;
-    for (auto & a : args) {
-        argv.push_back(a.data());
-    }
-    argv.push_back(nullptr);
-    std::fflush(nullptr);
-    const pid_t pid = fork();
-    if (pid < 0) {
-        fail("train stage: cannot start a child process: {}", std::strerror(errno));
-    }
-    if (pid == 0) {
-        execv(exe.c_str(), argv.data());
-        std::fprintf(stderr, "cannot run %s: %s\n", exe.c_str(), std::strerror(errno));
-        _exit(127);
-    }
-    int status = 0;
-    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 130) {
-        fail("training stopped; run the same command again to resume");
-    }
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        fail("train stage ('{} train' on {}) failed{}", exe, t.device,
-             WIFSIGNALED(status) ? fmt::format(" with signal {}", WTERMSIG(status)) : fmt::format(" (exit {})", WEXITSTATUS(status)));
-    }
+    run_child(args, fmt::format("train stage ('{} train' on {})", exe, t.device),
+              "training stopped; run the same command again to resume");
+}
+
+// `exe imatrix …` on a GPU in a child process, for the reason train_in_child gives.
+void imatrix_in_child(const std::string & exe, const imatrix_options & io, const std::string & device,
+                      const std::string & out) {
+    run_child({exe, "imatrix", "--model", io.model, "--data", io.data_dir, "--out", out, "--chunks",
+               fmt::format("{}", io.max_chunks), "--threads", fmt::format("{}", io.n_threads), "--device", device},
+              fmt::format("imatrix stage ('{} imatrix' on {})", exe, device),
+              "the imatrix stage was stopped; run the same command again");
 }
 
 // Stock recipes to compare with: every recipe llama.cpp makes for the model (duplicates by tensor types
@@ -492,7 +545,8 @@ quantize_result run_quantize(const quantize_options & opts) {
         o.ggml_threads = ggml_threads_for(n);
     }
     const std::string work = o.work.empty() ? (fs::path(o.model).stem().string() + ".voodoo") : o.work;
-    fs::create_directories(work);
+    const folder_lock lock(work);  // one job per work folder (creates it)
+    stage_marks().clear();
     const std::string data_dir = (fs::path(work) / "data").string();
     const std::string model_id = model_digest(o.model, (fs::path(work) / "model.digest.json").string());
 
@@ -540,13 +594,21 @@ quantize_result run_quantize(const quantize_options & opts) {
         const std::string record = (fs::path(work) / "imatrix.stage.json").string();
         const std::string changed = fs::exists(imatrix_path) ? stage_changes(record, im_in) : "";
         if (!fs::exists(imatrix_path) || !changed.empty()) {
-            stage("imatrix", imatrix_path + (changed.empty() ? "" : fmt::format(": made again ({})", changed)));
+            stage("imatrix", fmt::format("{} ({}){}", imatrix_path,
+                                         o.train.device == "cpu" ? "libllama" : "LibTorch on " + o.train.device,
+                                         changed.empty() ? "" : fmt::format(": made again ({})", changed)));
             imatrix_options io;
             io.model = o.model;
             io.data_dir = data_dir;
             io.max_chunks = o.imatrix_chunks < 0 ? 0 : o.imatrix_chunks;
             io.n_threads = o.ggml_threads;
-            write_imatrix_gguf(imatrix_path, collect_imatrix(io));
+            if (o.train.device == "cpu") {
+                write_imatrix_gguf(imatrix_path, collect_imatrix(io));
+            } else if (!o.train_exe.empty()) {
+                imatrix_in_child(o.train_exe, io, o.train.device, imatrix_path);
+            } else {
+                write_imatrix_gguf(imatrix_path, collect_imatrix_torch(io, parse_train_device(o.train.device)));
+            }
             stage_save(record, im_in);
         } else {
             stage("imatrix", imatrix_path + " (done)");
@@ -627,8 +689,10 @@ quantize_result run_quantize(const quantize_options & opts) {
     // eval beside the stock recipes
     if (o.eval_chunks == 0) {
         stage("eval", "skipped (--eval-chunks 0)");
+        report_stage_times(work);
         return res;
     }
+    stage("baselines", fmt::format("stock recipes ({}) in {}", o.baselines, base_dir));
     const auto baselines = pick_baselines(o, bo, sizes, base_dir);
     eval_options ev;
     ev.reference = o.model;
@@ -661,6 +725,7 @@ quantize_result run_quantize(const quantize_options & opts) {
         fmt::print(stderr, "voodoo: note: gnuplot is not installed: no {}; apt-get install gnuplot-nox, then run "
                            "the same command again to draw it\n", (fs::path(work) / "eval.png").string());
     }
+    report_stage_times(work);
     return res;
 }
 
