@@ -40,6 +40,7 @@ fixture_spec tiny(const std::string & arch) {
     const std::string models = VOODOO_LLAMA_MODELS_DIR;
     s.vocab_path = models + (arch == "gemma3" ? "/ggml-vocab-llama-spm.gguf"
                              : arch == "phi3" ? "/ggml-vocab-phi-3.gguf"
+                             : arch == "lfm2" ? "/ggml-vocab-llama-bpe.gguf"
                                               : "/ggml-vocab-qwen2.gguf");
     if (arch == "gemma3") {
         s.sliding_window = 8;
@@ -48,6 +49,9 @@ fixture_spec tiny(const std::string & arch) {
     if (arch == "phi3") {
         s.n_rot = 12;
         s.rope_factors = true;
+    }
+    if (arch == "lfm2") {
+        s.full_attention_interval = 2;  // layer 0 a short convolution, layer 1 attention
     }
     return s;
 }
@@ -179,6 +183,28 @@ TEST(arch_quantize, phi3_fused_qkv_and_gate_up_are_one_gated_tensor_each) {
     EXPECT_FALSE(names.count("blk.0.attn_q.weight"));
     EXPECT_FALSE(names.count("rope_factors_long.weight"));
     EXPECT_EQ(q.final_recipe.tensors.size(), 2u + 2u * 4u);  // token_embd, output; qkv, attn_output, ffn_up, ffn_down per layer
+}
+
+TEST(arch_quantize, lfm2_export_loads_in_libllama_and_copies_the_conv_kernels_exactly) {
+    test::temp_dir dir;
+    const quantized q = run_chain(dir, "lfm2");
+    expect_a_good_export(q);
+    std::set<std::string> names;
+    for (const recipe_tensor & t : q.final_recipe.tensors) {
+        names.insert(t.name);
+    }
+    // The convolution's projections are chosen for; its kernel never (llama-quant.cpp: "shortconv.conv.weight").
+    EXPECT_TRUE(names.count("blk.0.shortconv.in_proj.weight"));
+    EXPECT_TRUE(names.count("blk.0.shortconv.out_proj.weight"));
+    EXPECT_FALSE(names.count("blk.0.shortconv.conv.weight"));
+    EXPECT_FALSE(tensor_is_selectable("blk.0.shortconv.conv.weight", 2));
+    EXPECT_EQ(gguf_file(q.result.out).tensor("blk.0.shortconv.conv.weight").type, GGML_TYPE_F32);
+    // token_embd (tied); in_proj, out_proj, ffn × 3 (layer 0); q, k, v, output, ffn × 3 (layer 1)
+    EXPECT_EQ(q.final_recipe.tensors.size(), 1u + 5u + 7u);
+}
+
+TEST(arch_export, equals_llama_model_quantize_with_overrides_for_lfm2) {
+    expect_export_equals_llama_model_quantize("lfm2");
 }
 
 TEST(arch_export, equals_llama_model_quantize_with_overrides_for_qwen2_qwen3_gemma3_phi3) {

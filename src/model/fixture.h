@@ -33,6 +33,9 @@ struct fixture_spec {
     bool rope_factors = false;      // phi3: rope_factors_long/short, original_context_length = n_ctx_orig and the
                                     // matching rope.scaling.attn_factor
     int64_t n_ctx_orig = 256;       // phi3 with rope_factors: the context beyond which the long factors apply
+    int64_t full_attention_interval = 2;  // lfm2: layer il attends when (il + 1) % this == 0, else it is a short
+                                          // convolution (written as head_count_kv 0 in the per-layer array)
+    int64_t shortconv_l_cache = 3;  // lfm2: shortconv.l_cache, the convolution's kernel length (LFM2's is 3)
 };
 
 /// The architectures write_fixture can write.
@@ -42,12 +45,16 @@ std::vector<std::string> fixture_architectures();
 /// unit-size activations, attention far from uniform, logits of order 1), every norm 1 + N(0, 0.1), every
 /// bias N(0, 0.5), rope factors 1 + |N(0, 1)|. Per architecture, the tensors its llama.cpp loader reads:
 /// qwen2 adds attn_q/k/v.bias; qwen3 attn_q_norm / attn_k_norm; gemma3 those norms and
-/// post_attention_norm / post_ffw_norm; phi3 has a fused attn_qkv and ffn_up of 2·n_ff rows (gate, up), no ffn_gate.
+/// post_attention_norm / post_ffw_norm; phi3 has a fused attn_qkv and ffn_up of 2·n_ff rows (gate, up), no ffn_gate;
+/// lfm2 has short-convolution layers (shortconv.in_proj [n_embd, 3·n_embd], shortconv.conv [l_cache, n_embd] in F32
+/// whatever the weight type, as convert_hf_to_gguf.py writes it, shortconv.out_proj) between attention layers with
+/// attn_q_norm / attn_k_norm, and its final norm named token_embd_norm.
 /// Values depend only on (seed, tensor name, index), so a spec always gives the same bytes. Metadata:
 /// every `<arch>.*` key libllama reads, general.file_type, and every `tokenizer.*` key of the vocab file
 /// (n_vocab = its token count). Throws voodoo::error naming the field when the spec is invalid (unknown
 /// arch, type not F32/F16/BF16, n_head not a multiple of n_head_kv, odd head_dim or n_rot, a field another
-/// architecture's, qwen2/phi3 with n_head × head_dim ≠ n_embd, vocab without tokens)
+/// architecture's, qwen2/phi3/lfm2 with n_head × head_dim ≠ n_embd, lfm2 without an attention layer or with
+/// l_cache < 2, vocab without tokens)
 /// or when out_path is the vocab file.
 void write_fixture(const fixture_spec & spec, const std::string & out_path);
 
