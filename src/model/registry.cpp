@@ -22,6 +22,7 @@ const std::map<std::string, model_builder> & builders() {
         {"phi3", build_phi3},
         {"qwen2", build_qwen2},
         {"qwen3", build_qwen3},
+        {"qwen35", build_qwen35},
     };
     return table;
 }
