@@ -17,7 +17,7 @@ int main(int argc, char ** argv) {
     std::string type = "f32";
     app.add_option("-o,--output", out, "Output GGUF")->required();
     app.add_option("--vocab", s.vocab_path, "Vocab GGUF whose tokenizer.* keys are copied (ggml-vocab-*.gguf)")->required();
-    app.add_option("--arch", s.arch, "Architecture: llama, qwen2, qwen3, gemma3 or phi3")->capture_default_str();
+    app.add_option("--arch", s.arch, "Architecture: llama, qwen2, qwen3, gemma3, phi3, lfm2 or qwen35")->capture_default_str();
     app.add_option("--n-embd", s.n_embd, "Model width")->capture_default_str();
     app.add_option("--n-layer", s.n_layer, "Layers")->capture_default_str();
     app.add_option("--n-head", s.n_head, "Attention heads")->capture_default_str();
@@ -30,12 +30,18 @@ int main(int argc, char ** argv) {
     app.add_option("--rope-freq-base", s.rope_freq_base, "rope.freq_base")->capture_default_str();
     app.add_option("--rms-eps", s.rms_eps, "attention.layer_norm_rms_epsilon")->capture_default_str();
     app.add_option("--n-rot", s.n_rot, "Rotated dims per head (phi3; 0 = head size)")->capture_default_str();
-    app.add_option("--sliding-window", s.sliding_window, "gemma3: attention.sliding_window (0 = none)")->capture_default_str();
+    app.add_option("--sliding-window", s.sliding_window, "gemma3, lfm2: attention.sliding_window (0 = none)")->capture_default_str();
     app.add_option("--sliding-window-pattern", s.sliding_window_pattern, "gemma3: every n-th layer global (0 = llama.cpp's 6)")->capture_default_str();
     app.add_option("--rope-freq-base-swa", s.rope_freq_base_swa, "gemma3: rope base of the sliding layers")->capture_default_str();
     app.add_option("--softcap", s.final_logit_softcapping, "gemma3: final_logit_softcapping (0 = none)")->capture_default_str();
     app.add_flag("--rope-factors", s.rope_factors, "phi3: long/short rope factors, original_context_length --n-ctx-orig");
     app.add_option("--n-ctx-orig", s.n_ctx_orig, "phi3 with --rope-factors: rope.scaling.original_context_length")->capture_default_str();
+    app.add_option("--full-attention-interval", s.full_attention_interval, "lfm2, qwen35: layer il attends when (il + 1) % n == 0, else it is recurrent")->capture_default_str();
+    app.add_option("--shortconv-l-cache", s.shortconv_l_cache, "lfm2: shortconv.l_cache (kernel length)")->capture_default_str();
+    app.add_option("--ssm-d-state", s.ssm_d_state, "qwen35: ssm.state_size (key and value head size)")->capture_default_str();
+    app.add_option("--ssm-n-group", s.ssm_n_group, "qwen35: ssm.group_count (key heads)")->capture_default_str();
+    app.add_option("--ssm-dt-rank", s.ssm_dt_rank, "qwen35: ssm.time_step_rank (value heads)")->capture_default_str();
+    app.add_option("--ssm-d-conv", s.ssm_d_conv, "qwen35: ssm.conv_kernel")->capture_default_str();
     CLI11_PARSE(app, argc, argv);
     try {
         s.weight_type = voodoo::parse_type(type, "--type");

@@ -348,3 +348,273 @@ TEST(arch_bad_input, phi3_rope_factors_of_the_wrong_length_name_the_tensor) {
     expect_contains(e, "rope_factors_long.weight");
     expect_contains(e, "phi3.rope.dimension_count = 32");
 }
+
+// ---- lfm2 ----
+
+namespace {
+
+/// lfm2's parity fixture: the shape above, 3 layers (convolution, attention, convolution: a convolution after the
+/// attention layer too), kernel length 3 as LFM2's. LFM2's own tokenizer (65536 tokens) is not in the bundle; its
+/// pre-tokenizer "lfm2" is llama.cpp's LLAMA3 one on a byte-level BPE, which is what llama-bpe is (128256 tokens).
+fixture_spec lfm2_spec(int64_t sliding_window = 0) {
+    fixture_spec s;
+    s.arch = "lfm2";
+    s.seed = 11;
+    s.vocab_path = vocab("llama-bpe");
+    s.tied_output = true;
+    s.n_layer = 3;
+    s.full_attention_interval = 2;
+    s.shortconv_l_cache = 3;
+    s.rope_freq_base = 1000000.0f;
+    s.sliding_window = sliding_window;
+    return s;
+}
+
+const std::string & lfm2_fixture() {
+    static test::temp_dir dir;
+    static const std::string path = [] {
+        const std::string p = dir.file("lfm2.gguf");
+        write_fixture(lfm2_spec(), p);
+        return p;
+    }();
+    return path;
+}
+
+/// n_seq different sequences of n fixed-pattern ids through our forward as one [n_seq, n] batch, each row compared
+/// with libllama's logits of that sequence alone: the largest max |Δlogit| / max |logit| of the rows.
+double batch_rel_diff_against_libllama(const std::string & path, int64_t n_seq, int64_t n) {
+    const gguf_file file(path);
+    auto model = build_model(file);
+    gguf_weights w(file);
+    const llama_reference reference(path);
+    const int64_t n_vocab = model->hparams().n_vocab;
+    std::vector<std::vector<int32_t>> seqs;
+    std::vector<int64_t> flat;
+    for (int64_t s = 0; s < n_seq; ++s) {
+        std::vector<int32_t> ids(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) {
+            ids[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + s * 104729 + 13) % n_vocab);
+        }
+        flat.insert(flat.end(), ids.begin(), ids.end());
+        seqs.push_back(std::move(ids));
+    }
+    torch::NoGradGuard no_grad;
+    const torch::Tensor hidden = model->hidden(torch::tensor(flat).view({n_seq, n}), w);
+    double worst = 0;
+    for (int64_t s = 0; s < n_seq; ++s) {
+        const std::vector<float> ref = reference.logits(seqs[static_cast<size_t>(s)]);
+        const torch::Tensor theirs = torch::from_blob(const_cast<float *>(ref.data()), {n, n_vocab}, torch::kFloat);
+        const torch::Tensor ours = model->head(hidden[s], w);
+        worst = std::max(worst, ((ours - theirs).abs().max() / theirs.abs().max()).item<double>());
+    }
+    return worst;
+}
+
+}  // namespace
+
+TEST(arch_parity, lfm2_f32_convolution_and_attention_layers_match_libllama_within_1e_3_over_512_tokens) {
+    // 512 tokens: the convolution's state must stay exact over a long sequence (the length).
+    const parity_report r = parity_of(lfm2_fixture(), 512);
+    EXPECT_EQ(r.arch, "lfm2");
+    EXPECT_EQ(r.n_vocab, 128256);
+    const gguf_file file(lfm2_fixture());
+    const model_hparams hp = build_model(file)->hparams();
+    EXPECT_EQ(hp.recurrent_layers, (std::vector<bool>{true, false, true}));
+    EXPECT_EQ(hp.n_head_kv, 2);
+    EXPECT_EQ(hp.n_shortconv_l_cache, 3);
+    expect_f32_parity(r);
+}
+
+TEST(arch_parity, lfm2_batch_of_three_sequences_matches_libllama_sequence_by_sequence) {
+    const double rel = batch_rel_diff_against_libllama(lfm2_fixture(), 3, 512);
+    testing::Test::RecordProperty("rel_diff", fmt::format("{:.2g}", rel));
+    EXPECT_LE(rel, 1e-3);
+}
+
+TEST(arch_parity, lfm2_with_the_convolution_taps_reversed_is_outside_the_bound) {
+    // A kernel read in the wrong order (an anti-causal or mis-aligned convolution) must fail the bound.
+    const gguf_file file(lfm2_fixture());
+    edited_weights flipped(file, [](const std::string & n, torch::Tensor t) {
+        return n.ends_with("shortconv.conv.weight") ? t.flip({1}) : t;
+    });
+    EXPECT_GT(rel_diff_against_libllama(lfm2_fixture(), flipped, 64), 1e-3);
+}
+
+TEST(arch_parity, lfm2_sliding_window_attention_matches_libllama_and_changes_its_logits) {
+    test::temp_dir dir;
+    const std::string windowed = dir.file("lfm2-swa.gguf");
+    write_fixture(lfm2_spec(16), windowed);
+    const parity_report r = parity_of(windowed, 128);
+    expect_f32_parity(r);
+    const gguf_file file(windowed);
+    EXPECT_EQ(build_model(file)->hparams().n_swa, 16);
+    // The same weights without the window: libllama's own logits move by far more than the bound after 16 tokens.
+    const torch::Tensor a = libllama_logits(windowed, 128), b = libllama_logits(lfm2_fixture(), 128);
+    EXPECT_GT((a - b).abs().max().item<double>() / a.abs().max().item<double>(), 1e-2);
+}
+
+namespace {
+
+std::string lfm2_build_error(const std::function<void(gguf_context *)> & edit, const std::string & skip = {}) {
+    test::temp_dir dir;
+    const std::string path = dir.file("bad.gguf");
+    test::rewrite_gguf(lfm2_fixture(), path, edit, skip);
+    return test::error_of([&] {
+        const gguf_file file(path);
+        build_model(file);
+    });
+}
+
+}  // namespace
+
+TEST(arch_bad_input, lfm2_missing_shortconv_l_cache_is_named) {
+    const std::string e = lfm2_build_error([](gguf_context * c) { gguf_remove_key(c, "lfm2.shortconv.l_cache"); });
+    expect_contains(e, "missing metadata key 'lfm2.shortconv.l_cache'");
+}
+
+TEST(arch_bad_input, lfm2_kernel_length_disagreeing_with_the_conv_tensor_names_both) {
+    const std::string e = lfm2_build_error([](gguf_context * c) { gguf_set_val_u32(c, "lfm2.shortconv.l_cache", 4); });
+    expect_contains(e, "blk.0.shortconv.conv.weight");
+    expect_contains(e, "lfm2.shortconv.l_cache = 4");
+}
+
+TEST(arch_bad_input, lfm2_head_count_kv_array_of_the_wrong_length_is_named) {
+    const std::string e = lfm2_build_error([](gguf_context * c) {
+        const std::vector<int32_t> kv = {0, 2};
+        gguf_set_arr_data(c, "lfm2.attention.head_count_kv", GGUF_TYPE_INT32, kv.data(), kv.size());
+    });
+    expect_contains(e, "'lfm2.attention.head_count_kv' has 2 entries, expected 3");
+}
+
+TEST(arch_bad_input, lfm2_layer_kinds_disagreeing_with_the_tensors_name_the_tensor) {
+    // head_count_kv says layer 0 attends, but the file holds a convolution there.
+    const std::string e = lfm2_build_error([](gguf_context * c) {
+        const std::vector<int32_t> kv = {2, 2, 0};
+        gguf_set_arr_data(c, "lfm2.attention.head_count_kv", GGUF_TYPE_INT32, kv.data(), kv.size());
+    });
+    expect_contains(e, "missing tensor 'blk.0.attn_q.weight'");
+}
+
+TEST(arch_bad_input, lfm2_missing_conv_kernel_is_named) {
+    const std::string e = lfm2_build_error([](gguf_context *) {}, "blk.2.shortconv.conv.weight");
+    expect_contains(e, "missing tensor 'blk.2.shortconv.conv.weight'");
+}
+
+TEST(arch_bad_input, lfm2_bidirectional_file_is_refused_naming_the_key) {
+    const std::string e = lfm2_build_error([](gguf_context * c) { gguf_set_val_bool(c, "lfm2.attention.causal", false); });
+    expect_contains(e, "'lfm2.attention.causal' is false");
+}
+
+// ---- qwen35 ----
+
+namespace {
+
+/// qwen35's parity fixture: the shape above with Qwen3.5's traits: 3 layers (delta net, attention, delta net), a
+/// quarter of each head rotated (16 of 64) with M-RoPE sections, gated delta nets of 2 key heads and 4 value heads
+/// of 32 (value heads tiled over key heads, as in Qwen3.5-0.8B's 16 and 32), a 4-tap convolution; its own vocabulary.
+fixture_spec qwen35_spec() {
+    fixture_spec s;
+    s.arch = "qwen35";
+    s.seed = 11;
+    s.vocab_path = vocab("qwen35");
+    s.tied_output = true;
+    s.n_layer = 3;
+    s.full_attention_interval = 2;
+    s.rope_freq_base = 10000000.0f;
+    s.rms_eps = 1e-6f;
+    return s;
+}
+
+const std::string & qwen35_fixture() {
+    static test::temp_dir dir;
+    static const std::string path = [] {
+        const std::string p = dir.file("qwen35.gguf");
+        write_fixture(qwen35_spec(), p);
+        return p;
+    }();
+    return path;
+}
+
+std::string qwen35_build_error(const std::function<void(gguf_context *)> & edit, const std::string & skip = {}) {
+    test::temp_dir dir;
+    const std::string path = dir.file("bad.gguf");
+    test::rewrite_gguf(qwen35_fixture(), path, edit, skip);
+    return test::error_of([&] {
+        const gguf_file file(path);
+        build_model(file);
+    });
+}
+
+}  // namespace
+
+TEST(arch_parity, qwen35_f32_delta_net_and_gated_attention_match_libllama_within_1e_3_over_512_tokens) {
+    // 512 tokens = 8 chunks of the delta rule: the recurrent state must stay exact from chunk to chunk.
+    const parity_report r = parity_of(qwen35_fixture(), 512);
+    EXPECT_EQ(r.arch, "qwen35");
+    const gguf_file file(qwen35_fixture());
+    const model_hparams hp = build_model(file)->hparams();
+    EXPECT_EQ(hp.recurrent_layers, (std::vector<bool>{true, false, true}));
+    EXPECT_EQ(hp.n_rot, 16);
+    EXPECT_EQ(hp.ssm_dt_rank, 4);
+    EXPECT_EQ(hp.ssm_n_group, 2);
+    expect_f32_parity(r);
+}
+
+TEST(arch_parity, qwen35_batch_of_three_sequences_matches_libllama_sequence_by_sequence) {
+    const double rel = batch_rel_diff_against_libllama(qwen35_fixture(), 3, 512);
+    testing::Test::RecordProperty("rel_diff", fmt::format("{:.2g}", rel));
+    EXPECT_LE(rel, 1e-3);
+}
+
+TEST(arch_parity, qwen35_with_slower_decay_is_outside_the_bound) {
+    // The decay is what makes the state forget: halving ssm_a must fail the bound (the recurrence is really used).
+    const gguf_file file(qwen35_fixture());
+    edited_weights slower(file, [](const std::string & n, torch::Tensor t) { return n.ends_with("ssm_a") ? t * 0.5f : t; });
+    EXPECT_GT(rel_diff_against_libllama(qwen35_fixture(), slower, 128), 1e-3);
+}
+
+TEST(arch_parity, qwen35_without_the_attention_output_gate_is_outside_the_bound) {
+    // attn_q's gate half replaced by large values (sigmoid → 1): the gated attention must differ.
+    const gguf_file file(qwen35_fixture());
+    edited_weights ungated(file, [](const std::string & n, torch::Tensor t) {
+        if (!n.ends_with("attn_q.weight")) {
+            return t;
+        }
+        // rows per head: [query (64) | gate (64)]; the gate rows → 0 gives sigmoid 0.5 everywhere
+        torch::Tensor e = t.clone().view({4, 2, 64, -1});
+        e.select(1, 1).zero_();
+        return e.view_as(t);
+    });
+    EXPECT_GT(rel_diff_against_libllama(qwen35_fixture(), ungated, 64), 1e-3);
+}
+
+TEST(arch_bad_input, qwen35_missing_ssm_conv_kernel_key_is_named) {
+    const std::string e = qwen35_build_error([](gguf_context * c) { gguf_remove_key(c, "qwen35.ssm.conv_kernel"); });
+    expect_contains(e, "missing metadata key 'qwen35.ssm.conv_kernel'");
+}
+
+TEST(arch_bad_input, qwen35_inner_size_disagreeing_with_the_heads_is_named) {
+    const std::string e = qwen35_build_error([](gguf_context * c) { gguf_set_val_u32(c, "qwen35.ssm.inner_size", 100); });
+    expect_contains(e, "'qwen35.ssm.inner_size' = 100");
+}
+
+TEST(arch_bad_input, qwen35_missing_rope_sections_are_named) {
+    const std::string e = qwen35_build_error([](gguf_context * c) { gguf_remove_key(c, "qwen35.rope.dimension_sections"); });
+    expect_contains(e, "missing metadata key 'qwen35.rope.dimension_sections'");
+}
+
+TEST(arch_bad_input, qwen35_multi_token_prediction_layers_are_refused_naming_the_key) {
+    const std::string e = qwen35_build_error([](gguf_context * c) { gguf_set_val_u32(c, "qwen35.nextn_predict_layers", 1); });
+    expect_contains(e, "'qwen35.nextn_predict_layers' = 1");
+}
+
+TEST(arch_bad_input, qwen35_missing_ssm_a_is_named) {
+    const std::string e = qwen35_build_error([](gguf_context *) {}, "blk.2.ssm_a");
+    expect_contains(e, "missing tensor 'blk.2.ssm_a'");
+}
+
+TEST(arch_bad_input, qwen35_conv_kernel_disagreeing_with_the_key_names_both) {
+    const std::string e = qwen35_build_error([](gguf_context * c) { gguf_set_val_u32(c, "qwen35.ssm.conv_kernel", 3); });
+    expect_contains(e, "blk.0.ssm_conv1d.weight");
+    expect_contains(e, "qwen35.ssm.conv_kernel = 3");
+}

@@ -40,6 +40,8 @@ fixture_spec tiny(const std::string & arch) {
     const std::string models = VOODOO_LLAMA_MODELS_DIR;
     s.vocab_path = models + (arch == "gemma3" ? "/ggml-vocab-llama-spm.gguf"
                              : arch == "phi3" ? "/ggml-vocab-phi-3.gguf"
+                             : arch == "lfm2" ? "/ggml-vocab-llama-bpe.gguf"
+                             : arch == "qwen35" ? "/ggml-vocab-qwen35.gguf"
                                               : "/ggml-vocab-qwen2.gguf");
     if (arch == "gemma3") {
         s.sliding_window = 8;
@@ -48,6 +50,13 @@ fixture_spec tiny(const std::string & arch) {
     if (arch == "phi3") {
         s.n_rot = 12;
         s.rope_factors = true;
+    }
+    if (arch == "lfm2") {
+        s.full_attention_interval = 2;  // layer 0 a short convolution, layer 1 attention
+    }
+    if (arch == "qwen35") {
+        s.full_attention_interval = 2;  // layer 0 a gated delta net, layer 1 gated attention
+        s.ssm_d_state = 16;             // 2 key heads and 4 value heads of 16
     }
     return s;
 }
@@ -179,6 +188,53 @@ TEST(arch_quantize, phi3_fused_qkv_and_gate_up_are_one_gated_tensor_each) {
     EXPECT_FALSE(names.count("blk.0.attn_q.weight"));
     EXPECT_FALSE(names.count("rope_factors_long.weight"));
     EXPECT_EQ(q.final_recipe.tensors.size(), 2u + 2u * 4u);  // token_embd, output; qkv, attn_output, ffn_up, ffn_down per layer
+}
+
+TEST(arch_quantize, lfm2_export_loads_in_libllama_and_copies_the_conv_kernels_exactly) {
+    test::temp_dir dir;
+    const quantized q = run_chain(dir, "lfm2");
+    expect_a_good_export(q);
+    std::set<std::string> names;
+    for (const recipe_tensor & t : q.final_recipe.tensors) {
+        names.insert(t.name);
+    }
+    // The convolution's projections are chosen for; its kernel never (llama-quant.cpp: "shortconv.conv.weight").
+    EXPECT_TRUE(names.count("blk.0.shortconv.in_proj.weight"));
+    EXPECT_TRUE(names.count("blk.0.shortconv.out_proj.weight"));
+    EXPECT_FALSE(names.count("blk.0.shortconv.conv.weight"));
+    EXPECT_FALSE(tensor_is_selectable("blk.0.shortconv.conv.weight", 2));
+    EXPECT_EQ(gguf_file(q.result.out).tensor("blk.0.shortconv.conv.weight").type, GGML_TYPE_F32);
+    // token_embd (tied); in_proj, out_proj, ffn × 3 (layer 0); q, k, v, output, ffn × 3 (layer 1)
+    EXPECT_EQ(q.final_recipe.tensors.size(), 1u + 5u + 7u);
+}
+
+TEST(arch_quantize, qwen35_export_loads_in_libllama_and_copies_the_conv_kernel_and_decays_exactly) {
+    test::temp_dir dir;
+    const quantized q = run_chain(dir, "qwen35");
+    expect_a_good_export(q);
+    std::set<std::string> names;
+    for (const recipe_tensor & t : q.final_recipe.tensors) {
+        names.insert(t.name);
+    }
+    // The delta net's projections are chosen for; its convolution kernel never (llama-quant.cpp: "ssm_conv1d"),
+    // nor its 1-D decay, bias and norm.
+    for (const char * name : {"blk.0.attn_qkv.weight", "blk.0.attn_gate.weight", "blk.0.ssm_alpha.weight",
+                              "blk.0.ssm_beta.weight", "blk.0.ssm_out.weight", "blk.1.attn_q.weight"}) {
+        EXPECT_TRUE(names.count(name)) << name;
+    }
+    for (const char * name : {"blk.0.ssm_conv1d.weight", "blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.0.ssm_norm.weight"}) {
+        EXPECT_FALSE(names.count(name)) << name;
+    }
+    EXPECT_EQ(gguf_file(q.result.out).tensor("blk.0.ssm_conv1d.weight").type, GGML_TYPE_F32);
+    // token_embd (tied); qkv, gate, alpha, beta, out, ffn × 3 (layer 0); q, k, v, output, ffn × 3 (layer 1)
+    EXPECT_EQ(q.final_recipe.tensors.size(), 1u + 8u + 7u);
+}
+
+TEST(arch_export, equals_llama_model_quantize_with_overrides_for_lfm2_and_qwen35) {
+    for (const char * arch : {"lfm2", "qwen35"}) {
+        SCOPED_TRACE(arch);
+        expect_export_equals_llama_model_quantize(arch);
+    }
 }
 
 TEST(arch_export, equals_llama_model_quantize_with_overrides_for_qwen2_qwen3_gemma3_phi3) {

@@ -69,3 +69,21 @@ TEST(selection, qwen_gemma_phi_extras_are_copied_and_fused_tensors_are_selectabl
     EXPECT_TRUE(tensor_is_selectable("blk.0.attn_qkv.weight", 2));
     EXPECT_TRUE(tensor_is_selectable("blk.0.ffn_up.weight", 2));
 }
+
+TEST(selection, hybrid_convolution_kernels_are_copied_and_their_projections_are_selectable) {
+    // llama-quant.cpp never quantizes the 2-D convolution kernels of LFM2 ("shortconv.conv.weight") and of the
+    // delta net / Mamba layers ("ssm_conv1d"), nor LFM2's final norm (stored as token_embd_norm).
+    EXPECT_FALSE(tensor_is_selectable("blk.0.shortconv.conv.weight", 2));
+    EXPECT_FALSE(tensor_is_selectable("blk.0.ssm_conv1d.weight", 2));
+    EXPECT_FALSE(tensor_is_selectable("token_embd_norm.weight", 1));
+    EXPECT_FALSE(tensor_is_selectable("token_embd_norm.weight", 2));
+    // Qwen3.5's per-head decay and bias (1-D; ssm_a has no ".weight") and the delta net's norm.
+    EXPECT_FALSE(tensor_is_selectable("blk.0.ssm_a", 1));
+    EXPECT_FALSE(tensor_is_selectable("blk.0.ssm_dt.bias", 1));
+    EXPECT_FALSE(tensor_is_selectable("blk.0.ssm_norm.weight", 1));
+    // Their matmul weights are chosen for like any other.
+    for (const char * name : {"blk.0.shortconv.in_proj.weight", "blk.0.shortconv.out_proj.weight", "blk.0.attn_gate.weight",
+                              "blk.0.ssm_alpha.weight", "blk.0.ssm_beta.weight", "blk.0.ssm_out.weight"}) {
+        EXPECT_TRUE(tensor_is_selectable(name, 2)) << name;
+    }
+}

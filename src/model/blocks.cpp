@@ -178,4 +178,69 @@ torch::Tensor geglu_mlp(forward_context & ctx, const std::string & prefix, const
     return linear(ctx, prefix + ".ffn_down.weight", act * up);
 }
 
+torch::Tensor causal_conv1d(const torch::Tensor & x, const torch::Tensor & w) {
+    using torch::indexing::Slice;
+    const int64_t T = x.size(1), L = w.size(1);
+    // Left-pad with the zero state (d_conv = L − 1 positions), then one shifted product per tap, in ggml's order.
+    const torch::Tensor padded = torch::constant_pad_nd(x.to(torch::kFloat), {0, 0, L - 1, 0});
+    const torch::Tensor wf = w.to(x.device(), torch::kFloat);
+    torch::Tensor y = padded.index({Slice(), Slice(0, T)}) * wf.select(1, 0);
+    for (int64_t k = 1; k < L; ++k) {
+        y = y + padded.index({Slice(), Slice(k, k + T)}) * wf.select(1, k);
+    }
+    return y;
+}
+
+torch::Tensor gated_short_conv(forward_context & ctx, const std::string & prefix, const torch::Tensor & x) {
+    // b, c, h: [B, T, n_embd] each, in in_proj's row order
+    const std::vector<torch::Tensor> bch = linear(ctx, prefix + ".shortconv.in_proj.weight", x).chunk(3, -1);
+    const torch::Tensor conv = causal_conv1d(bch[0] * bch[2], ctx.w.get(prefix + ".shortconv.conv.weight"));
+    const torch::Tensor y = (bch[1].to(torch::kFloat) * conv).to(ctx.dtype);
+    return linear(ctx, prefix + ".shortconv.out_proj.weight", y);
+}
+
+torch::Tensor gated_delta_rule(const torch::Tensor & q, const torch::Tensor & k, const torch::Tensor & v,
+                               const torch::Tensor & g, const torch::Tensor & beta, int64_t chunk) {
+    using torch::indexing::Slice;
+    const int64_t B = q.size(0), T = q.size(1), H = q.size(2), d_k = q.size(3), d_v = v.size(3);
+    const int64_t pad = (chunk - T % chunk) % chunk, N = (T + pad) / chunk, C = chunk;
+    // [B, T, H, d] → [B, H, N, C, d] f32; padding goes after the last token, so it changes no output.
+    auto chunks = [&](const torch::Tensor & x) {
+        const torch::Tensor xf = x.to(torch::kFloat).transpose(1, 2);
+        return torch::constant_pad_nd(xf, {0, 0, 0, pad}).reshape({B, H, N, C, xf.size(-1)});
+    };
+    const torch::Tensor qc = chunks(q) * (1.0f / std::sqrt(static_cast<float>(d_k)));
+    const torch::Tensor kc = chunks(k), vc = chunks(v);
+    const torch::Tensor bc = chunks(beta.unsqueeze(-1));          // [B, H, N, C, 1]
+    const torch::Tensor gc = chunks(g.unsqueeze(-1)).squeeze(-1).cumsum(-1);  // [B, H, N, C]: Σ g up to each token
+
+    // decay[i, j] = exp(gc_i − gc_j) for j ≤ i, 0 above the diagonal (masked before exp: no inf · 0).
+    const auto opts = torch::TensorOptions().dtype(torch::kBool).device(q.device());
+    const torch::Tensor above = torch::ones({C, C}, opts).triu(1), on_or_above = torch::ones({C, C}, opts).triu(0);
+    const torch::Tensor decay =
+        (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(above, -std::numeric_limits<float>::infinity()).exp();
+    // The chunk's tokens through one triangular system: (I + A) [u | w] = [β v | β k exp(gc)], A strictly lower.
+    const torch::Tensor kb = kc * bc;
+    const torch::Tensor A = (torch::matmul(kb, kc.transpose(-1, -2)) * decay).masked_fill(on_or_above, 0.0);
+    const torch::Tensor eye = torch::eye(C, torch::TensorOptions().dtype(torch::kFloat).device(q.device()));
+    const torch::Tensor uw = torch::linalg_solve_triangular(eye + A, torch::cat({vc * bc, kb * gc.unsqueeze(-1).exp()}, -1),
+                                                            /*upper=*/false, /*left=*/true, /*unitriangular=*/true);
+    const torch::Tensor u = uw.index({"...", Slice(0, d_v)}), w = uw.index({"...", Slice(d_v, torch::indexing::None)});
+    const torch::Tensor qk = torch::matmul(qc, kc.transpose(-1, -2)) * decay;          // causal, diagonal included
+    const torch::Tensor q_decayed = qc * gc.unsqueeze(-1).exp();                        // q_i exp(gc_i)
+    const torch::Tensor g_last = gc.index({"...", -1});                                 // [B, H, N]
+    const torch::Tensor k_to_end = kc * (g_last.unsqueeze(-1) - gc).exp().unsqueeze(-1);  // k_j exp(gc_last − gc_j)
+
+    torch::Tensor S = torch::zeros({B, H, d_k, d_v}, torch::TensorOptions().dtype(torch::kFloat).device(q.device()));
+    std::vector<torch::Tensor> out;
+    out.reserve(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) {
+        const torch::Tensor delta = u.select(2, n) - torch::matmul(w.select(2, n), S);  // [B, H, C, d_v]
+        out.push_back(torch::matmul(q_decayed.select(2, n), S) + torch::matmul(qk.select(2, n), delta));
+        S = S * g_last.select(2, n).exp().view({B, H, 1, 1}) + torch::matmul(k_to_end.select(2, n).transpose(-1, -2), delta);
+    }
+    // [B, H, N·C, d_v] → [B, T, H, d_v]
+    return torch::stack(out, 2).reshape({B, H, N * C, d_v}).index({Slice(), Slice(), Slice(0, T)}).transpose(1, 2);
+}
+
 }  // namespace voodoo

@@ -95,4 +95,26 @@ torch::Tensor fused_swiglu_mlp(forward_context & ctx, const std::string & prefix
 /// with GELU's tanh approximation 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), computed in f32.
 torch::Tensor geglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x);
 
+/// Causal depthwise convolution as ggml_ssm_conv over a sequence whose state starts at zero (a fresh
+/// sequence, position 0 first): y[b, t, c] = Σ_{k<L} w[c, k] · x[b, t − (L−1) + k, c], x = 0 before the start,
+/// summed in f32 in the order of k. x [B, T, C]; w [C, L] (the GGUF's [L, C] in PyTorch layout) → [B, T, C] f32.
+torch::Tensor causal_conv1d(const torch::Tensor & x, const torch::Tensor & w);
+
+/// LFM2's gated short convolution (llama.cpp's src/models/lfm2.cpp, build_shortconv_block): "<prefix>.shortconv.
+/// in_proj.weight" [n_embd, 3·n_embd] gives [b | c | x]; y = out_proj(c · causal_conv1d(b · x, conv)) with the
+/// kernel "<prefix>.shortconv.conv.weight" [L, n_embd] (always F32: llama.cpp never quantizes it). x [B, T, n_embd]
+/// → [B, T, n_embd] in the compute dtype; the convolution is computed in f32.
+torch::Tensor gated_short_conv(forward_context & ctx, const std::string & prefix, const torch::Tensor & x);
+
+/// The gated delta rule (Gated DeltaNet) from a zero state, as llama.cpp computes it (ggml_gated_delta_net and
+/// build_delta_net_chunking in src/models/delta-net-base.cpp). Per sequence and head, with a state S [d_k, d_v]
+/// starting at 0, for every token t in order:
+///   S ← exp(g_t) · S;   δ = β_t · (v_t − Sᵀ k_t);   S ← S + k_t δᵀ;   o_t = Sᵀ q_t / sqrt(d_k).
+/// Computed in chunks of `chunk` tokens in the WY form of fast linear-attention kernels: inside a chunk one unit
+/// lower-triangular solve gives every δ at once, and only the state passes from chunk to chunk (T / chunk steps,
+/// not T). q, k [B, T, H, d_k] (one key head per value head: repeat them before), v [B, T, H, d_v], g [B, T, H]
+/// (log decay, ≤ 0), beta [B, T, H] → o [B, T, H, d_v] f32; everything computed in f32, differentiable.
+torch::Tensor gated_delta_rule(const torch::Tensor & q, const torch::Tensor & k, const torch::Tensor & v,
+                               const torch::Tensor & g, const torch::Tensor & beta, int64_t chunk = 64);
+
 }  // namespace voodoo

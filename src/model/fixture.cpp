@@ -70,6 +70,7 @@ enum tensor_kind {
     tensor_kind_norm,    // 1 + N(0, 0.1)
     tensor_kind_bias,    // N(0, 0.5): large enough that a forward without it is far off
     tensor_kind_factor,  // 1 + |N(0, 1)|: rope frequency factors (positive, like Phi-3's)
+    tensor_kind_decay,   // −0.02 · (1 + |N(0, 1)|): qwen35's ssm_a (= −exp(A_log)), slow decays
 };
 
 struct planned_tensor {
@@ -91,6 +92,13 @@ std::vector<float> tensor_values(const planned_tensor & t, uint64_t key) {
             }
             return v;
         }
+        case tensor_kind_decay: {
+            std::vector<float> v = gaussian(n, key, 0.0f, 1.0f);
+            for (float & x : v) {
+                x = -0.02f * (1.0f + std::fabs(x));
+            }
+            return v;
+        }
         case tensor_kind_weight: break;
     }
     return gaussian(n, key, 0.0f, 1.0f / std::sqrt(float(t.ne[0])));
@@ -98,7 +106,7 @@ std::vector<float> tensor_values(const planned_tensor & t, uint64_t key) {
 
 }  // namespace
 
-std::vector<std::string> fixture_architectures() { return {"gemma3", "llama", "phi3", "qwen2", "qwen3"}; }
+std::vector<std::string> fixture_architectures() { return {"gemma3", "lfm2", "llama", "phi3", "qwen2", "qwen3", "qwen35"}; }
 
 void write_fixture(const fixture_spec & s, const std::string & out_path) {
     const std::vector<std::string> archs = fixture_architectures();
@@ -121,19 +129,43 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     if (s.head_dim % 2 != 0) {
         fail("fixture: head_dim {} must be even (rope rotates pairs)", s.head_dim);
     }
-    const int64_t n_rot = s.n_rot > 0 ? s.n_rot : s.head_dim;
+    // qwen35: a quarter of the head rotates, as Qwen3.5's partial_rotary_factor 0.25
+    const int64_t n_rot = s.n_rot > 0 ? s.n_rot : s.arch == "qwen35" ? s.head_dim / 4 : s.head_dim;
     if (n_rot % 2 != 0 || n_rot > s.head_dim) {
         fail("fixture: n_rot {} must be even and at most head_dim {}", n_rot, s.head_dim);
     }
-    if (n_rot != s.head_dim && s.arch != "phi3") {
-        fail("fixture: n_rot {} ≠ head_dim {}: only phi3 rotates part of the head", n_rot, s.head_dim);
+    if (n_rot != s.head_dim && s.arch != "phi3" && s.arch != "qwen35") {
+        fail("fixture: n_rot {} ≠ head_dim {}: only phi3 and qwen35 rotate part of the head", n_rot, s.head_dim);
     }
-    if ((s.arch == "qwen2" || s.arch == "phi3") && s.n_head * s.head_dim != s.n_embd) {
+    if ((s.arch == "qwen2" || s.arch == "phi3" || s.arch == "lfm2") && s.n_head * s.head_dim != s.n_embd) {
         fail("fixture: {} needs n_head × head_dim = n_embd, got {} × {} ≠ {}", s.arch, s.n_head, s.head_dim, s.n_embd);
     }
-    if (s.sliding_window > 0 && s.arch != "gemma3") {
-        fail("fixture: sliding_window is written for gemma3 only, not {}", s.arch);
+    if (s.sliding_window > 0 && s.arch != "gemma3" && s.arch != "lfm2") {
+        fail("fixture: sliding_window is written for gemma3 and lfm2 only, not {}", s.arch);
     }
+    if (s.sliding_window_pattern > 0 && s.arch != "gemma3") {
+        fail("fixture: sliding_window_pattern is written for gemma3 only, not {}", s.arch);
+    }
+    // lfm2, qwen35: which layers attend (the others are short convolutions / gated delta nets)
+    std::vector<bool> recurrent;
+    if (s.arch == "qwen35" && (s.ssm_d_state <= 0 || s.ssm_n_group <= 0 || s.ssm_dt_rank % s.ssm_n_group != 0 ||
+                               s.ssm_dt_rank <= 0 || s.ssm_d_conv < 2)) {
+        fail("fixture: qwen35 needs ssm_d_state, ssm_n_group > 0, ssm_dt_rank a multiple of ssm_n_group and ssm_d_conv "
+             ">= 2, got {}, {}, {}, {}", s.ssm_d_state, s.ssm_n_group, s.ssm_dt_rank, s.ssm_d_conv);
+    }
+    if (s.arch == "lfm2" || s.arch == "qwen35") {
+        if (s.full_attention_interval < 1 || s.full_attention_interval > s.n_layer) {
+            fail("fixture: full_attention_interval {} must be in [1, n_layer {}] so that some layer attends",
+                 s.full_attention_interval, s.n_layer);
+        }
+        if (s.shortconv_l_cache < 2) {
+            fail("fixture: shortconv_l_cache {} must be at least 2", s.shortconv_l_cache);
+        }
+        for (int64_t il = 0; il < s.n_layer; ++il) {
+            recurrent.push_back((il + 1) % s.full_attention_interval != 0);
+        }
+    }
+    auto is_recurrent = [&](int64_t il) { return !recurrent.empty() && recurrent[static_cast<size_t>(il)]; };
     if (s.final_logit_softcapping > 0 && s.arch != "gemma3") {
         fail("fixture: final_logit_softcapping is written for gemma3 only, not {}", s.arch);
     }
@@ -165,20 +197,45 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     gguf_set_val_u32(ctx, key("block_count").c_str(), static_cast<uint32_t>(s.n_layer));
     gguf_set_val_u32(ctx, key("feed_forward_length").c_str(), static_cast<uint32_t>(s.n_ff));
     gguf_set_val_u32(ctx, key("attention.head_count").c_str(), static_cast<uint32_t>(s.n_head));
-    gguf_set_val_u32(ctx, key("attention.head_count_kv").c_str(), static_cast<uint32_t>(s.n_head_kv));
+    if (s.arch != "lfm2") {
+        gguf_set_val_u32(ctx, key("attention.head_count_kv").c_str(), static_cast<uint32_t>(s.n_head_kv));
+    } else {
+        // As convert_hf_to_gguf.py writes LFM2: an INT32 per layer, 0 for a convolution layer.
+        std::vector<int32_t> kv;
+        for (const bool r : recurrent) {
+            kv.push_back(r ? 0 : static_cast<int32_t>(s.n_head_kv));
+        }
+        gguf_set_arr_data(ctx, key("attention.head_count_kv").c_str(), GGUF_TYPE_INT32, kv.data(), kv.size());
+        gguf_set_val_u32(ctx, key("shortconv.l_cache").c_str(), static_cast<uint32_t>(s.shortconv_l_cache));
+    }
     gguf_set_val_u32(ctx, key("attention.key_length").c_str(), static_cast<uint32_t>(s.head_dim));
     gguf_set_val_u32(ctx, key("attention.value_length").c_str(), static_cast<uint32_t>(s.head_dim));
     gguf_set_val_u32(ctx, key("rope.dimension_count").c_str(), static_cast<uint32_t>(n_rot));
     gguf_set_val_f32(ctx, key("rope.freq_base").c_str(), s.rope_freq_base);
     gguf_set_val_f32(ctx, key("attention.layer_norm_rms_epsilon").c_str(), s.rms_eps);
     gguf_set_val_u32(ctx, key("vocab_size").c_str(), static_cast<uint32_t>(n_vocab));
+    if (s.arch == "qwen35") {
+        // As convert_hf_to_gguf.py writes Qwen3.5 (Qwen3NextModel, _Qwen35MRopeMixin).
+        gguf_set_val_u32(ctx, key("ssm.conv_kernel").c_str(), static_cast<uint32_t>(s.ssm_d_conv));
+        gguf_set_val_u32(ctx, key("ssm.state_size").c_str(), static_cast<uint32_t>(s.ssm_d_state));
+        gguf_set_val_u32(ctx, key("ssm.group_count").c_str(), static_cast<uint32_t>(s.ssm_n_group));
+        gguf_set_val_u32(ctx, key("ssm.time_step_rank").c_str(), static_cast<uint32_t>(s.ssm_dt_rank));
+        gguf_set_val_u32(ctx, key("ssm.inner_size").c_str(), static_cast<uint32_t>(s.ssm_dt_rank * s.ssm_d_state));
+        gguf_set_val_u32(ctx, key("full_attention_interval").c_str(), static_cast<uint32_t>(s.full_attention_interval));
+        // Qwen3.5's sections [11, 11, 10, 0] of its 32 rotated pairs, scaled to n_rot / 2 pairs.
+        const int32_t pairs = static_cast<int32_t>(n_rot / 2), t = (pairs * 11 + 31) / 32;
+        const std::vector<int32_t> sections = {t, t, pairs - 2 * t, 0};
+        gguf_set_arr_data(ctx, key("rope.dimension_sections").c_str(), GGUF_TYPE_INT32, sections.data(), sections.size());
+    }
     if (s.sliding_window > 0) {
         gguf_set_val_u32(ctx, key("attention.sliding_window").c_str(), static_cast<uint32_t>(s.sliding_window));
         if (s.sliding_window_pattern > 0) {
             gguf_set_val_u32(ctx, key("attention.sliding_window_pattern").c_str(),
                              static_cast<uint32_t>(s.sliding_window_pattern));
         }
-        gguf_set_val_f32(ctx, key("rope.freq_base_swa").c_str(), s.rope_freq_base_swa);
+        if (s.arch == "gemma3") {
+            gguf_set_val_f32(ctx, key("rope.freq_base_swa").c_str(), s.rope_freq_base_swa);
+        }
     }
     if (s.final_logit_softcapping > 0) {
         gguf_set_val_f32(ctx, key("final_logit_softcapping").c_str(), s.final_logit_softcapping);
@@ -215,10 +272,11 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     const int64_t n_q = s.n_head * s.head_dim, n_kv = s.n_head_kv * s.head_dim;
     const bool fused = s.arch == "phi3";                        // phi3: attn_qkv, and gate+up in ffn_up
     const bool qkv_bias = s.arch == "qwen2";
-    const bool qk_norm = s.arch == "qwen3" || s.arch == "gemma3";
+    const bool qk_norm = s.arch == "qwen3" || s.arch == "gemma3" || s.arch == "lfm2" || s.arch == "qwen35";
     const bool post_norms = s.arch == "gemma3";
     plan.push_back({"token_embd.weight", {s.n_embd, n_vocab}, wt, tensor_kind_weight});
-    plan.push_back({"output_norm.weight", {s.n_embd}, f32, tensor_kind_norm});
+    // lfm2's final norm is stored under the name llama.cpp gives LLM_TENSOR_OUTPUT_NORM_LFM2.
+    plan.push_back({s.arch == "lfm2" ? "token_embd_norm.weight" : "output_norm.weight", {s.n_embd}, f32, tensor_kind_norm});
     if (!s.tied_output) {
         plan.push_back({"output.weight", {s.n_embd, n_vocab}, wt, tensor_kind_weight});
     }
@@ -229,7 +287,30 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     for (int64_t il = 0; il < s.n_layer; ++il) {
         auto blk = [il](const char * n) { return fmt::format("blk.{}.{}", il, n); };
         plan.push_back({blk("attn_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
-        if (fused) {
+        if (s.arch == "qwen35") {
+            plan.push_back({blk("post_attention_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
+        }
+        const int64_t key_dim = s.ssm_d_state * s.ssm_n_group, value_dim = s.ssm_d_state * s.ssm_dt_rank;
+        if (is_recurrent(il) && s.arch == "qwen35") {
+            plan.push_back({blk("attn_qkv.weight"), {s.n_embd, 2 * key_dim + value_dim}, wt, tensor_kind_weight});
+            plan.push_back({blk("attn_gate.weight"), {s.n_embd, value_dim}, wt, tensor_kind_weight});
+            plan.push_back({blk("ssm_conv1d.weight"), {s.ssm_d_conv, 2 * key_dim + value_dim}, f32, tensor_kind_weight});
+            plan.push_back({blk("ssm_dt.bias"), {s.ssm_dt_rank}, f32, tensor_kind_bias});
+            plan.push_back({blk("ssm_a"), {s.ssm_dt_rank}, f32, tensor_kind_decay});
+            plan.push_back({blk("ssm_beta.weight"), {s.n_embd, s.ssm_dt_rank}, wt, tensor_kind_weight});
+            plan.push_back({blk("ssm_alpha.weight"), {s.n_embd, s.ssm_dt_rank}, wt, tensor_kind_weight});
+            plan.push_back({blk("ssm_norm.weight"), {s.ssm_d_state}, f32, tensor_kind_norm});
+            plan.push_back({blk("ssm_out.weight"), {value_dim, s.n_embd}, wt, tensor_kind_weight});
+        } else if (s.arch == "qwen35") {
+            // attn_q: query and output gate per head
+            plan.push_back({blk("attn_q.weight"), {s.n_embd, 2 * n_q}, wt, tensor_kind_weight});
+            plan.push_back({blk("attn_k.weight"), {s.n_embd, n_kv}, wt, tensor_kind_weight});
+            plan.push_back({blk("attn_v.weight"), {s.n_embd, n_kv}, wt, tensor_kind_weight});
+        } else if (is_recurrent(il)) {
+            plan.push_back({blk("shortconv.conv.weight"), {s.shortconv_l_cache, s.n_embd}, f32, tensor_kind_weight});
+            plan.push_back({blk("shortconv.in_proj.weight"), {s.n_embd, 3 * s.n_embd}, wt, tensor_kind_weight});
+            plan.push_back({blk("shortconv.out_proj.weight"), {s.n_embd, s.n_embd}, wt, tensor_kind_weight});
+        } else if (fused) {
             plan.push_back({blk("attn_qkv.weight"), {s.n_embd, n_q + 2 * n_kv}, wt, tensor_kind_weight});
         } else {
             plan.push_back({blk("attn_q.weight"), {s.n_embd, n_q}, wt, tensor_kind_weight});
@@ -241,15 +322,19 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
             plan.push_back({blk("attn_k.bias"), {n_kv}, f32, tensor_kind_bias});
             plan.push_back({blk("attn_v.bias"), {n_kv}, f32, tensor_kind_bias});
         }
-        if (qk_norm) {
+        if (qk_norm && !is_recurrent(il)) {
             plan.push_back({blk("attn_q_norm.weight"), {s.head_dim}, f32, tensor_kind_norm});
             plan.push_back({blk("attn_k_norm.weight"), {s.head_dim}, f32, tensor_kind_norm});
         }
-        plan.push_back({blk("attn_output.weight"), {n_q, s.n_embd}, wt, tensor_kind_weight});
+        if (!is_recurrent(il)) {
+            plan.push_back({blk("attn_output.weight"), {n_q, s.n_embd}, wt, tensor_kind_weight});
+        }
         if (post_norms) {
             plan.push_back({blk("post_attention_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
         }
-        plan.push_back({blk("ffn_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
+        if (s.arch != "qwen35") {  // qwen35's FFN reads post_attention_norm
+            plan.push_back({blk("ffn_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
+        }
         if (fused) {
             plan.push_back({blk("ffn_up.weight"), {s.n_embd, 2 * s.n_ff}, wt, tensor_kind_weight});
         } else {

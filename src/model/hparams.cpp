@@ -5,6 +5,7 @@
 #include "model/gguf_weights.h"
 
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <vector>
@@ -73,6 +74,35 @@ float metadata_reader::required_positive_float(std::string_view suffix, std::str
     return static_cast<float>(*v);
 }
 
+std::optional<std::vector<int64_t>> metadata_reader::per_layer(std::string_view suffix, int64_t n_layer) const {
+    const std::string k = key(suffix);
+    const int64_t id = file_.find_key(k);
+    if (id < 0) {
+        return std::nullopt;
+    }
+    std::vector<int64_t> values;
+    if (gguf_get_kv_type(file_.ctx(), id) != GGUF_TYPE_ARRAY) {
+        values.assign(static_cast<size_t>(n_layer), *file_.get_int(k));
+    } else {
+        const nlohmann::json a = file_.kv_json(id);
+        if (static_cast<int64_t>(a.size()) != n_layer) {
+            fail("'{}': metadata key '{}' has {} entries, expected {}", file_.path(), k, a.size(), n_layer);
+        }
+        for (const nlohmann::json & v : a) {
+            if (!v.is_number_integer() && !v.is_boolean()) {
+                fail("'{}': metadata key '{}' must be an array of integers", file_.path(), k);
+            }
+            values.push_back(v.is_boolean() ? int64_t(v.get<bool>()) : v.get<int64_t>());
+        }
+    }
+    for (const int64_t v : values) {
+        if (v < 0) {
+            fail("'{}': metadata key '{}' has the entry {}, expected integers >= 0", file_.path(), k, v);
+        }
+    }
+    return values;
+}
+
 void expect_tensor_shape(const gguf_file & file, const std::string & name, std::initializer_list<int64_t> ne,
                          std::string_view why) {
     const std::vector<int64_t> want(ne);
@@ -110,7 +140,35 @@ void tensor_checklist::refuse_others(const model_hparams & hp) const {
     }
 }
 
-model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope) {
+namespace {
+
+/// lfm2's head_count_kv array: 0 = a recurrent layer; the attention layers' common KV head count.
+int64_t read_hybrid_head_count_kv(const metadata_reader & md, model_hparams & hp) {
+    const std::string k = md.key("attention.head_count_kv");
+    const std::optional<std::vector<int64_t>> per_layer = md.per_layer("attention.head_count_kv", hp.n_layer);
+    if (!per_layer) {
+        fail("'{}': missing metadata key '{}' (per layer: 0 for a recurrent layer, else the KV heads); a {} GGUF "
+             "from convert_hf_to_gguf.py has it", md.file().path(), k, hp.arch);
+    }
+    int64_t n_head_kv = 0;
+    for (const int64_t v : *per_layer) {
+        hp.recurrent_layers.push_back(v == 0);
+        if (v != 0 && n_head_kv != 0 && v != n_head_kv) {
+            fail("'{}': metadata key '{}' gives attention layers {} and {} KV heads; attention layers with different "
+                 "KV head counts are not supported", md.file().path(), k, n_head_kv, v);
+        }
+        n_head_kv = v != 0 ? v : n_head_kv;
+    }
+    if (n_head_kv == 0) {
+        fail("'{}': metadata key '{}' is 0 for every layer: a model without an attention layer is not a {}",
+             md.file().path(), k, hp.arch);
+    }
+    return n_head_kv;
+}
+
+}  // namespace
+
+model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope, bool hybrid_head_count_kv) {
     model_hparams hp;
     hp.arch = file.architecture();
     const metadata_reader md(file, hp.arch);
@@ -122,7 +180,7 @@ model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope) {
     hp.n_layer = md.required_positive("block_count", "the number of layers");
     hp.n_ff = md.required_positive("feed_forward_length", "the FFN width n_ff");
     hp.n_head = md.required_positive("attention.head_count", "the number of attention heads");
-    hp.n_head_kv = md.optional_positive("attention.head_count_kv", hp.n_head);
+    hp.n_head_kv = hybrid_head_count_kv ? read_hybrid_head_count_kv(md, hp) : md.optional_positive("attention.head_count_kv", hp.n_head);
     if (hp.n_head % hp.n_head_kv != 0) {
         fail("'{}': '{}' = {} is not a multiple of '{}' = {}: grouped-query attention needs whole groups",
              file.path(), md.key("attention.head_count"), hp.n_head, md.key("attention.head_count_kv"), hp.n_head_kv);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -53,7 +54,20 @@ struct model_hparams {
     float final_logit_softcap = 0.0f;     // <arch>.final_logit_softcapping: logits = c · tanh(logits / c); 0 = none
     int64_t n_ctx_orig = 0;               // <arch>.rope.scaling.original_context_length (default n_ctx_train)
 
+    // Hybrid models (lfm2, qwen35): layers whose token mixer is recurrent (a short convolution, a gated delta net).
+    std::vector<bool> recurrent_layers;   // per layer (empty = every layer attends): head_count_kv 0 in the array
+    int64_t n_shortconv_l_cache = 0;      // lfm2: <arch>.shortconv.l_cache, the short convolution's kernel length
+
+    // Gated delta net layers (qwen35): the <arch>.ssm.* keys llama_model_qwen35::load_arch_hparams reads.
+    int64_t ssm_d_conv = 0;   // ssm.conv_kernel: taps of the causal convolution over Q, K and V
+    int64_t ssm_d_state = 0;  // ssm.state_size: the key (and value) head size
+    int64_t ssm_n_group = 0;  // ssm.group_count: key heads
+    int64_t ssm_dt_rank = 0;  // ssm.time_step_rank: value heads
+    int64_t ssm_d_inner = 0;  // ssm.inner_size: value heads × value head size
+    std::vector<int64_t> rope_sections;  // rope.dimension_sections (qwen35's M-RoPE): 4 counts of rotated pairs
+
     bool is_swa(int64_t il) const { return n_swa > 0 && il < static_cast<int64_t>(swa_layers.size()) && swa_layers[il]; }
+    bool is_recurrent(int64_t il) const { return il < static_cast<int64_t>(recurrent_layers.size()) && recurrent_layers[il]; }
 
     int64_t n_embd_q() const { return n_embd_head_k * n_head; }
     int64_t n_embd_k_gqa() const { return n_embd_head_k * n_head_kv; }
@@ -78,6 +92,10 @@ public:
     float optional_float(std::string_view suffix, float fallback) const;
     /// A finite float > 0; throws naming the key when absent.
     float required_positive_float(std::string_view suffix, std::string_view what) const;
+    /// A per-layer (or per-section) integer key as llama.cpp's get_key_or_arr reads it: a scalar repeated n_layer
+    /// times, or an array of exactly n_layer integers ≥ 0 (booleans count as 0/1); nullopt when absent. Throws
+    /// naming the key on another type, a negative entry or an array of another length.
+    std::optional<std::vector<int64_t>> per_layer(std::string_view suffix, int64_t n_layer) const;
 
 private:
     const gguf_file & file_;
@@ -91,7 +109,10 @@ private:
 /// `<arch>.rope.scaling.type`; unknown ones too. Throws voodoo::error naming the key on anything missing
 /// or inconsistent (n_embd not divisible by n_head without explicit key_length, n_head not a multiple of
 /// n_head_kv, n_rot odd or larger than the head, vocab size disagreeing with the tokenizer).
-model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope);
+/// With `hybrid_head_count_kv` (lfm2), `<arch>.attention.head_count_kv` may be a per-layer array as
+/// llama_model_lfm2::load_arch_hparams reads it: 0 marks a recurrent layer (hp.recurrent_layers), every other
+/// entry must be the same KV head count (n_head_kv); an error names the key when they differ or none attends.
+model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope, bool hybrid_head_count_kv = false);
 
 /// The tensors a model reads, checked one by one against the shapes its metadata implies, then the whole
 /// file against that list: llama.cpp refuses a file with a tensor its architecture does not load, and so

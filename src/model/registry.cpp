@@ -17,10 +17,12 @@ using model_builder = std::unique_ptr<causal_lm> (*)(const gguf_file &);
 const std::map<std::string, model_builder> & builders() {
     static const std::map<std::string, model_builder> table = {
         {"gemma3", build_gemma3},
+        {"lfm2", build_lfm2},
         {"llama", build_llama},
         {"phi3", build_phi3},
         {"qwen2", build_qwen2},
         {"qwen3", build_qwen3},
+        {"qwen35", build_qwen35},
     };
     return table;
 }

@@ -24,4 +24,10 @@ std::unique_ptr<causal_lm> build_gemma3(const gguf_file & file);
 /// llama.cpp's LLM_ARCH_PHI3: Phi-3, Phi-3.5, Phi-4 (fused QKV and gate/up, long-rope factors).
 std::unique_ptr<causal_lm> build_phi3(const gguf_file & file);
 
+/// llama.cpp's LLM_ARCH_LFM2: LFM2 / LFM2.5 dense models (gated short convolutions and attention).
+std::unique_ptr<causal_lm> build_lfm2(const gguf_file & file);
+
+/// llama.cpp's LLM_ARCH_QWEN35: Qwen3.5 dense models (gated delta nets and gated attention).
+std::unique_ptr<causal_lm> build_qwen35(const gguf_file & file);
+
 }  // namespace voodoo

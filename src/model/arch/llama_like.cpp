@@ -7,6 +7,26 @@
 
 namespace voodoo {
 
+void check_attention_tensors(tensor_checklist & tensors, const model_hparams & hp, int64_t il) {
+    auto blk = [il](const char * name) { return fmt::format("blk.{}.{}", il, name); };
+    const std::string q_why = fmt::format("n_embd {} and head_count {} × key_length {}", hp.n_embd, hp.n_head, hp.n_embd_head_k);
+    const std::string k_why = fmt::format("n_embd {} and head_count_kv {} × key_length {}", hp.n_embd, hp.n_head_kv, hp.n_embd_head_k);
+    const std::string v_why = fmt::format("n_embd {} and head_count_kv {} × value_length {}", hp.n_embd, hp.n_head_kv, hp.n_embd_head_v);
+    const std::string qkv_why = q_why + ", " + k_why + " and value_length " + std::to_string(hp.n_embd_head_v);
+    const int64_t n_qkv = hp.n_embd_q() + hp.n_embd_k_gqa() + hp.n_embd_v_gqa();
+    if (tensors.optional(blk("attn_qkv.weight"), {hp.n_embd, n_qkv}, qkv_why)) {
+        tensors.optional(blk("attn_qkv.bias"), {n_qkv}, qkv_why);
+    } else {
+        tensors.require(blk("attn_q.weight"), {hp.n_embd, hp.n_embd_q()}, q_why);
+        tensors.require(blk("attn_k.weight"), {hp.n_embd, hp.n_embd_k_gqa()}, k_why);
+        tensors.require(blk("attn_v.weight"), {hp.n_embd, hp.n_embd_v_gqa()}, v_why);
+        tensors.optional(blk("attn_q.bias"), {hp.n_embd_q()}, q_why);
+        tensors.optional(blk("attn_k.bias"), {hp.n_embd_k_gqa()}, k_why);
+        tensors.optional(blk("attn_v.bias"), {hp.n_embd_v_gqa()}, v_why);
+    }
+    tensors.require(blk("attn_output.weight"), {hp.n_embd_head_v * hp.n_head, hp.n_embd}, q_why);
+}
+
 void check_llama_like_tensors(tensor_checklist & tensors, const model_hparams & hp, const llama_like_layout & layout) {
     const std::string & arch = hp.arch;
     auto blk = [](int64_t il, const char * name) { return fmt::format("blk.{}.{}", il, name); };
@@ -14,26 +34,11 @@ void check_llama_like_tensors(tensor_checklist & tensors, const model_hparams & 
     tensors.require("token_embd.weight", {hp.n_embd, hp.n_vocab}, embd + " and the vocabulary");
     tensors.require("output_norm.weight", {hp.n_embd}, embd);
     tensors.optional("output.weight", {hp.n_embd, hp.n_vocab}, embd + " and the vocabulary");
-    const std::string q_why = fmt::format("n_embd {} and head_count {} × key_length {}", hp.n_embd, hp.n_head, hp.n_embd_head_k);
-    const std::string k_why = fmt::format("n_embd {} and head_count_kv {} × key_length {}", hp.n_embd, hp.n_head_kv, hp.n_embd_head_k);
-    const std::string v_why = fmt::format("n_embd {} and head_count_kv {} × value_length {}", hp.n_embd, hp.n_head_kv, hp.n_embd_head_v);
-    const std::string qkv_why = q_why + ", " + k_why + " and value_length " + std::to_string(hp.n_embd_head_v);
     const std::string ff_why = fmt::format("n_embd {} and {}.feed_forward_length = {}", hp.n_embd, arch, hp.n_ff);
     const std::string head_why = fmt::format("{}.attention.key_length = {}", arch, hp.n_embd_head_k);
-    const int64_t n_qkv = hp.n_embd_q() + hp.n_embd_k_gqa() + hp.n_embd_v_gqa();
     for (int64_t il = 0; il < hp.n_layer; ++il) {
         tensors.require(blk(il, "attn_norm.weight"), {hp.n_embd}, embd);
-        if (tensors.optional(blk(il, "attn_qkv.weight"), {hp.n_embd, n_qkv}, qkv_why)) {
-            tensors.optional(blk(il, "attn_qkv.bias"), {n_qkv}, qkv_why);
-        } else {
-            tensors.require(blk(il, "attn_q.weight"), {hp.n_embd, hp.n_embd_q()}, q_why);
-            tensors.require(blk(il, "attn_k.weight"), {hp.n_embd, hp.n_embd_k_gqa()}, k_why);
-            tensors.require(blk(il, "attn_v.weight"), {hp.n_embd, hp.n_embd_v_gqa()}, v_why);
-            tensors.optional(blk(il, "attn_q.bias"), {hp.n_embd_q()}, q_why);
-            tensors.optional(blk(il, "attn_k.bias"), {hp.n_embd_k_gqa()}, k_why);
-            tensors.optional(blk(il, "attn_v.bias"), {hp.n_embd_v_gqa()}, v_why);
-        }
-        tensors.require(blk(il, "attn_output.weight"), {hp.n_embd_head_v * hp.n_head, hp.n_embd}, q_why);
+        check_attention_tensors(tensors, hp, il);
         if (layout.qk_norm) {
             tensors.require(blk(il, "attn_q_norm.weight"), {hp.n_embd_head_k}, head_why);
             tensors.require(blk(il, "attn_k_norm.weight"), {hp.n_embd_head_k}, head_why);

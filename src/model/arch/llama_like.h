@@ -21,6 +21,11 @@ struct llama_like_layout {
 /// naming the tensor and the keys its shape follows from.
 void check_llama_like_tensors(tensor_checklist & tensors, const model_hparams & hp, const llama_like_layout & layout);
 
+/// One layer's Q/K/V and attn_output as llama.cpp's create_tensor_qkv and its loaders create them: a fused
+/// attn_qkv [n_embd, n_embd_q + 2·n_embd_kv] (optional attn_qkv.bias) or attn_q / attn_k / attn_v (optional
+/// biases), and attn_output [n_head · value_length, n_embd]. Throws voodoo::error naming the tensor and the keys.
+void check_attention_tensors(tensor_checklist & tensors, const model_hparams & hp, int64_t il);
+
 /// The graph builders of qwen2/qwen3 assert n_embd_head_k == n_embd_head_v == n_rot: throws voodoo::error naming
 /// the key that breaks it (`<arch>.rope.dimension_count` or `<arch>.attention.value_length`).
 void require_rope_over_whole_head(const gguf_file & file, const model_hparams & hp);
