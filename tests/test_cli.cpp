@@ -140,5 +140,9 @@ TEST(cli, quantize_takes_the_model_as_llama_cpp_does_and_refuses_a_bad_target_be
     const auto bad_threads = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
                                         " --like Q4_0 -t -2 --ggml-threads -1");
     EXPECT_EQ(bad_threads.exit_code, 2) << bad_threads.output;
+    const auto out_and_dir = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                                        " --like Q4_0 -o a.gguf --out-dir " + dir.file("d"));
+    EXPECT_EQ(out_and_dir.exit_code, 2) << out_and_dir.output;
+    EXPECT_NE(out_and_dir.output.find("excludes"), std::string::npos) << out_and_dir.output;
     EXPECT_NE(bad_threads.output.find("-2"), std::string::npos) << bad_threads.output;
 }

@@ -221,6 +221,13 @@ TEST(quantize, every_bad_option_is_refused_before_anything_is_made) {
          {"--menu-for 'nomatch.*'", "matches no"}},
         {"a missing imatrix", [&](auto & q) { q.imatrix = dir.file("im.gguf"); }, {"im.gguf"}},
         {"a quantized source", [&](auto & q) { q.model = q8_0; }, {"already quantized", "convert"}},
+        {"--out and --out-dir",
+         [&](auto & q) {
+             q.out = dir.file("x.gguf");
+             q.out_dir = dir.file("d");
+         },
+         {"give one"}},
+        {"an --out-dir that is a file", [&](auto & q) { q.out_dir = q8_0; }, {"is a file"}},
     };
     for (const bad & c : cases) {
         SCOPED_TRACE(c.what);
@@ -267,8 +274,12 @@ TEST(quantize, the_train_stage_in_a_child_process_makes_the_same_recipe) {
     auto child = in_process;
     child.work = dir.file("b");
     child.train_exe = VOODOO_BIN;
+    child.out_dir = dir.file("files");  // and the file where --out-dir says
     run_quantize(in_process);
-    run_quantize(child);
+    const quantize_result r = run_quantize(child);
+    EXPECT_EQ(std::filesystem::path(r.out).parent_path(), std::filesystem::path(dir.file("files")));
+    EXPECT_TRUE(std::filesystem::path(r.out).filename().string().starts_with("stories260K.Voodoo")) << r.out;
+    EXPECT_TRUE(std::filesystem::exists(r.out)) << r.out;
     const std::string a = test::read_file(dir.file("a/run-Q5_0/recipe.tensor-types.txt"));
     EXPECT_FALSE(a.empty());
     EXPECT_EQ(a, test::read_file(dir.file("b/run-Q5_0/recipe.tensor-types.txt")));

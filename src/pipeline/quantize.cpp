@@ -403,9 +403,13 @@ std::string train_and_export(const quantize_options & o, train_options & t, cons
     eo.target = r.target;
     const double ratio = static_cast<double>(planned_file_bytes(src, r, eo)) /
                          static_cast<double>(q8_0_file_bytes(src, eo));
-    std::string out = o.out.empty() ? default_output_path(work, src, ratio) : o.out;
+    const std::string folder = !o.out_dir.empty() ? o.out_dir : work;
+    std::string out = o.out.empty() ? default_output_path(folder, src, ratio) : o.out;
+    if (!o.out_dir.empty()) {
+        fs::create_directories(o.out_dir);
+    }
     if (ladder) {
-        const std::string dir = o.out.empty() ? work : o.out;
+        const std::string dir = !o.out_dir.empty() ? o.out_dir : o.out.empty() ? work : o.out;
         fs::create_directories(dir);
         out = default_output_path(dir, src, ratio);
         out = out.substr(0, out.size() - 5) + "." + label + ".gguf";
@@ -483,8 +487,15 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     }
     const size_t n_targets = !o.like.empty() ? comma_list(o.like).size() : std::max<size_t>(1, o.goals.size());
     if (n_targets > 1 && !o.out.empty() && o.out.ends_with(".gguf")) {
-        fail("--out '{}' names one file, but {} targets make {} files: give a folder for --out, or one target", o.out,
+        fail("--out '{}' names one file, but {} targets make {} files: give --out-dir FOLDER, or one target", o.out,
              n_targets, n_targets);
+    }
+    if (!o.out.empty() && !o.out_dir.empty()) {
+        fail("--out '{}' and --out-dir '{}': give one (--out for one file, --out-dir for the folder of the files)",
+             o.out, o.out_dir);
+    }
+    if (!o.out_dir.empty() && fs::exists(o.out_dir) && !fs::is_directory(o.out_dir)) {
+        fail("--out-dir '{}' is a file; give a folder (it is made when missing)", o.out_dir);
     }
 
     // Menus (an imatrix will be there: made by the imatrix stage or given), and every target against them.

@@ -18,6 +18,7 @@ struct quantize_options {
                                             // (a ladder: one file per size); "" = goals or train.goal
     std::vector<target> goals;              // targets of a ladder (one file per target); empty = train.goal
     std::string out;                        // output GGUF ("" = WORK/<model>.Voodoo<NN>.gguf); a ladder: a folder
+    std::string out_dir;                    // folder for the output file(s) ("" = WORK, or --out's folder in a ladder)
     std::string work;                       // work folder: data/, imatrix.gguf, run-<label>/, baselines/, eval.*
     std::string imatrix;                    // an imatrix the user has (GGUF or legacy .dat): no imatrix stage
     bool greedy_peer = false;               // also export the measured-sensitivity greedy knapsack at every size
