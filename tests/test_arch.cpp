@@ -149,7 +149,7 @@ double rel_diff_against_libllama(const std::string & path, weight_source & w, in
 }
 
 /// The voodoo::error build_model throws on `arch`'s fixture rewritten by `edit` (minus `skip`), "" when none.
-std::string build_error(const std::string & arch, const std::function<void(gguf_context *)> & edit,
+std::string arch_build_error(const std::string & arch, const std::function<void(gguf_context *)> & edit,
                         const std::string & skip = {}) {
     test::temp_dir dir;
     const std::string path = dir.file("bad.gguf");
@@ -184,19 +184,19 @@ TEST(arch_parity, qwen2_without_its_qkv_biases_is_outside_the_bound) {
 }
 
 TEST(arch_bad_input, qwen2_rope_over_part_of_the_head_is_refused_naming_the_key) {
-    const std::string e = build_error("qwen2", [](gguf_context * c) { gguf_set_val_u32(c, "qwen2.rope.dimension_count", 32); });
+    const std::string e = arch_build_error("qwen2", [](gguf_context * c) { gguf_set_val_u32(c, "qwen2.rope.dimension_count", 32); });
     expect_contains(e, "'qwen2.rope.dimension_count' = 32 must equal the head size 64");
 }
 
 TEST(arch_bad_input, qwen2_yarn_and_unknown_rope_scaling_are_refused_naming_the_key) {
-    std::string e = build_error("qwen2", [](gguf_context * c) { gguf_set_val_str(c, "qwen2.rope.scaling.type", "yarn"); });
+    std::string e = arch_build_error("qwen2", [](gguf_context * c) { gguf_set_val_str(c, "qwen2.rope.scaling.type", "yarn"); });
     expect_contains(e, "'qwen2.rope.scaling.type' = 'yarn' is not supported yet");
-    e = build_error("qwen2", [](gguf_context * c) { gguf_set_val_str(c, "qwen2.rope.scaling.type", "spiral"); });
+    e = arch_build_error("qwen2", [](gguf_context * c) { gguf_set_val_str(c, "qwen2.rope.scaling.type", "spiral"); });
     expect_contains(e, "unknown rope scaling type 'spiral' in 'qwen2.rope.scaling.type'");
 }
 
 TEST(arch_bad_input, qwen2_head_count_kv_disagreeing_with_attn_k_names_the_tensor_and_the_key) {
-    const std::string e = build_error("qwen2", [](gguf_context * c) { gguf_set_val_u32(c, "qwen2.attention.head_count_kv", 4); });
+    const std::string e = arch_build_error("qwen2", [](gguf_context * c) { gguf_set_val_u32(c, "qwen2.attention.head_count_kv", 4); });
     expect_contains(e, "blk.0.attn_k.weight");
     expect_contains(e, "head_count_kv 4");
 }
@@ -220,13 +220,13 @@ TEST(arch_parity, qwen3_with_its_q_k_norm_weights_ignored_is_outside_the_bound) 
 }
 
 TEST(arch_bad_input, qwen3_missing_k_norm_is_named) {
-    const std::string e = build_error("qwen3", [](gguf_context *) {}, "blk.1.attn_k_norm.weight");
+    const std::string e = arch_build_error("qwen3", [](gguf_context *) {}, "blk.1.attn_k_norm.weight");
     expect_contains(e, "missing tensor 'blk.1.attn_k_norm.weight'");
 }
 
 TEST(arch_bad_input, qwen3_without_key_length_names_the_key_in_the_shape_error) {
     // Without it the head size falls back to n_embd / n_head = 64, which the 96-wide heads contradict.
-    const std::string e = build_error("qwen3", [](gguf_context * c) {
+    const std::string e = arch_build_error("qwen3", [](gguf_context * c) {
         gguf_remove_key(c, "qwen3.attention.key_length");
         gguf_remove_key(c, "qwen3.attention.value_length");
         gguf_remove_key(c, "qwen3.rope.dimension_count");
@@ -236,7 +236,7 @@ TEST(arch_bad_input, qwen3_without_key_length_names_the_key_in_the_shape_error) 
 }
 
 TEST(arch_bad_input, qwen3_mixture_of_experts_is_refused_naming_the_key) {
-    const std::string e = build_error("qwen3", [](gguf_context * c) { gguf_set_val_u32(c, "qwen3.expert_count", 8); });
+    const std::string e = arch_build_error("qwen3", [](gguf_context * c) { gguf_set_val_u32(c, "qwen3.expert_count", 8); });
     expect_contains(e, "'qwen3.expert_count' = 8");
 }
 
@@ -291,7 +291,7 @@ TEST(arch_parity, gemma3_final_logit_softcapping_matches_libllama) {
 }
 
 TEST(arch_bad_input, gemma3_per_layer_sliding_window_pattern_array_is_refused_naming_the_key) {
-    const std::string e = build_error("gemma3", [](gguf_context * c) {
+    const std::string e = arch_build_error("gemma3", [](gguf_context * c) {
         const std::vector<uint8_t> pattern = {1, 1, 0};
         gguf_set_arr_data(c, "gemma3.attention.sliding_window_pattern", GGUF_TYPE_BOOL, pattern.data(), pattern.size());
     });
@@ -299,12 +299,12 @@ TEST(arch_bad_input, gemma3_per_layer_sliding_window_pattern_array_is_refused_na
 }
 
 TEST(arch_bad_input, gemma3_sliding_layers_of_another_head_size_are_refused_naming_the_key) {
-    const std::string e = build_error("gemma3", [](gguf_context * c) { gguf_set_val_u32(c, "gemma3.attention.key_length_swa", 128); });
+    const std::string e = arch_build_error("gemma3", [](gguf_context * c) { gguf_set_val_u32(c, "gemma3.attention.key_length_swa", 128); });
     expect_contains(e, "'gemma3.attention.key_length_swa' differs");
 }
 
 TEST(arch_bad_input, gemma3_missing_post_ffw_norm_is_named) {
-    const std::string e = build_error("gemma3", [](gguf_context *) {}, "blk.2.post_ffw_norm.weight");
+    const std::string e = arch_build_error("gemma3", [](gguf_context *) {}, "blk.2.post_ffw_norm.weight");
     expect_contains(e, "missing tensor 'blk.2.post_ffw_norm.weight'");
 }
 
@@ -333,18 +333,18 @@ TEST(arch_parity, phi3_with_the_long_factors_at_short_context_is_outside_the_bou
 }
 
 TEST(arch_bad_input, phi3_longrope_scaling_type_is_refused_naming_the_key) {
-    const std::string e = build_error("phi3", [](gguf_context * c) { gguf_set_val_str(c, "phi3.rope.scaling.type", "longrope"); });
+    const std::string e = arch_build_error("phi3", [](gguf_context * c) { gguf_set_val_str(c, "phi3.rope.scaling.type", "longrope"); });
     expect_contains(e, "'phi3.rope.scaling.type' = 'longrope' is not supported yet");
 }
 
 TEST(arch_bad_input, phi3_fused_qkv_of_the_wrong_size_names_the_tensor_and_the_keys) {
-    const std::string e = build_error("phi3", [](gguf_context * c) { gguf_set_val_u32(c, "phi3.attention.head_count_kv", 1); });
+    const std::string e = arch_build_error("phi3", [](gguf_context * c) { gguf_set_val_u32(c, "phi3.attention.head_count_kv", 1); });
     expect_contains(e, "blk.0.attn_qkv.weight");
     expect_contains(e, "head_count_kv 1");
 }
 
 TEST(arch_bad_input, phi3_rope_factors_of_the_wrong_length_name_the_tensor) {
-    const std::string e = build_error("phi3", [](gguf_context * c) { gguf_set_val_u32(c, "phi3.rope.dimension_count", 32); });
+    const std::string e = arch_build_error("phi3", [](gguf_context * c) { gguf_set_val_u32(c, "phi3.rope.dimension_count", 32); });
     expect_contains(e, "rope_factors_long.weight");
     expect_contains(e, "phi3.rope.dimension_count = 32");
 }

@@ -24,15 +24,6 @@ voodoo::baseline_options options(const std::string & imatrix = "") {
     return {stories260k(), imatrix, 1};
 }
 
-std::string error_of(const std::function<void()> & fn) {
-    try {
-        fn();
-    } catch (const voodoo::error & e) {
-        return e.what();
-    }
-    return "(no error)";
-}
-
 /// A GGUF imatrix as llama-imatrix writes it: <tensor>.in_sum2 [ne0] and <tensor>.counts [1] for every
 /// 2-D weight of stories260K, with sums = count · (1 + column index / ne0) so columns differ in weight.
 std::string write_imatrix(const voodoo::test::temp_dir & dir) {
@@ -104,7 +95,7 @@ TEST(baseline, q8_0_quantizes_every_weight_whose_rows_fit_and_loads_in_libllama)
 TEST(baseline, iq2_and_q2_k_s_recipes_without_an_imatrix_are_refused) {
     voodoo::test::temp_dir dir;
     for (const char * name : {"IQ2_XXS", "IQ2_M", "IQ1_S", "IQ3_XXS", "Q2_K_S"}) {
-        const std::string msg = error_of([&] { voodoo::make_baseline(options(), name, dir.file("x.gguf")); });
+        const std::string msg = voodoo::test::error_of([&] { voodoo::make_baseline(options(), name, dir.file("x.gguf")); });
         EXPECT_NE(msg.find(std::string("recipe ") + name + " needs an imatrix"), std::string::npos) << msg;
         EXPECT_NE(msg.find("--imatrix"), std::string::npos) << msg;
     }
@@ -144,7 +135,7 @@ TEST(baseline, a_broken_imatrix_is_an_error_naming_it_and_nothing_is_written) {
     voodoo::test::temp_dir dir;
     const std::string dat = dir.file("imatrix.dat");
     std::ofstream(dat, std::ios::binary) << std::string("\x02\x00\x00\x00xxxx", 8);
-    const std::string msg = error_of([&] { voodoo::make_baseline(options(dat), "IQ2_XXS", dir.file("x.gguf")); });
+    const std::string msg = voodoo::test::error_of([&] { voodoo::make_baseline(options(dat), "IQ2_XXS", dir.file("x.gguf")); });
     EXPECT_NE(msg.find(dat), std::string::npos) << msg;
     EXPECT_FALSE(std::filesystem::exists(dir.file("x.gguf")));
 }
@@ -158,7 +149,7 @@ TEST(baseline, an_imatrix_of_another_model_is_refused) {
     im.chunk_size = 64;
     const std::string path = dir.file("other.gguf");
     voodoo::write_imatrix_gguf(path, im);
-    const std::string msg = error_of([&] { voodoo::make_baseline(options(path), "IQ2_XXS", dir.file("x.gguf")); });
+    const std::string msg = voodoo::test::error_of([&] { voodoo::make_baseline(options(path), "IQ2_XXS", dir.file("x.gguf")); });
     EXPECT_NE(msg.find(path), std::string::npos) << msg;
     EXPECT_NE(msg.find("blk.0.attn_q.weight"), std::string::npos) << msg;
 }
@@ -169,13 +160,13 @@ TEST(baseline, never_writes_over_the_source) {
     std::filesystem::copy_file(stories260k(), src);
     voodoo::baseline_options o = options();
     o.source = src;
-    const std::string msg = error_of([&] { voodoo::make_baseline(o, "Q8_0", src); });
+    const std::string msg = voodoo::test::error_of([&] { voodoo::make_baseline(o, "Q8_0", src); });
     EXPECT_NE(msg.find("is the source file"), std::string::npos) << msg;
     EXPECT_EQ(std::filesystem::file_size(src), std::filesystem::file_size(stories260k()));
 }
 
 TEST(baseline, an_unknown_recipe_lists_the_known_ones) {
-    const std::string msg = error_of([] { voodoo::recipe_by_name("Q4_K_X"); });
+    const std::string msg = voodoo::test::error_of([] { voodoo::recipe_by_name("Q4_K_X"); });
     EXPECT_NE(msg.find("unknown recipe 'Q4_K_X'"), std::string::npos) << msg;
     EXPECT_NE(msg.find("Q4_K_M"), std::string::npos) << msg;
     EXPECT_EQ(voodoo::recipe_by_name("q4_k").ftype, LLAMA_FTYPE_MOSTLY_Q4_K_M);  // llama-quantize's alias

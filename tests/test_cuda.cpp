@@ -38,7 +38,7 @@ std::vector<float> importance(int64_t ne0) {
     return v;
 }
 
-std::vector<uint8_t> quantized(ggml_type type, int64_t ne0, int64_t rows, uint32_t seed) {
+std::vector<uint8_t> gaussian_quantized(ggml_type type, int64_t ne0, int64_t rows, uint32_t seed) {
     std::vector<float> w = test::gaussian(static_cast<size_t>(ne0 * rows), seed);
     for (size_t i = 0; i < w.size(); i += 97) {
         w[i] *= 20.0f;
@@ -59,7 +59,7 @@ int64_t first_difference(const std::vector<float> & want, const torch::Tensor & 
     return -1;
 }
 
-std::vector<ggml_type> menu_and_f32() {
+std::vector<ggml_type> cuda_menu_and_f32() {
     std::vector<ggml_type> t = default_menu_types();
     t.push_back(GGML_TYPE_F32);
     return t;
@@ -77,7 +77,7 @@ fixture_set make_set(const std::vector<ggml_type> & types, int64_t rows, int64_t
     fixture_set f;
     f.dense = torch::empty({static_cast<int64_t>(types.size()), rows, ne0});
     for (size_t k = 0; k < types.size(); ++k) {
-        bytes.push_back(quantized(types[k], ne0, rows, static_cast<uint32_t>(100 + k)));
+        bytes.push_back(gaussian_quantized(types[k], ne0, rows, static_cast<uint32_t>(100 + k)));
         ids.push_back(types[k]);
         const auto d = dequantize(types[k], bytes.back(), ne0);
         f.dense[static_cast<int64_t>(k)].copy_(torch::from_blob(const_cast<float *>(d.data()), {rows, ne0}));
@@ -97,10 +97,10 @@ TEST(cuda, every_menu_type_dequantizes_on_the_gpu_equal_to_ggml_bit_for_bit) {
     ASSERT_TRUE(torch::cuda::is_available());
     const int64_t ne0 = 1024, rows = 96;
     std::mt19937 rng(3);
-    for (const ggml_type type : menu_and_f32()) {
+    for (const ggml_type type : cuda_menu_and_f32()) {
         for (int variant = 0; variant < 2; ++variant) {
             // Quantized gaussians with outliers, then raw random bytes (every grid index, sign and scale).
-            std::vector<uint8_t> bytes = quantized(type, ne0, rows, 1);
+            std::vector<uint8_t> bytes = gaussian_quantized(type, ne0, rows, 1);
             if (variant == 1) {
                 for (auto & b : bytes) {
                     b = static_cast<uint8_t>(rng());
@@ -186,7 +186,7 @@ TEST(cuda, rows_of_any_length_work_for_float_types) {
 TEST(cuda, tiled_kernels_equal_ggml_and_the_row_kernels_for_every_type) {
     // 97 rows of 1024: 48.5 tiles of 2048 weights, so the last tile is partial (byte copies, not cp.async).
     const int64_t rows = 97, ne0 = 1024;
-    const std::vector<ggml_type> types = menu_and_f32();
+    const std::vector<ggml_type> types = cuda_menu_and_f32();
     const fixture_set f = make_set(types, rows, ne0);
     const int64_t K = static_cast<int64_t>(types.size());
     for (int64_t k = 0; k < K; ++k) {

@@ -17,8 +17,8 @@ using namespace voodoo;
 
 namespace {
 
-constexpr int64_t k_ne0 = 512;
-constexpr int64_t k_rows = 16;
+constexpr int64_t k_rule_ne0 = 512;
+constexpr int64_t k_rule_rows = 16;
 
 std::vector<ggml_type> menu_and_f32() {
     std::vector<ggml_type> t = default_menu_types();
@@ -39,22 +39,22 @@ int64_t first_bit_difference(const std::vector<float> & a, const std::vector<flo
 }  // namespace
 
 TEST(cuda_rules, every_menu_type_equals_ggml_to_float_bit_for_bit_on_quantized_gaussians) {
-    std::vector<float> imatrix = test::gaussian(k_ne0, 9);
+    std::vector<float> imatrix = test::gaussian(k_rule_ne0, 9);
     for (float & x : imatrix) {
         x = 0.1f + x * x;
     }
     for (const ggml_type type : menu_and_f32()) {
         ASSERT_TRUE(deq::has_rule(type)) << type_name(type);
         for (uint32_t seed : {1u, 2u}) {
-            std::vector<float> w = test::gaussian(k_ne0 * k_rows, seed);
+            std::vector<float> w = test::gaussian(k_rule_ne0 * k_rule_rows, seed);
             for (size_t i = 0; i < w.size(); i += 97) {
                 w[i] *= 20.0f;  // outliers: large scales and clipped codes
             }
-            const auto bytes = quantize(type, w, k_ne0, type_info_of(type).needs_imatrix ? std::span<const float>(imatrix)
+            const auto bytes = quantize(type, w, k_rule_ne0, type_info_of(type).needs_imatrix ? std::span<const float>(imatrix)
                                                                                           : std::span<const float>());
-            const std::vector<float> want = dequantize(type, bytes, k_ne0);
+            const std::vector<float> want = dequantize(type, bytes, k_rule_ne0);
             std::vector<float> got(want.size(), std::nanf(""));
-            dequantize_by_rule(type, bytes, k_ne0, got);
+            dequantize_by_rule(type, bytes, k_rule_ne0, got);
             const int64_t at = first_bit_difference(want, got);
             EXPECT_EQ(at, -1) << type_name(type) << " seed " << seed << ": weight " << at << " is "
                               << (at >= 0 ? got[at] : 0.f) << ", ggml gives " << (at >= 0 ? want[at] : 0.f);
@@ -67,14 +67,14 @@ TEST(cuda_rules, every_menu_type_equals_ggml_to_float_bit_for_bit_on_random_byte
     // f16 fields are random too; a NaN or inf scale must come out the same way (both NaN).
     std::mt19937 rng(5);
     for (const ggml_type type : menu_and_f32()) {
-        const size_t n = tensor_bytes(type, std::vector<int64_t>{k_ne0, 16 * k_rows});
+        const size_t n = tensor_bytes(type, std::vector<int64_t>{k_rule_ne0, 16 * k_rule_rows});
         std::vector<uint8_t> bytes(n);
         for (auto & b : bytes) {
             b = static_cast<uint8_t>(rng());
         }
-        const std::vector<float> want = dequantize(type, bytes, k_ne0);
+        const std::vector<float> want = dequantize(type, bytes, k_rule_ne0);
         std::vector<float> got(want.size(), 0.0f);
-        dequantize_by_rule(type, bytes, k_ne0, got);
+        dequantize_by_rule(type, bytes, k_rule_ne0, got);
         int64_t bad = -1;
         for (size_t i = 0; i < want.size() && bad < 0; ++i) {
             const bool both_nan = std::isnan(want[i]) && std::isnan(got[i]);
@@ -101,11 +101,11 @@ TEST(cuda_rules, float_rows_of_any_length_equal_ggml) {
 
 TEST(cuda_rules, the_check_catches_a_one_ulp_change) {
     // The comparison is exact: a rule off by one unit in the last place in one weight would fail.
-    const auto w = test::gaussian(k_ne0 * 4, 3);
-    const auto bytes = quantize(GGML_TYPE_Q4_K, w, k_ne0);
-    const std::vector<float> want = dequantize(GGML_TYPE_Q4_K, bytes, k_ne0);
+    const auto w = test::gaussian(k_rule_ne0 * 4, 3);
+    const auto bytes = quantize(GGML_TYPE_Q4_K, w, k_rule_ne0);
+    const std::vector<float> want = dequantize(GGML_TYPE_Q4_K, bytes, k_rule_ne0);
     std::vector<float> got(want.size());
-    dequantize_by_rule(GGML_TYPE_Q4_K, bytes, k_ne0, got);
+    dequantize_by_rule(GGML_TYPE_Q4_K, bytes, k_rule_ne0, got);
     ASSERT_EQ(first_bit_difference(want, got), -1);
     got[100] = std::nextafter(got[100], INFINITY);
     EXPECT_EQ(first_bit_difference(want, got), 100);

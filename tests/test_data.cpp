@@ -21,20 +21,9 @@ using voodoo::test::temp_dir;
 
 std::string llama_models_dir() { return VOODOO_LLAMA_MODELS_DIR; }
 
-std::string read_all(const std::string & path) {
-    std::ifstream in(path, std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-}
-
-void write_all(const std::string & path, const std::string & text) {
-    std::ofstream(path, std::ios::binary) << text;
-}
-
 // The first `bytes` of TinyStories, cut at a blank line: enough for a few dozen chunks, fast to tokenize.
 std::string tinystories_head(size_t bytes) {
-    const std::string all = read_all(voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt");
+    const std::string all = voodoo::test::read_file(voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt");
     const size_t cut = all.find("\n\n", bytes);
     return all.substr(0, cut);
 }
@@ -77,7 +66,7 @@ void expect_fixture(const std::string & name) {
     if (!std::filesystem::exists(base + ".inp")) {
         GTEST_SKIP() << "no llama.cpp source checkout with " << base << ".inp";
     }
-    const std::string inp = read_all(base + ".inp");
+    const std::string inp = voodoo::test::read_file(base + ".inp");
     std::vector<std::string> inputs;
     const std::string sep = "\n__ggml_vocab_test__\n";
     for (size_t pos = 0;;) {
@@ -132,7 +121,7 @@ TEST(data, documents_are_split_at_blank_lines_and_at_the_eos_text) {
 
 TEST(data, prepare_writes_bos_led_chunks_deterministically_for_a_seed) {
     temp_dir tmp;
-    write_all(tmp.file("stories.txt"), tinystories_head(60000));
+    voodoo::test::write_file(tmp.file("stories.txt"), tinystories_head(60000));
     voodoo::data_options o;
     o.model = stories260k();
     o.texts = {tmp.file("stories.txt")};
@@ -147,9 +136,9 @@ TEST(data, prepare_writes_bos_led_chunks_deterministically_for_a_seed) {
     o.out_dir = tmp.file("c");
     voodoo::prepare_data(o);
 
-    EXPECT_EQ(read_all(tmp.file("a/train.tokens")), read_all(tmp.file("b/train.tokens")));
-    EXPECT_EQ(read_all(tmp.file("a/val.tokens")), read_all(tmp.file("b/val.tokens")));
-    EXPECT_NE(read_all(tmp.file("a/train.tokens")), read_all(tmp.file("c/train.tokens")));
+    EXPECT_EQ(voodoo::test::read_file(tmp.file("a/train.tokens")), voodoo::test::read_file(tmp.file("b/train.tokens")));
+    EXPECT_EQ(voodoo::test::read_file(tmp.file("a/val.tokens")), voodoo::test::read_file(tmp.file("b/val.tokens")));
+    EXPECT_NE(voodoo::test::read_file(tmp.file("a/train.tokens")), voodoo::test::read_file(tmp.file("c/train.tokens")));
 
     const voodoo::token_data data(tmp.file("a"));
     const voodoo::token_file & train = data.train();
@@ -181,7 +170,7 @@ TEST(data, prepare_writes_bos_led_chunks_deterministically_for_a_seed) {
 
 TEST(data, a_token_file_made_with_another_vocabulary_is_refused) {
     temp_dir tmp;
-    write_all(tmp.file("stories.txt"), tinystories_head(20000));
+    voodoo::test::write_file(tmp.file("stories.txt"), tinystories_head(20000));
     const auto r = run_voodoo("data --model " + stories260k() + " --text " + tmp.file("stories.txt") +
                               " --ctx 64 --out " + tmp.file("d"));
     ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -198,7 +187,7 @@ TEST(data, a_token_file_made_with_another_vocabulary_is_refused) {
 // Bad text: a one-line error naming the file, exit 1, and no output folder at all.
 void expect_refused(const std::string & text, const std::string & message, const std::string & extra = "") {
     temp_dir tmp;
-    write_all(tmp.file("in.txt"), text);
+    voodoo::test::write_file(tmp.file("in.txt"), text);
     const auto r = run_voodoo("data --model " + stories260k() + " --text " + tmp.file("in.txt") + " --out " +
                               tmp.file("out") + " " + extra);
     EXPECT_EQ(r.exit_code, 1) << r.output;
@@ -209,7 +198,7 @@ void expect_refused(const std::string & text, const std::string & message, const
 // The same refusal through the library: the error names the problem and no output folder appears.
 void expect_refused_by_library(const std::string & text, const std::string & message, int64_t ctx, double val) {
     temp_dir tmp;
-    write_all(tmp.file("in.txt"), text);
+    voodoo::test::write_file(tmp.file("in.txt"), text);
     voodoo::data_options o;
     o.model = stories260k();
     o.texts = {tmp.file("in.txt")};
@@ -253,8 +242,8 @@ TEST(data, token_file_rejects_a_truncated_file) {
     EXPECT_EQ(f.n_chunks(), 2);
     EXPECT_EQ(std::vector<int32_t>(f.chunk(1).begin(), f.chunk(1).end()), std::vector<int32_t>({1, 8, 9, 10}));
     EXPECT_THROW(f.chunk(2), voodoo::error);
-    std::string bytes = read_all(tmp.file("t.tokens"));
-    write_all(tmp.file("short.tokens"), bytes.substr(0, bytes.size() - 4));
+    std::string bytes = voodoo::test::read_file(tmp.file("t.tokens"));
+    voodoo::test::write_file(tmp.file("short.tokens"), bytes.substr(0, bytes.size() - 4));
     EXPECT_THROW(voodoo::token_file(tmp.file("short.tokens")), voodoo::error);
     EXPECT_THROW(voodoo::write_token_file(tmp.file("x.tokens"), tokens, 4, 0, 8, 0), voodoo::error);  // id 9 ≥ 8
     EXPECT_FALSE(std::filesystem::exists(tmp.file("x.tokens")));

@@ -17,16 +17,9 @@ namespace {
 
 using voodoo::test::stories260k;
 
-std::string read_all(const std::string & path) {
-    std::ifstream in(path, std::ios::binary);
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-}
-
 /// The first `bytes` of the TinyStories validation text, cut at a line end: a few thousand tokens.
 std::string write_short_text(const voodoo::test::temp_dir & dir, size_t bytes = 8000) {
-    std::string text = read_all(voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt");
+    std::string text = voodoo::test::read_file(voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt");
     text.resize(text.rfind('\n', bytes) + 1);
     const std::string path = dir.file("tinystories-short.txt");
     std::ofstream(path, std::ios::binary) << text;
@@ -143,7 +136,7 @@ TEST_F(eval_test, reports_are_a_markdown_table_json_and_a_png) {
     EXPECT_EQ(j["n_scored"], 2 * 63);
     const std::string png = dir_->file("plot.png");
     voodoo::eval_plot(r, png);
-    const std::string bytes = read_all(png);
+    const std::string bytes = voodoo::test::read_file(png);
     ASSERT_GT(bytes.size(), 1000u);
     EXPECT_EQ(bytes.substr(1, 3), "PNG");
 }
@@ -227,11 +220,11 @@ TEST(eval_cli, writes_the_table_json_and_plot_and_fails_in_one_line) {
                                             " --ctx 64 --chunks 2 --threads 1 --out-dir " + out + " " + stories260k());
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("| stories260K.gguf | 1.130 | 32.000 |"), std::string::npos) << r.output;
-    const auto j = nlohmann::json::parse(read_all(out + "/eval.json"));
+    const auto j = nlohmann::json::parse(voodoo::test::read_file(out + "/eval.json"));
     EXPECT_EQ(j["n_ctx"], 64);
     EXPECT_EQ(j["files"][0]["same_top"], 1.0);
-    EXPECT_EQ(read_all(out + "/eval.png").substr(1, 3), "PNG");
-    EXPECT_EQ(read_all(out + "/eval.md").rfind("| file |", 0), 0u);
+    EXPECT_EQ(voodoo::test::read_file(out + "/eval.png").substr(1, 3), "PNG");
+    EXPECT_EQ(voodoo::test::read_file(out + "/eval.md").rfind("| file |", 0), 0u);
 
     const auto bad = voodoo::test::run_voodoo("eval --reference " + stories260k() + " --text " + text +
                                               " --ctx 100000 " + stories260k());

@@ -55,7 +55,7 @@ importance_map random_importance(const gguf_file & src, uint32_t seed) {
 }
 
 
-const std::vector<ggml_type> k_cycle = {GGML_TYPE_IQ4_NL, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0,
+const std::vector<ggml_type> k_export_cycle = {GGML_TYPE_IQ4_NL, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0,
                                         GGML_TYPE_Q5_1,   GGML_TYPE_Q8_0, GGML_TYPE_F16,  GGML_TYPE_BF16};
 
 }  // namespace
@@ -63,7 +63,7 @@ const std::vector<ggml_type> k_cycle = {GGML_TYPE_IQ4_NL, GGML_TYPE_Q4_0, GGML_T
 TEST(export_gguf, equals_llama_model_quantize_with_the_recipe_as_overrides_on_stories260k) {
     temp_dir dir;
     gguf_file src(test::stories260k());
-    const recipe r = mixed_recipe(src, k_cycle);
+    const recipe r = mixed_recipe(src, k_export_cycle);
     std::set<ggml_type> used;
     for (const auto & t : r.tensors) {
         used.insert(t.type);
@@ -78,7 +78,7 @@ TEST(export_gguf, equals_llama_model_quantize_with_the_recipe_as_overrides_on_st
 TEST(export_gguf, equals_llama_model_quantize_with_the_same_imatrix) {
     temp_dir dir;
     gguf_file src(test::stories260k());
-    const recipe r = mixed_recipe(src, k_cycle);
+    const recipe r = mixed_recipe(src, k_export_cycle);
     const importance_map importance = random_importance(src, 11);
     export_options opts;
     opts.importance = &importance;
@@ -100,7 +100,7 @@ TEST(export_gguf, output_loads_in_libllama_and_decodes) {
     temp_dir dir;
     gguf_file src(test::stories260k());
     const std::string out = dir.file("out.gguf");
-    export_gguf(src, mixed_recipe(src, k_cycle), out, {});
+    export_gguf(src, mixed_recipe(src, k_export_cycle), out, {});
     llama_runtime_init();
     llama_model_params mp = llama_model_default_params();
     llama_model * model = llama_model_load_from_file(out.c_str(), mp);
@@ -158,7 +158,7 @@ TEST(export_gguf, metadata_is_copied_with_file_type_and_provenance) {
 TEST(export_gguf, planned_size_is_the_size_on_disk_and_inspect_shows_the_recipe) {
     temp_dir dir;
     gguf_file src(test::stories260k());
-    const recipe r = mixed_recipe(src, k_cycle);
+    const recipe r = mixed_recipe(src, k_export_cycle);
     export_options opts;
     opts.target = "size=400000";
     const size_t planned = planned_file_bytes(src, r, opts);
@@ -229,7 +229,7 @@ TEST(export_gguf, a_full_disk_leaves_no_partial_file) {
     struct rlimit small = old;
     small.rlim_cur = 100000;
     ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
-    const std::string msg = error_of([&] { export_gguf(src, mixed_recipe(src, k_cycle), out, {}); });
+    const std::string msg = error_of([&] { export_gguf(src, mixed_recipe(src, k_export_cycle), out, {}); });
     setrlimit(RLIMIT_FSIZE, &old);
     signal(SIGXFSZ, SIG_DFL);
     EXPECT_NE(msg.find("nothing was written"), std::string::npos) << msg;
@@ -239,7 +239,7 @@ TEST(export_gguf, a_full_disk_leaves_no_partial_file) {
 TEST(export_gguf, recipe_files_round_trip_and_tensor_types_are_anchored) {
     temp_dir dir;
     gguf_file src(test::stories260k());
-    recipe r = mixed_recipe(src, k_cycle);
+    recipe r = mixed_recipe(src, k_export_cycle);
     r.tensors[0].probs = {{"q4_0", 0.75}, {"q8_0", 0.25}};
     r.target = "size=300000";
     recipe_save(r, dir.file("recipe.json"));

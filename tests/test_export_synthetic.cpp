@@ -41,14 +41,14 @@ const std::string & synthetic_model() {
     return path;
 }
 
-const std::vector<ggml_type> k_cycle = {GGML_TYPE_Q2_K, GGML_TYPE_Q3_K,  GGML_TYPE_Q4_K,   GGML_TYPE_Q5_K,
+const std::vector<ggml_type> k_kquant_cycle = {GGML_TYPE_Q2_K, GGML_TYPE_Q3_K,  GGML_TYPE_Q4_K,   GGML_TYPE_Q5_K,
                                         GGML_TYPE_Q6_K, GGML_TYPE_IQ4_XS, GGML_TYPE_IQ3_S, GGML_TYPE_Q8_0,
                                         GGML_TYPE_Q4_0, GGML_TYPE_F16};
 
 recipe cycled(const gguf_file & src) {
     recipe r = recipe_from_model(src);
     for (size_t i = 0; i < r.tensors.size(); ++i) {
-        r.tensors[i].type = k_cycle[i % k_cycle.size()];
+        r.tensors[i].type = k_kquant_cycle[i % k_kquant_cycle.size()];
         r.tensors[i].bytes = tensor_bytes(r.tensors[i].type, r.tensors[i].shape, r.tensors[i].name);
     }
     return r;

@@ -20,16 +20,6 @@ using voodoo::test::temp_dir;
 
 namespace {
 
-std::vector<uint8_t> read_all(const std::string & path) {
-    std::ifstream in(path, std::ios::binary);
-    return {std::istreambuf_iterator<char>(in), {}};
-}
-
-void write_all(const std::string & path, const std::vector<uint8_t> & bytes) {
-    std::ofstream out(path, std::ios::binary);
-    out.write(reinterpret_cast<const char *>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-}
-
 // Same type and same bytes (scalars, strings and arrays alike).
 bool kv_equal(const gguf_context * a, int64_t ia, const gguf_context * b, int64_t ib) {
     const gguf_type t = gguf_get_kv_type(a, ia);
@@ -135,7 +125,7 @@ TEST(gguf, round_trip_preserves_every_key_and_tensor_byte) {
         EXPECT_EQ(std::memcmp(da.data(), db.data(), da.size()), 0) << a.name;
     }
     // ggml wrote the source too, so the copy is the same file, byte for byte.
-    EXPECT_EQ(read_all(out), read_all(test::stories260k()));
+    EXPECT_EQ(test::read_bytes(out), test::read_bytes(test::stories260k()));
 }
 
 TEST(gguf, writes_mixed_types_with_a_non_default_alignment) {
@@ -222,27 +212,27 @@ TEST(gguf, a_full_disk_is_an_error_and_leaves_no_file) {
 
 TEST(gguf, bad_files_give_one_line_errors) {
     temp_dir dir;
-    const auto good = read_all(test::stories260k());
+    const auto good = test::read_bytes(test::stories260k());
 
     expect_error_naming(dir.file("missing.gguf"), "No such file");
 
     const std::string empty = dir.file("empty.gguf");
-    write_all(empty, {});
+    test::write_bytes(empty, {});
     expect_error_naming(empty, "not a GGUF file");
 
     const std::string text = dir.file("text.gguf");
     const std::string words = "Once upon a time there was a file that was not a GGUF.";
-    write_all(text, std::vector<uint8_t>(words.begin(), words.end()));
+    test::write_bytes(text, std::vector<uint8_t>(words.begin(), words.end()));
     expect_error_naming(text, "not a GGUF file");
 
     // Cut inside the metadata: ggml's parser says what it could not read.
     const std::string cut_header = dir.file("cut-header.gguf");
-    write_all(cut_header, std::vector<uint8_t>(good.begin(), good.begin() + 2000));
+    test::write_bytes(cut_header, std::vector<uint8_t>(good.begin(), good.begin() + 2000));
     expect_error_naming(cut_header, "not a valid GGUF file");
 
     // Cut inside the tensor data: the header parses, the last tensor runs past the end.
     const std::string cut_data = dir.file("cut-data.gguf");
-    write_all(cut_data, std::vector<uint8_t>(good.begin(), good.end() - 1000));
+    test::write_bytes(cut_data, std::vector<uint8_t>(good.begin(), good.end() - 1000));
     expect_error_naming(cut_data, "ends at byte");
     expect_error_naming(cut_data, "truncated or corrupt");
 
@@ -250,7 +240,7 @@ TEST(gguf, bad_files_give_one_line_errors) {
     auto v9 = good;
     v9[4] = 9;
     const std::string version = dir.file("v9.gguf");
-    write_all(version, v9);
+    test::write_bytes(version, v9);
     expect_error_naming(version, "version 9");
 
     expect_error_naming(dir.path.string(), "not a regular file");
@@ -302,18 +292,18 @@ TEST(file, a_lock_whose_job_was_killed_with_sigkill_is_not_stuck) {
 TEST(file, remove_tree_removes_a_nested_folder_without_following_links) {
     temp_dir keep, dir;
     const std::string kept = keep.file("kept.txt");
-    write_all(kept, {1, 2, 3});
+    test::write_bytes(kept, {1, 2, 3});
     const std::filesystem::path root = dir.path / "a";
     std::filesystem::create_directories(root / "b" / "c");
-    write_all((root / "b" / "c" / "x.bin").string(), {4});
-    write_all((root / "y.bin").string(), {5});
+    test::write_bytes((root / "b" / "c" / "x.bin").string(), {4});
+    test::write_bytes((root / "y.bin").string(), {5});
     std::filesystem::create_directory_symlink(keep.path, root / "link");  // must not be followed
     EXPECT_TRUE(remove_tree(root.string()));
     EXPECT_FALSE(std::filesystem::exists(root));
     EXPECT_TRUE(std::filesystem::exists(kept)) << "remove_tree followed a symbolic link";
     EXPECT_TRUE(remove_tree(root.string())) << "a missing path is not an error";
     const std::string file = dir.file("plain.bin");
-    write_all(file, {6});
+    test::write_bytes(file, {6});
     EXPECT_TRUE(remove_tree(file));
     EXPECT_FALSE(std::filesystem::exists(file));
 }

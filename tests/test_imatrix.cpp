@@ -24,8 +24,6 @@ using voodoo::test::run_voodoo;
 using voodoo::test::stories260k;
 using voodoo::test::temp_dir;
 
-void write_all(const std::string & path, const std::string & bytes) { std::ofstream(path, std::ios::binary) << bytes; }
-
 std::string tinystories_path() { return voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt"; }
 
 // 8 chunks of 64 tokens of TinyStories for stories260K, made once for the whole suite (kept small: the
@@ -38,7 +36,7 @@ struct small_data {
         std::string text(40000, '\0');
         in.read(text.data(), static_cast<std::streamsize>(text.size()));
         text.resize(text.rfind("\n\n"));
-        write_all(tmp.file("stories.txt"), text);
+        voodoo::test::write_file(tmp.file("stories.txt"), text);
         voodoo::data_options o;
         o.model = stories260k();
         o.texts = {tmp.file("stories.txt")};
@@ -157,7 +155,7 @@ TEST(imatrix, reads_a_legacy_dat_and_divides_by_ncall_as_llama_quantize_does) {
     for (size_t i = 0; i < down.size(); ++i) {
         down[i] = 0.5f * static_cast<float>(i);
     }
-    write_all(tmp.file("old.dat"), legacy_dat({{"blk.0.attn_q.weight", q}, {"blk.1.ffn_down.weight", down}}, 10, true));
+    voodoo::test::write_file(tmp.file("old.dat"), legacy_dat({{"blk.0.attn_q.weight", q}, {"blk.1.ffn_down.weight", down}}, 10, true));
     const voodoo::imatrix im = voodoo::read_imatrix(tmp.file("old.dat"));
     EXPECT_TRUE(im.legacy);
     EXPECT_EQ(im.chunk_count, 10);
@@ -168,11 +166,11 @@ TEST(imatrix, reads_a_legacy_dat_and_divides_by_ncall_as_llama_quantize_does) {
     EXPECT_EQ(imp[63], 64.0f);
     EXPECT_NO_THROW(voodoo::require_imatrix_fits(im, voodoo::gguf_file(stories260k()), "old.dat"));
     // The trailer is optional.
-    write_all(tmp.file("bare.dat"), legacy_dat({{"blk.0.attn_q.weight", q}}, 10, false));
+    voodoo::test::write_file(tmp.file("bare.dat"), legacy_dat({{"blk.0.attn_q.weight", q}}, 10, false));
     EXPECT_EQ(voodoo::read_imatrix(tmp.file("bare.dat")).entries.size(), 1u);
     // A truncated file is an error that names it.
     const std::string whole = legacy_dat({{"blk.0.attn_q.weight", q}}, 10, false);
-    write_all(tmp.file("cut.dat"), whole.substr(0, whole.size() - 8));
+    voodoo::test::write_file(tmp.file("cut.dat"), whole.substr(0, whole.size() - 8));
     try {
         voodoo::read_imatrix(tmp.file("cut.dat"));
         FAIL() << "a truncated .dat was read";
@@ -284,7 +282,7 @@ TEST(imatrix, a_gguf_without_imatrix_metadata_is_refused) {
 
 TEST(imatrix, tokens_of_another_vocabulary_are_refused_and_nothing_is_written) {
     temp_dir tmp;
-    write_all(tmp.file("t.txt"), std::string(4000, 'a') + "\n\n" + std::string(4000, 'b'));
+    voodoo::test::write_file(tmp.file("t.txt"), std::string(4000, 'a') + "\n\n" + std::string(4000, 'b'));
     const std::string other = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf";
     voodoo::data_options d;
     d.model = other;

@@ -117,13 +117,30 @@ inline void rewrite_gguf(const std::string & src, const std::string & dst, const
     out.commit();
 }
 
-/// The message of the voodoo::error fn throws, "" when it throws none.
 /// The whole file as a string ("" when it cannot be read).
 inline std::string read_file(const std::string & path) {
     std::ifstream in(path, std::ios::binary);
     return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
+/// The whole file as bytes (empty when it cannot be read).
+inline std::vector<uint8_t> read_bytes(const std::string & path) {
+    std::ifstream in(path, std::ios::binary);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+/// Writes text (any bytes) to path, replacing the file.
+inline void write_file(const std::string & path, const std::string & text) {
+    std::ofstream(path, std::ios::binary) << text;
+}
+
+/// Writes bytes to path, replacing the file.
+inline void write_bytes(const std::string & path, const std::vector<uint8_t> & bytes) {
+    std::ofstream out(path, std::ios::binary);
+    out.write(reinterpret_cast<const char *>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+}
+
+/// The message of the voodoo::error fn throws, "" when it throws none.
 inline std::string error_of(const std::function<void()> & fn) {
     try {
         fn();

@@ -1,3 +1,4 @@
+#include "common/units.h"
 #include "eval/curve.h"
 
 #include "common/error.h"
@@ -15,7 +16,6 @@ namespace voodoo {
 
 namespace {
 
-constexpr double k_mib = 1024.0 * 1024.0;
 
 // The label after the series tag: "mix30M.Voodoo66.Q4_K_M.gguf" → "Q4_K_M", "mix30M.greedy.Q4_K_M.gguf" → "Q4_K_M".
 std::string rung_label(const std::string & name) {

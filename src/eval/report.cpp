@@ -1,3 +1,4 @@
+#include "common/units.h"
 #include "eval/report.h"
 
 #include "common/error.h"
@@ -19,7 +20,6 @@ namespace voodoo {
 
 namespace {
 
-constexpr double k_mib = 1024.0 * 1024.0;
 
 /// Compact for small numbers: 0.000123 → "1.23e-04", 0.0512 → "0.0512".
 std::string num(double v) {
