@@ -68,6 +68,7 @@ e2e-1.7b)
     # (every layer, the full 151,936-token vocabulary, BF16, tied head; random weights: speed and memory only),
     # at stock Q4_K_M's size, beside stock Q4_K_M; the probe with 2 anchors per tensor. Every stage's time is in
     # the log's last "== times:" line and WORK/times.json; GPU memory sampled each second; disk per folder.
+    # MENU=Q3_K,Q4_K,… runs it with that menu instead of the default one (the K-quants build in a few minutes).
     log e2e qwen3-1.7b shape
     mkdir -p "$OUT/e2e"
     /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch qwen3 --vocab "$D/llama/models/ggml-vocab-qwen2.gguf" \
@@ -79,7 +80,7 @@ e2e-1.7b)
     SMI=$!
     /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/qwen3-1.7b-shape.gguf --text "$T" --like Q4_K_M \
         --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --eval-chunks 8 \
-        --probe-anchors 2 --device cuda --work /tmp/e2e-17b > "$OUT/e2e/qwen3-1.7b.log" 2>&1
+        --probe-anchors 2 --device cuda --work /tmp/e2e-17b ${MENU:+--menu "$MENU"} > "$OUT/e2e/qwen3-1.7b.log" 2>&1
     kill $SMI
     grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed" "$OUT/e2e/qwen3-1.7b.log" | cut -c1-220 | tail -40
     du -sh /tmp/e2e-17b/* > "$OUT/e2e/disk-1.7b.txt" 2>&1; cat "$OUT/e2e/disk-1.7b.txt"

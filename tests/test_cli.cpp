@@ -23,7 +23,7 @@ TEST(cli, inspect_lists_the_48_tensors_of_stories260k_and_the_total) {
 }
 
 TEST(cli, inspect_json_gives_sizes_bpw_and_menus) {
-    const auto r = run_voodoo("inspect --json " + voodoo::test::stories260k());
+    const auto r = run_voodoo("inspect --json - " + voodoo::test::stories260k());
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const auto j = nlohmann::json::parse(r.output);
     EXPECT_EQ(j["n_tensors"], 48);
@@ -87,7 +87,7 @@ TEST(cli, help_shows_examples_and_unknown_flags_exit_nonzero) {
 }
 
 TEST(cli, doctor_reports_the_llama_cpp_release_and_libtorch) {
-    const auto r = run_voodoo("doctor --json");
+    const auto r = run_voodoo("doctor --json -");
     const auto j = nlohmann::json::parse(r.output);
     std::map<std::string, nlohmann::json> by_name;
     for (const auto & c : j) {
@@ -145,4 +145,23 @@ TEST(cli, quantize_takes_the_model_as_llama_cpp_does_and_refuses_a_bad_target_be
     EXPECT_EQ(out_and_dir.exit_code, 2) << out_and_dir.output;
     EXPECT_NE(out_and_dir.output.find("excludes"), std::string::npos) << out_and_dir.output;
     EXPECT_NE(bad_threads.output.find("-2"), std::string::npos) << bad_threads.output;
+}
+
+TEST(cli, json_goes_to_the_file_named_or_to_stdout_for_a_dash_and_threads_are_dash_t_everywhere) {
+    // Issue #21: --json FILE in every command that reports, - for stdout; -t the threads, as in llama.cpp's tools.
+    voodoo::test::temp_dir dir;
+    const std::string model = voodoo::test::stories260k();
+    const auto to_file = run_voodoo("inspect " + model + " --json " + dir.file("sub/inspect.json"));
+    ASSERT_EQ(to_file.exit_code, 0) << to_file.output;
+    EXPECT_NE(to_file.output.find("48 tensors"), std::string::npos) << "the text report stays on stdout";
+    const auto j = nlohmann::json::parse(voodoo::test::read_file(dir.file("sub/inspect.json")));
+    EXPECT_EQ(j, nlohmann::json::parse(run_voodoo("inspect --json - " + model).output));
+    const auto parity = run_voodoo("check-parity " + model + " --tokens 16 -t 1 --json " + dir.file("parity.json"));
+    EXPECT_EQ(parity.exit_code, 0) << parity.output;
+    EXPECT_TRUE(nlohmann::json::parse(voodoo::test::read_file(dir.file("parity.json"))).contains("within"));
+    const auto no_value = run_voodoo("inspect " + model + " --json");
+    EXPECT_EQ(no_value.exit_code, 2) << no_value.output;
+    EXPECT_NE(no_value.output.find("--json"), std::string::npos) << no_value.output;
+    const auto data = run_voodoo("data -m " + model + " -t 2 --text x.txt --out " + dir.file("d"));
+    EXPECT_EQ(data.exit_code, 2) << "voodoo data has no threads: -t is not its text any more\n" << data.output;
 }

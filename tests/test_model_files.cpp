@@ -221,7 +221,7 @@ TEST(cli, check_parity_prints_the_difference_and_exits_0_within_the_bound) {
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("max |Δlogit|"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("same top token: 100.00%"), std::string::npos) << r.output;
-    const test::run_result j = test::run_voodoo("check-parity " + test::stories260k() + " --tokens 16 --json");
+    const test::run_result j = test::run_voodoo("check-parity " + test::stories260k() + " --tokens 16 --json -");
     EXPECT_EQ(j.exit_code, 0) << j.output;
     EXPECT_NE(j.output.find("\"within\": true"), std::string::npos) << j.output;
 }

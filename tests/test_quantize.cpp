@@ -1,6 +1,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "eval/baseline.h"
+#include "export/recipe.h"
 #include "ggml/gguf.h"
 #include "pipeline/quantize.h"
 #include "test_util.h"
@@ -38,6 +39,7 @@ quantize_options small_job(const std::string & work) {
     q.train.batch = 1;
     q.train.seq = 32;
     q.train.probe_sequences = 2;
+    q.command = "voodoo quantize stories260K.gguf --like Q5_0";
     return q;
 }
 
@@ -57,6 +59,21 @@ TEST(quantize, one_command_makes_a_file_within_the_stock_size_and_compares_it) {
     for (const char * f : {"eval.md", "eval.json", "eval.png", "imatrix.gguf", "run-Q5_0/recipe.json", "data/data.json"}) {
         EXPECT_TRUE(std::filesystem::exists(dir.path / "work" / f)) << f;
     }
+    // The model card beside the file (issue #20), and what its stock rebuild command names lies beside it too.
+    EXPECT_EQ(r.card, dir.file("work/README.md"));
+    const std::string card = test::read_file(r.card);
+    EXPECT_EQ(card.rfind("---\n", 0), 0u) << card;
+    EXPECT_NE(card.find("- voodoo\n"), std::string::npos) << card;
+    EXPECT_NE(card.find("stories260K-Q5_0.gguf"), std::string::npos) << "the comparison table";
+    EXPECT_NE(card.find("](eval.png)"), std::string::npos) << "the plot";
+    EXPECT_NE(card.find("voodoo quantize"), std::string::npos) << "the command";
+    const std::string types = std::filesystem::path(r.out).replace_extension(".tensor-types.txt").string();
+    EXPECT_EQ(test::read_file(types), recipe_tensor_types(recipe_load(dir.file("work/run-Q5_0/recipe.json"))));
+    EXPECT_NE(card.find(fmt::format("llama-quantize --imatrix imatrix.gguf --tensor-type-file {} stories260K.gguf {} Q8_0",
+                                    std::filesystem::path(types).filename().string(),
+                                    std::filesystem::path(r.out).filename().string())),
+              std::string::npos)
+        << card;
     // Again: every stage is found done, and the same file comes out.
     const auto before = std::filesystem::last_write_time(r.out);
     const quantize_result again = run_quantize(q);

@@ -16,23 +16,22 @@ command add_check_parity(CLI::App & app) {
     sub->footer("Exit 0 when max|Δlogit| / max|logit| is within the bound for the file's weight types, 3 when it is not (1 on an error).\n"
                 "examples:\n  voodoo check-parity model.gguf\n"
                 "  voodoo check-parity model.gguf --text ../shared/data/text/tinystories/tinystories_val.txt --tokens 256\n"
-                "  voodoo check-parity model.gguf --json");
+                "  voodoo check-parity model.gguf --json -");
     struct options {
         std::string path;
         parity_options parity;
-        bool json = false;
+        std::string json;
     };
     auto o = std::make_shared<options>();
     sub->add_option("file", o->path, "GGUF file")->required();
     sub->add_option("--text", o->parity.text_path, "Tokenize this text file (default: fixed pseudo-random token ids)");
     sub->add_option("--tokens", o->parity.n_tokens, "Positions to compare")->capture_default_str();
-    sub->add_option("--threads", o->parity.n_threads, "Threads for both runtimes (0 = all cores)")->capture_default_str()->check(non_negative());
-    sub->add_flag("--json", o->json, "Print the report as JSON");
+    sub->add_option("-t,--threads", o->parity.n_threads, "Threads for both runtimes (0 = all cores)")->capture_default_str()->check(non_negative());
+    add_json_option(sub, o->json, "The report");
     return {sub, [o] {
         const parity_report report = check_parity(o->path, o->parity);
-        if (o->json) {
-            fmt::print("{}\n", parity_to_json(report).dump(2));
-        } else {
+        write_json_to(o->json, parity_to_json(report));
+        if (o->json != "-") {
             fmt::print("{}", parity_to_text(report));
         }
         return report.within ? 0 : 3;

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 #include <functional>
 #include <vector>
@@ -17,6 +18,10 @@ using command_factory = command (*)(CLI::App & app);
 
 /// Called once per subcommand file at static-initialisation time (see VOODOO_COMMAND).
 bool register_command(const char * name, command_factory factory);
+
+/// The command line this process was started with, as a shell command ("voodoo quantize …"): what the model
+/// card records. "" before main has parsed it.
+const std::string & command_line();
 
 /// Installs a SIGINT handler and returns a stop test for long work (train_options::should_stop): true once
 /// Ctrl-C was pressed, so the run writes its journal and exits cleanly.
@@ -39,6 +44,14 @@ inline CLI::Validator non_negative() {
         },
         "INT>=0");
 }
+
+/// `--json FILE` on a subcommand: the report as JSON in FILE, `-` for stdout (instead of the text summary), the
+/// convention of every command that reports something (issue #21). dest stays "" when the flag is absent.
+CLI::Option * add_json_option(CLI::App * sub, std::string & dest, const std::string & what);
+
+/// Writes j (indented) to dest: stdout for "-", else the file, atomically (temp file + rename), parent folders made.
+/// Nothing for "". Throws voodoo::error naming the file when it cannot be written.
+void write_json_to(const std::string & dest, const nlohmann::json & j);
 
 /// Every registered subcommand added to app, in name order.
 std::vector<command> add_all_commands(CLI::App & app);

@@ -17,21 +17,21 @@ command add_data(CLI::App & app) {
                 "  voodoo data --model model.gguf --text a.txt b.txt --ctx 256 --val-fraction 0.1 --seed 7 --out data/\n"
                 "writes DIR/train.tokens, DIR/val.tokens and DIR/data.json (see docs/DATA.md)");
     auto o = std::make_shared<data_options>();
-    auto json = std::make_shared<bool>(false);
+    auto json = std::make_shared<std::string>();
     sub->add_option("--model,-m", o->model, "GGUF whose vocabulary tokenizes (only the vocabulary is loaded)")
         ->required();
-    sub->add_option("--text,-t", o->texts, "UTF-8 text files; blank lines (or the EOS text) separate documents")
+    sub->add_option("--text", o->texts, "UTF-8 text files; blank lines (or the EOS text) separate documents")
         ->required();
     sub->add_option("--out,-o", o->out_dir, "Output folder (created when missing)")->required();
     sub->add_option("--ctx,-c", o->ctx, "Tokens per chunk, BOS included")->capture_default_str();
     sub->add_option("--val-fraction", o->val_fraction, "Share of the tokens held out for validation (whole documents)")
         ->capture_default_str();
     sub->add_option("--seed", o->seed, "Seed of the document shuffle")->capture_default_str();
-    sub->add_flag("--json", *json, "Print the sidecar (data.json) instead of a summary");
+    add_json_option(sub, *json, "The sidecar (data.json)");
     return {sub, [o, json] {
         const nlohmann::json s = prepare_data(*o);
-        if (*json) {
-            fmt::print("{}\n", s.dump(2));
+        write_json_to(*json, s);
+        if (*json == "-") {
             return 0;
         }
         fmt::print("vocabulary  {} ({} tokens, hash {})\n", s["tokenizer_model"].get<std::string>(),

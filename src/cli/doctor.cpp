@@ -13,16 +13,15 @@ namespace {
 
 command add_doctor(CLI::App & app) {
     auto * sub = app.add_subcommand("doctor", "Check the llama.cpp libraries, LibTorch, CUDA, BLAS and disk");
-    sub->footer("example:\n  voodoo doctor\n  voodoo doctor --json");
+    sub->footer("example:\n  voodoo doctor\n  voodoo doctor --json -");
     auto dir = std::make_shared<std::string>(".");
-    auto json = std::make_shared<bool>(false);
+    auto json = std::make_shared<std::string>();
     sub->add_option("--dir", *dir, "Folder whose free disk space to report")->capture_default_str();
-    sub->add_flag("--json", *json, "Print the checks as JSON");
+    add_json_option(sub, *json, "The checks");
     return {sub, [dir, json] {
         const auto checks = run_doctor(*dir);
-        if (*json) {
-            fmt::print("{}\n", doctor_to_json(checks).dump(2));
-        } else {
+        write_json_to(*json, doctor_to_json(checks));
+        if (*json != "-") {
             fmt::print("{}", doctor_to_text(checks));
         }
         return std::all_of(checks.begin(), checks.end(), [](const doctor_check & c) { return c.ok; }) ? 0 : 1;

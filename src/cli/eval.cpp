@@ -29,13 +29,13 @@ command add_eval(CLI::App & app) {
     };
     auto o = std::make_shared<options>();
     sub->add_option("files", o->files, "GGUF files to score (made from the reference model)")->required();
-    sub->add_option("--reference", o->eval.reference, "Full-precision GGUF whose logits are the truth")->required();
+    sub->add_option("-m,--model,--reference", o->eval.reference, "Full-precision GGUF whose logits are the truth")->required();
     sub->add_option("--text", o->eval.text, "UTF-8 text file to score")->required();
     sub->add_option("--ctx", o->eval.n_ctx, "Tokens per chunk; the second half of each is scored")
         ->capture_default_str();
     sub->add_option("--chunks", o->eval.n_chunks, "Chunks to score (-1, the default: every whole chunk of the text)");
-    sub->add_option("--threads", o->eval.n_threads, "Threads (default: every core)")->check(non_negative());
-    sub->add_option("--json", o->json, "Write the results as JSON here (default with --out-dir: DIR/eval.json)");
+    sub->add_option("-t,--threads", o->eval.n_threads, "Threads (default: every core)")->check(non_negative());
+    add_json_option(sub, o->json, "The results (default with --out-dir: DIR/eval.json)");
     sub->add_option("--plot", o->plot, "Draw mean KLD against file size as PNG here (default with --out-dir: DIR/eval.png)");
     sub->add_option("--out-dir", o->out_dir, "Folder for eval.md, eval.json and eval.png");
     return {sub, [o] {
@@ -51,17 +51,22 @@ command add_eval(CLI::App & app) {
         }
         const eval_result r = run_eval(o->eval, o->files);
         const std::string table = eval_to_markdown(r);
-        fmt::print("{}", table);
+        const bool text = o->json != "-";  // --json -: stdout holds the JSON alone
+        if (text) {
+            fmt::print("{}", table);
+        }
         if (!o->out_dir.empty()) {
             write_file_atomic((std::filesystem::path(o->out_dir) / "eval.md").string(), table);
         }
-        if (!o->json.empty()) {
-            write_file_atomic(o->json, eval_to_json(r).dump(2) + "\n");
+        write_json_to(o->json, eval_to_json(r));
+        if (text && !o->json.empty()) {
             fmt::print("json: {}\n", o->json);
         }
         if (!o->plot.empty()) {
             eval_plot(r, o->plot);
-            fmt::print("plot: {}\n", o->plot);
+            if (text) {
+                fmt::print("plot: {}\n", o->plot);
+            }
         }
         return 0;
     }};

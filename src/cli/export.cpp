@@ -27,7 +27,7 @@ command add_export(CLI::App & app) {
     sub->add_option("--out", o->out, "Output GGUF, or an existing folder")->required();
     sub->add_option("--cache", o->cache, "Candidate cache folder to take bytes from (optional)");
     sub->add_option("--imatrix", o->imatrix, "Importance matrix (default: the one the recipe was trained with)");
-    sub->add_option("--threads", o->threads, "Threads (0 = all cores)")->capture_default_str()->check(non_negative());
+    sub->add_option("-t,--threads", o->threads, "Threads (0 = all cores)")->capture_default_str()->check(non_negative());
     return {sub, [o] {
         const gguf_file src(o->model);
         const recipe r = recipe_load(o->recipe);

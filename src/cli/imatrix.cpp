@@ -53,7 +53,7 @@ command add_imatrix(CLI::App & app) {
         std::string out;
         std::string show;
         std::string device = "cpu";
-        bool json = false;
+        std::string json;
     };
     auto o = std::make_shared<options>();
     sub->add_option("--model,-m", o->collect.model, "Source GGUF (F32/F16/BF16)")->required();
@@ -62,12 +62,12 @@ command add_imatrix(CLI::App & app) {
     auto * show = sub->add_option("--show", o->show, "Read an imatrix (GGUF or legacy .dat), check it fits the model, list it");
     sub->add_option("--chunks", o->collect.max_chunks, "Use the first N train chunks (-1 or 0 = all)")->capture_default_str()
         ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()));
-    sub->add_option("--threads", o->collect.n_threads, "CPU threads (0 = all cores)")->capture_default_str()->check(non_negative());
+    sub->add_option("-t,--threads", o->collect.n_threads, "CPU threads (0 = all cores)")->capture_default_str()->check(non_negative());
     sub->add_option("--device", o->device,
                     "cpu: libllama's own graph (llama-imatrix's statistic); cuda or cuda:N (CUDA builds): Voodoo's "
                     "LibTorch forward of the model on that GPU, the same statistic within the two forwards' parity")
         ->capture_default_str();
-    sub->add_flag("--json", o->json, "Print the summary as JSON");
+    add_json_option(sub, o->json, "The summary");
     data->needs(out);
     out->needs(data);
     show->excludes(data);
@@ -88,9 +88,8 @@ command add_imatrix(CLI::App & app) {
                                     : collect_imatrix_torch(o->collect, parse_train_device(o->device));
             write_imatrix_gguf(o->out, im);
         }
-        if (o->json) {
-            fmt::print("{}\n", summary_json(im).dump(2));
-        } else {
+        write_json_to(o->json, summary_json(im));
+        if (o->json != "-") {
             print_summary(im);
             if (!o->out.empty()) {
                 fmt::print("wrote {}\n", o->out);

@@ -13,22 +13,22 @@ namespace {
 command add_inspect(CLI::App & app) {
     auto * sub = app.add_subcommand("inspect", "Show a GGUF's tensors, types, sizes, BPW and each tensor's menu");
     sub->footer("examples:\n  voodoo inspect model.gguf\n  voodoo inspect model.gguf --metadata\n"
-                "  voodoo inspect model.gguf --json > model.json");
+                "  voodoo inspect model.gguf --json model.json");
     struct options {
         std::string path;
-        bool json = false;
+        std::string json;
         bool metadata = false;
         bool imatrix = false;
     };
     auto o = std::make_shared<options>();
     sub->add_option("file", o->path, "GGUF file")->required();
-    sub->add_flag("--json", o->json, "Print the report as JSON");
+    add_json_option(sub, o->json, "The report");
     sub->add_flag("--metadata", o->metadata, "Also list every metadata key and value");
     sub->add_flag("--with-imatrix", o->imatrix, "Show menus as they are with an imatrix (adds the IQ1/IQ2/IQ3_XXS types)");
     return {sub, [o] {
         const gguf_file file(o->path);
         const inspect_report report = inspect_gguf(file, o->imatrix);
-        if (o->json) {
+        if (!o->json.empty()) {
             nlohmann::json j = inspect_to_json(report);
             if (o->metadata) {
                 nlohmann::json kv = nlohmann::json::object();
@@ -37,8 +37,10 @@ command add_inspect(CLI::App & app) {
                 }
                 j["metadata"] = kv;
             }
-            fmt::print("{}\n", j.dump(2));
-            return 0;
+            write_json_to(o->json, j);
+            if (o->json == "-") {
+                return 0;
+            }
         }
         if (o->metadata) {
             fmt::print("metadata of {}:\n{}\n", o->path, metadata_to_text(file));

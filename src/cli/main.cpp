@@ -2,11 +2,15 @@
 #include "cli/commands.h"
 #include "common/doctor.h"
 #include "common/error.h"
+#include "common/file.h"
+#include "export/model_card.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <atomic>
 #include <csignal>
+#include <filesystem>
 #include <cstdio>
 
 #include <malloc.h>
@@ -37,6 +41,36 @@ std::atomic<bool> g_interrupted{false};
 void on_sigint(int) { g_interrupted = true; }
 
 }  // namespace
+
+namespace {
+
+std::string & command_line_storage() {
+    static std::string line;
+    return line;
+}
+
+}  // namespace
+
+const std::string & command_line() { return command_line_storage(); }
+
+CLI::Option * add_json_option(CLI::App * sub, std::string & dest, const std::string & what) {
+    return sub->add_option("--json", dest, what + " as JSON in this file (- for stdout, instead of the text)")
+        ->type_name("FILE");
+}
+
+void write_json_to(const std::string & dest, const nlohmann::json & j) {
+    if (dest.empty()) {
+        return;
+    }
+    if (dest == "-") {
+        fmt::print("{}\n", j.dump(2));
+        return;
+    }
+    if (const auto parent = std::filesystem::path(dest).parent_path(); !parent.empty()) {
+        std::filesystem::create_directories(parent);
+    }
+    write_file_atomic(dest, j.dump(2) + "\n");
+}
 
 std::function<bool(int)> stop_on_sigint() {
     std::signal(SIGINT, on_sigint);
@@ -71,6 +105,13 @@ int main(int argc, char ** argv) {
 namespace {
 
 int run_main(int argc, char ** argv) {
+    {
+        std::vector<std::string> words = {"voodoo"};
+        for (int i = 1; i < argc; ++i) {
+            words.emplace_back(argv[i]);
+        }
+        voodoo::cli::command_line_storage() = voodoo::shell_command(words);
+    }
     // LibTorch's CPU allocator returns big blocks to the OS at once: every step then page-faults them in
     // again (3.5x slower training on stories260K). Keep freed memory in the heap instead.
     mallopt(M_MMAP_THRESHOLD, 32 << 20);

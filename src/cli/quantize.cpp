@@ -162,6 +162,7 @@ command add_quantize(CLI::App & app) {
                                      fmt::join(cpu_defaults, ", "));
         }
         q.train.should_stop = stop_on_sigint();
+        q.command = command_line();
         const quantize_result r = run_quantize(q);
         fmt::print("\n{}\n", r.table);
         for (const std::string & f : r.outs) {

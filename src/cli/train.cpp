@@ -75,7 +75,7 @@ command add_train(CLI::App & app) {
     sub->add_option("--mixture", o->t.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
     sub->add_option("--seed", o->t.seed, "Seed (data order, Gumbel noise)")->capture_default_str();
-    sub->add_option("--threads", o->t.threads, "Threads (0 = all cores)")->capture_default_str()->check(non_negative());
+    sub->add_option("-t,--threads", o->t.threads, "Threads (0 = all cores)")->capture_default_str()->check(non_negative());
     return {sub, [o, bpw, size, ratio, sub] {
         train_options t = o->t;
         if (bpw->count()) {

@@ -7,6 +7,7 @@
 #include "eval/curve.h"
 #include "eval/report.h"
 #include "export/export.h"
+#include "export/model_card.h"
 #include "ggml/types.h"
 #include "imatrix/collect.h"
 #include "imatrix/imatrix.h"
@@ -418,6 +419,49 @@ std::string train_and_export(const quantize_options & o, train_options & t, cons
     return out;
 }
 
+// The model card (export/model_card.h) beside the files, with what it points to: each file's
+// llama-quantize --tensor-type-file (<file>.tensor-types.txt), the imatrix and the comparison plot, copied into the
+// files' folder when it is not the work folder. Returns the card's path.
+std::string write_model_card(const quantize_options & o, const gguf_file & src, const quantize_result & res,
+                             const std::vector<std::string> & recipe_paths, const std::string & imatrix_path,
+                             const std::string & work) {
+    const fs::path folder = fs::absolute(res.out).parent_path();
+    const bool in_work = same_file(folder.string(), fs::absolute(work).string());
+    auto copy_file = [](const std::string & from, const std::string & to) {
+        if (!same_file(from, to)) {
+            const mapped_file m(from);
+            write_file_atomic(to, m.bytes());
+        }
+    };
+    auto copy_beside = [&](const std::string & from, const std::string & name) {
+        const std::string to = (folder / name).string();
+        copy_file(from, to);
+        return to;
+    };
+    model_card_input in;
+    in.source = o.model;
+    in.command = o.command;
+    const std::string stem = fs::path(o.model).stem().string();
+    in.imatrix = in_work ? imatrix_path : copy_beside(imatrix_path, stem + ".imatrix.gguf");
+    for (size_t i = 0; i < res.outs.size(); ++i) {
+        const std::string & gguf = res.outs[i];
+        const std::string types = fs::path(gguf).replace_extension(".tensor-types.txt").string();
+        copy_file((fs::path(recipe_paths[i]).parent_path() / "recipe.tensor-types.txt").string(), types);
+        in.files.push_back({gguf, types, recipe_load(recipe_paths[i])});
+    }
+    if (!res.eval.files.empty()) {
+        in.eval = &res.eval;
+        const fs::path plot = fs::path(work) / "eval.png";
+        if (fs::exists(plot)) {
+            in.plot = in_work ? "eval.png" : fs::path(copy_beside(plot.string(), stem + ".eval.png")).filename().string();
+        }
+    }
+    const std::string path = model_card_path(folder.string(), res.outs.front());
+    write_file_atomic(path, model_card_markdown(src, in));
+    stage("card", path);
+    return path;
+}
+
 }  // namespace
 
 int ggml_threads_for(int64_t n_weights) {
@@ -673,6 +717,7 @@ quantize_result run_quantize(const quantize_options & opts) {
     }
 
     quantize_result res;
+    std::vector<std::string> recipe_paths;  // each file's recipe.json
     std::vector<size_t> sizes;
     std::vector<std::string> peers;
     for (const rung & g : rungs) {
@@ -681,6 +726,7 @@ quantize_result run_quantize(const quantize_options & opts) {
         const std::string out = train_and_export(o, t, src, data, importance, imatrix_path, work, g.label, ladder,
                                                  run_inputs(t, model_id, data_id, imatrix_id));
         t.prior_recipes.push_back((fs::path(t.run_dir) / "recipe.json").string());
+        recipe_paths.push_back(t.prior_recipes.back());
         res.outs.push_back(out);
         sizes.push_back(file_size(out));
         if (o.greedy_peer) {
@@ -700,6 +746,7 @@ quantize_result run_quantize(const quantize_options & opts) {
     // eval beside the stock recipes
     if (o.eval_chunks == 0) {
         stage("eval", "skipped (--eval-chunks 0)");
+        res.card = write_model_card(o, src, res, recipe_paths, imatrix_path, work);
         report_stage_times(work);
         return res;
     }
@@ -736,6 +783,7 @@ quantize_result run_quantize(const quantize_options & opts) {
         fmt::print(stderr, "voodoo: note: gnuplot is not installed: no {}; apt-get install gnuplot-nox, then run "
                            "the same command again to draw it\n", (fs::path(work) / "eval.png").string());
     }
+    res.card = write_model_card(o, src, res, recipe_paths, imatrix_path, work);
     report_stage_times(work);
     return res;
 }

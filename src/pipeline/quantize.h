@@ -32,6 +32,7 @@ struct quantize_options {
     int threads = 0;
     int ggml_threads = 0;                   // libllama threads (imatrix, eval); 0 = by model size (ggml_threads_for)
     train_options train;                    // goal, menus, schedule (run_dir is WORK/run-<label>)
+    std::string command;                    // the command line that asked for this (recorded in the model card)
     std::string announce;                   // a line printed once the options pass their checks (the CLI's cpu defaults)
     /// When set (the CLI sets it to itself for --device cuda), the train stage runs as `train_exe train …` in a
     /// child process: the GPU is initialized there only and its memory is given back when training ends, before
@@ -53,6 +54,7 @@ struct quantize_result {
     double q8_0_ratio;
     eval_result eval;                       // empty files when baselines == "none" and no eval ran
     std::string table;                      // the final comparison table (markdown)
+    std::string card;                       // the model card written beside the files (README.md)
 };
 
 /// Checks every option against the source model before anything is made (no file, no folder): texts and files
