@@ -592,12 +592,20 @@ quantize_result run_quantize(const quantize_options & opts) {
         fmt::print(stderr, "{}\n", opts.announce);
     }
     quantize_options o = opts;
-    if (o.ggml_threads <= 0) {
+    {
         int64_t n = 0;
         for (const gguf_tensor & t : src.tensors()) {
             n += t.n_elements();
         }
-        o.ggml_threads = ggml_threads_for(n);
+        if (o.ggml_threads <= 0) {
+            o.ggml_threads = ggml_threads_for(n);
+        }
+        // LibTorch's threads on the CPU follow the same rule: below 8M weights its OpenMP threads spin more than
+        // they compute. make demo (stories260K, 0.26M weights) on the 2-core machine: 27.4 s on both cores,
+        // 14.7 s on one, the same file (docs/BENCHMARKS.md).
+        if (o.threads <= 0 && o.train.device == "cpu") {
+            o.threads = ggml_threads_for(n);
+        }
     }
     const std::string work = o.work.empty() ? (fs::path(o.model).stem().string() + ".voodoo") : o.work;
     const folder_lock lock(work);  // one job per work folder (creates it)

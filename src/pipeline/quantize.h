@@ -29,7 +29,7 @@ struct quantize_options {
     int eval_ctx = 512;
     int eval_chunks = 40;                   // -1 = every chunk of the eval text; 40 × 256 scored tokens give a
                                             // mean KLD within ~1% (its stderr), and the eval is libllama on the CPU
-    int threads = 0;
+    int threads = 0;                        // LibTorch and quantization threads; 0 = every core (on the cpu device: by model size, ggml_threads_for)
     int ggml_threads = 0;                   // libllama threads (imatrix, eval); 0 = by model size (ggml_threads_for)
     train_options train;                    // goal, menus, schedule (run_dir is WORK/run-<label>)
     std::string command;                    // the command line that asked for this (recorded in the model card)
@@ -41,7 +41,8 @@ struct quantize_options {
     std::string train_exe;
 };
 
-/// libllama's threads for a model of `n_weights` weights when --ggml-threads is 0: one below 8M weights, where
+/// libllama's threads (and LibTorch's, training on the CPU) for a model of `n_weights` weights when --ggml-threads
+/// (--threads) is 0: one below 8M weights, where
 /// each decode is so short that ggml's thread barriers (one per collected matmul) cost more than a second
 /// thread gains and spin on a shared machine (docs/DATA.md), else every core. Measured on the 2-core machine:
 /// mix30M's imatrix 49 s on 1 thread, 35 s on 2; its eval 1.4k tok/s on 1 thread (docs/BENCHMARKS.md).
