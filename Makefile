@@ -9,7 +9,7 @@ BUILD_TYPE ?= Release
 SHARED     ?= ../shared
 DEMO_MODEL ?= $(SHARED)/data/models/stories260K/stories260K.gguf
 
-.PHONY: bootstrap deps build test demo bench clean
+.PHONY: bootstrap deps build test demo bench fuzz clean
 
 bootstrap: deps build
 
@@ -40,6 +40,11 @@ demo: bootstrap
 bench: bootstrap
 	cmake --build $(BUILD) -j $(JOBS) --target benches
 	@for b in $(BUILD)/bin/bench_*; do echo "== $$b"; $$b; done
+
+# The readers under libFuzzer with ASan and UBSan (clang), FUZZ_SECONDS each (issue #19): scripts/fuzz.sh.
+FUZZ_SECONDS ?= 60
+fuzz: bootstrap
+	bash scripts/fuzz.sh $(FUZZ_SECONDS)
 
 clean:
 	rm -rf $(BUILD)

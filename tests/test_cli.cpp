@@ -165,3 +165,29 @@ TEST(cli, json_goes_to_the_file_named_or_to_stdout_for_a_dash_and_threads_are_da
     const auto data = run_voodoo("data -m " + model + " -t 2 --text x.txt --out " + dir.file("d"));
     EXPECT_EQ(data.exit_code, 2) << "voodoo data has no threads: -t is not its text any more\n" << data.output;
 }
+
+TEST(cli, metadata_that_is_not_utf8_is_written_as_json_and_a_recipe_with_a_huge_number_is_one_error) {
+    // Both found by the fuzzers (scripts/fuzz.sh): the first aborted `inspect --json`, the second escaped as an
+    // internal error.
+    voodoo::test::temp_dir dir;
+    const std::string bad = dir.file("bad-utf8.gguf");
+    voodoo::test::rewrite_gguf(voodoo::test::stories260k(), bad,
+                               [](gguf_context * c) { gguf_set_val_str(c, "general.name", "st\xF9ries"); });
+    const auto r = run_voodoo("inspect --metadata --json - " + bad);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["metadata"]["general.name"], "st\xEF\xBF\xBDries");  // U+FFFD for the invalid byte
+    voodoo::test::write_file(dir.file("recipe.json"), "{\"tensors\": [1e664808676]}");
+    const auto e = run_voodoo("export --model " + voodoo::test::stories260k() + " --recipe " + dir.file("recipe.json") +
+                              " --out " + dir.file("out.gguf"));
+    EXPECT_EQ(e.exit_code, 1) << e.output;
+    EXPECT_NE(e.output.find("is not valid JSON"), std::string::npos) << e.output;
+    // A float where a dimension belongs: refused, not cast (undefined behaviour under UBSan).
+    auto j2 = nlohmann::json::parse(R"({"model": "m.gguf", "tensors": [{"name": "output.weight", "shape": [1e128, 64],
+                                       "source_type": "f32", "type": "q8_0"}]})");
+    voodoo::test::write_file(dir.file("recipe2.json"), j2.dump());
+    const auto e2 = run_voodoo("export --model " + voodoo::test::stories260k() + " --recipe " + dir.file("recipe2.json") +
+                               " --out " + dir.file("out.gguf"));
+    EXPECT_EQ(e2.exit_code, 1) << e2.output;
+    EXPECT_NE(e2.output.find("must hold whole numbers"), std::string::npos) << e2.output;
+}

@@ -62,14 +62,17 @@ void write_json_to(const std::string & dest, const nlohmann::json & j) {
     if (dest.empty()) {
         return;
     }
+    // Strings from outside files (GGUF metadata, tensor names) need not be UTF-8: invalid bytes are written as
+    // U+FFFD instead of throwing (a GGUF with such a key made `inspect --json` abort: found by fuzz_gguf).
+    const std::string text = j.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
     if (dest == "-") {
-        fmt::print("{}\n", j.dump(2));
+        fmt::print("{}", text);
         return;
     }
     if (const auto parent = std::filesystem::path(dest).parent_path(); !parent.empty()) {
         std::filesystem::create_directories(parent);
     }
-    write_file_atomic(dest, j.dump(2) + "\n");
+    write_file_atomic(dest, text);
 }
 
 std::function<bool(int)> stop_on_sigint() {

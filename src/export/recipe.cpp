@@ -8,6 +8,9 @@
 #include <llama.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <type_traits>
+
 #include <fstream>
 
 #define XXH_INLINE_ALL
@@ -99,6 +102,19 @@ T field(const nlohmann::json & j, const char * key, const std::string & path, co
     if (!j.is_object() || !j.contains(key)) {
         fail("recipe '{}': {} has no field '{}'", path, where, key);
     }
+    // A float where a whole number belongs (1e128 as a dimension) is refused here: nlohmann's conversion would cast
+    // it, which is undefined behaviour out of range (found by fuzz_recipe under UBSan).
+    auto whole = [](const nlohmann::json & v) { return v.is_number_integer(); };
+    if constexpr (std::is_integral_v<T>) {
+        if (!whole(j.at(key))) {
+            fail("recipe '{}': field '{}' of {} must be a whole number, got {}", path, key, where, j.at(key).dump());
+        }
+    } else if constexpr (std::is_same_v<T, std::vector<int64_t>>) {
+        if (j.at(key).is_array() && !std::all_of(j.at(key).begin(), j.at(key).end(), whole)) {
+            fail("recipe '{}': field '{}' of {} must hold whole numbers, got {}", path, key, where,
+                 j.at(key).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+        }
+    }
     try {
         return j.at(key).get<T>();
     } catch (const nlohmann::json::exception &) {
@@ -151,7 +167,7 @@ recipe recipe_load(const std::string & path) {
     nlohmann::json j;
     try {
         j = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::parse_error & e) {
+    } catch (const nlohmann::json::exception & e) {  // parse errors, and numbers out of range (found by fuzz_recipe)
         fail("recipe '{}' is not valid JSON: {}", path, e.what());
     }
     return recipe_from_json(j, path);

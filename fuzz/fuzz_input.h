@@ -1,0 +1,23 @@
+// The fuzzer's bytes as a file: the readers take paths (they memory-map them), so each input is written to one
+// scratch file per process and read back through the reader exactly as a user's file would be.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+
+#include <unistd.h>
+
+namespace voodoo::fuzz {
+
+inline std::string as_file(const uint8_t * data, size_t size, const char * suffix) {
+    const std::string path = "/tmp/voodoo-fuzz-" + std::to_string(getpid()) + suffix;
+    FILE * f = std::fopen(path.c_str(), "wb");
+    if (f) {
+        std::fwrite(data, 1, size, f);
+        std::fclose(f);
+    }
+    return path;
+}
+
+}  // namespace voodoo::fuzz

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Fuzzes every reader of outside bytes (issue #19) for SECONDS each (default 60): GGUF, imatrix (GGUF and legacy
+# .dat), recipe.json. Builds the harnesses of fuzz/ with clang, libFuzzer, ASan and UBSan in build-fuzz/, seeds each
+# corpus from real files (stories260K's header, an imatrix and a recipe that voodoo makes from it), and runs each
+# fuzzer with memory bounds: a single allocation over 256 MB or a process over 2 GB is a finding. Findings
+# (crash-*, leak-*, oom-*, timeout-*) land in build-fuzz/findings/<reader>/; the exit status is 1 when any.
+# Usage: scripts/fuzz.sh [SECONDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SECONDS_EACH=${1:-60}
+SHARED=${SHARED:-../shared}
+B=build-fuzz
+mkdir -p $B
+cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
+    -DVOODOO_FUZZ=ON -DVOODOO_BUILD_TESTS=OFF -DVOODOO_BUILD_BENCH=OFF -DVOODOO_UNITY=OFF > $B/configure.log 2>&1 \
+    || { tail -20 $B/configure.log; exit 1; }
+cmake --build $B --target fuzzers -j "$(nproc)"
+
+# Seeds: real files, cut to a size a fuzzer mutates quickly.
+MODEL=$SHARED/data/models/stories260K/stories260K.gguf
+TEXT=$SHARED/data/text/tinystories/tinystories_val.txt
+mkdir -p $B/corpus/gguf $B/corpus/imatrix $B/corpus/recipe
+head -c 16384 "$MODEL" > $B/corpus/gguf/stories260K-header.gguf
+for v in llama-spm qwen2; do
+    head -c 65536 ".deps/llama.cpp/models/ggml-vocab-$v.gguf" > "$B/corpus/gguf/vocab-$v.gguf" 2>/dev/null || true
+done
+if [ -x build/bin/voodoo ] && [ ! -s $B/corpus/recipe/recipe.json ]; then
+    rm -rf $B/seed-work
+    head -c 200000 "$TEXT" > $B/seed-text.txt
+    VOODOO_PROGRESS=0 build/bin/voodoo quantize "$MODEL" --text $B/seed-text.txt --like Q4_0 --ctx 64 --steps 2 \
+        --eval-chunks 0 --baselines none --work $B/seed-work > $B/seed.log 2>&1 || true
+    cp $B/seed-work/imatrix.gguf $B/corpus/imatrix/ 2>/dev/null || true
+    cp $B/seed-work/run-Q4_0/recipe.json $B/corpus/recipe/ 2>/dev/null || true
+fi
+# A legacy .dat imatrix (llama.cpp's old format): one entry "w" of 4 values from 1 call, then the chunk count.
+printf '\x01\x00\x00\x00\x01\x00\x00\x00w\x01\x00\x00\x00\x04\x00\x00\x00\x00\x00\x80\x3f\x00\x00\x80\x3f\x00\x00\x80\x3f\x00\x00\x80\x3f\x01\x00\x00\x00' \
+    > $B/corpus/imatrix/legacy.dat
+
+found=0
+for r in gguf imatrix recipe; do
+    mkdir -p $B/findings/$r
+    echo "== fuzz_$r for ${SECONDS_EACH}s"
+    ( cd $B/findings/$r && "../../bin/fuzz_$r" "../../corpus/$r" -max_total_time="$SECONDS_EACH" -malloc_limit_mb=256 \
+        -rss_limit_mb=2048 -timeout=10 -max_len=65536 -print_final_stats=1 > ../fuzz_$r.log 2>&1 ) || true
+    grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb|ERROR|SUMMARY|out-of-memory|Done [0-9]+ runs" $B/findings/fuzz_$r.log | head -6
+    if ls $B/findings/$r/ | grep -qE "^(crash|leak|oom|timeout)-"; then
+        echo "   findings: $(ls $B/findings/$r | tr '\n' ' ')"
+        found=1
+    fi
+done
+exit $found
