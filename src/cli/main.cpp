@@ -40,10 +40,6 @@ std::atomic<bool> g_interrupted{false};
 
 void on_sigint(int) { g_interrupted = true; }
 
-}  // namespace
-
-namespace {
-
 std::string & command_line_storage() {
     static std::string line;
     return line;

@@ -1,7 +1,7 @@
-#include "common/units.h"
 #include "eval/curve.h"
 
 #include "common/error.h"
+#include "common/units.h"
 #include "eval/report.h"
 
 #include <fmt/format.h>
@@ -15,7 +15,6 @@
 namespace voodoo {
 
 namespace {
-
 
 // The label after the series tag: "mix30M.Voodoo66.Q4_K_M.gguf" → "Q4_K_M", "mix30M.greedy.Q4_K_M.gguf" → "Q4_K_M".
 std::string rung_label(const std::string & name) {

@@ -1,7 +1,7 @@
-#include "common/units.h"
 #include "eval/report.h"
 
 #include "common/error.h"
+#include "common/units.h"
 #include "common/file.h"
 
 #include <fmt/format.h>
@@ -19,7 +19,6 @@
 namespace voodoo {
 
 namespace {
-
 
 /// Compact for small numbers: 0.000123 → "1.23e-04", 0.0512 → "0.0512".
 std::string num(double v) {

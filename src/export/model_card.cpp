@@ -2,6 +2,7 @@
 
 #include "common/units.h"
 #include "eval/report.h"
+#include "ggml/types.h"
 
 #include <fmt/format.h>
 
@@ -99,12 +100,8 @@ std::string model_card_markdown(const gguf_file & src, const model_card_input & 
     for (const card_file & f : in.files) {
         double bytes = 0, weights = 0;
         for (const recipe_tensor & t : f.r.tensors) {
-            double n = 1;
-            for (const int64_t d : t.shape) {
-                n *= static_cast<double>(d);
-            }
             bytes += static_cast<double>(t.bytes);
-            weights += n;
+            weights += static_cast<double>(n_elements(t.shape));
         }
         const double file_bytes = fs::exists(f.gguf) ? static_cast<double>(fs::file_size(f.gguf)) : 0.0;
         md += fmt::format("| `{}` | {:.3f} | {:.3f} | {} |\n", base_name(f.gguf), file_bytes / k_mib,
