@@ -309,6 +309,81 @@ TEST(cuda, fused_and_reference_paths_train_the_same_gates_through_autograd) {
     EXPECT_TRUE(within_bound(ref.gate.grad(), check.grad, check.grad_bound)) << fused.gate.grad() << ref.gate.grad();
 }
 
+TEST(cuda, ptqr_gives_each_token_its_candidate_exactly_and_the_straight_through_gradient_on_both_paths) {
+    gguf_file file(test::stories260k());
+    const std::vector<ggml_type> types = {GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0, GGML_TYPE_F16};
+    std::vector<std::vector<float>> deq;
+    for (const char * path : {"fused", "reference"}) {
+        SCOPED_TRACE(path);
+        gated_tensor g;
+        g.tensor = &file.tensor("blk.2.ffn_up.weight");  // [172, 64]
+        g.types = types;
+        for (ggml_type t : types) {
+            g.bytes.push_back(quantize_tensor(file, *g.tensor, t, {}));
+        }
+        deq.clear();
+        for (size_t k = 0; k < types.size(); ++k) {
+            deq.push_back(dequantize(types[k], g.bytes[k], 64));
+        }
+        g.gate = torch::tensor({0.3f, -0.2f, 0.5f, 0.1f}).to(k_gpu).requires_grad_(true);
+        place_candidates(g, parse_mixture_path(path), k_gpu, torch::kFloat, torch::kFloat);
+        const torch::Tensor p = torch::softmax(g.gate, 0);
+        // Basis-vector tokens: x_i · Dᵀ is a column of D with no rounding, so it must be ggml's value bit for bit.
+        const int64_t n = 128;
+        const torch::Tensor routes = draw_routes(p, n, 21);
+        const torch::Tensor y = routed_product(torch::eye(64, k_gpu).repeat({2, 1}), gated_mixture(p, g), routes, g).cpu();
+        int64_t mismatches = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            const auto & d = deq[static_cast<size_t>(routes[i].item<int64_t>())];
+            for (int64_t r = 0; r < 172; ++r) {
+                mismatches += y[i][r].item<float>() != d[static_cast<size_t>(r * 64 + i % 64)];
+            }
+        }
+        EXPECT_EQ(mismatches, 0);
+        // The gradients: straight-through, within the bound of f32 arithmetic in any order (as tests/test_gated.cpp).
+        torch::manual_seed(6);
+        const int64_t B = 32;
+        const torch::Tensor x = torch::randn({B, 64}, torch::TensorOptions().device(k_gpu)).requires_grad_(true);
+        const torch::Tensor r2 = draw_routes(p, B, 22);
+        routed_product(x, gated_mixture(p, g), r2, g).pow(2).sum().backward();
+        torch::Tensor d = torch::empty({4, 172 * 64}, torch::kDouble);
+        for (int64_t k = 0; k < 4; ++k) {
+            d[k].copy_(torch::from_blob(deq[static_cast<size_t>(k)].data(), {172 * 64}).to(torch::kDouble));
+        }
+        const torch::Tensor xd = x.detach().cpu().to(torch::kDouble), xa = xd.abs();
+        const torch::Tensor dk = d.view({4, 172, 64}).index_select(0, r2);
+        const torch::Tensor yd = torch::bmm(dk, xd.unsqueeze(2)).squeeze(2);
+        const torch::Tensor by = test::gamma_n(64) * torch::bmm(dk.abs(), xa.unsqueeze(2)).squeeze(2);
+        const torch::Tensor gw = 2 * yd.t().matmul(xd);
+        const torch::Tensor bgw = 2 * by.t().matmul(xa) + matmul_bound((2 * (yd.abs() + by)).t(), xd);
+        const test::gate_grad_check check = test::gate_grad_from(p.detach().cpu(), d, gw.view(-1), bgw.view(-1));
+        EXPECT_TRUE(within_bound(g.grad_p, check.grad_p, check.grad_p_bound));
+        EXPECT_TRUE(within_bound(g.gate.grad(), check.grad, check.grad_bound));
+        // Embedding rows: exactly the routed candidate's rows.
+        gated_tensor e;
+        e.tensor = &file.tensor("token_embd.weight");
+        e.types = types;
+        for (ggml_type t : types) {
+            e.bytes.push_back(quantize_tensor(file, *e.tensor, t, {}));
+        }
+        e.gate = torch::tensor({0.3f, -0.2f, 0.5f, 0.1f}).to(k_gpu).requires_grad_(true);
+        place_candidates(e, parse_mixture_path(path), k_gpu, torch::kFloat, torch::kFloat);
+        const torch::Tensor ids = torch::randint(0, 512, {64}, torch::kLong);
+        const torch::Tensor pe = torch::softmax(e.gate, 0);
+        const torch::Tensor er = draw_routes(pe, 64, 23);
+        const torch::Tensor rows = routed_rows(pe, ids.to(k_gpu), er, e).cpu();
+        mismatches = 0;
+        for (int64_t i = 0; i < 64; ++i) {
+            const std::vector<float> want = dequantize(types[static_cast<size_t>(er[i].item<int64_t>())],
+                                                       e.bytes[static_cast<size_t>(er[i].item<int64_t>())], 64);
+            for (int64_t c = 0; c < 64; ++c) {
+                mismatches += rows[i][c].item<float>() != want[static_cast<size_t>(ids[i].item<int64_t>() * 64 + c)];
+            }
+        }
+        EXPECT_EQ(mismatches, 0);
+    }
+}
+
 TEST(cuda, training_on_the_gpu_finishes_within_the_budget_on_both_paths) {
     // The data comes from a child `voodoo data`, as `voodoo quantize --device cuda` keeps libllama's work and
     // GPU training in separate processes (pipeline/quantize.h).
@@ -331,6 +406,12 @@ TEST(cuda, training_on_the_gpu_finishes_within_the_budget_on_both_paths) {
         o.mixture = path;
         const train_result r = train_gates(src, src, data.train(), nullptr, o);
         EXPECT_TRUE(r.finished);
+        auto routed = o;  // per-token routing on the same path
+        routed.run_dir += "-ptqr";
+        routed.routing = "ptqr";
+        const train_result rr = train_gates(src, src, data.train(), nullptr, routed);
+        EXPECT_TRUE(rr.finished);
+        EXPECT_LE(rr.total_bytes, 304352);
         EXPECT_EQ(r.mixture, path);
         EXPECT_EQ(r.device, "cuda:0");
         EXPECT_LE(r.total_bytes, 304352);

@@ -250,3 +250,139 @@ TEST(gated, paths_a_build_or_device_cannot_run_are_refused_by_name) {
               std::string::npos);
 #endif
 }
+
+// Per-token quant routing (issue #22).
+
+TEST(gated, ptqr_routes_follow_p_within_the_binomial_bound_and_replay_from_the_seed) {
+    const torch::Tensor p = torch::tensor({0.5, 0.3, 0.0, 0.2}, torch::kDouble);
+    const int64_t n = 200000;
+    const torch::Tensor r = draw_routes(p, n, 7);
+    ASSERT_EQ(r.numel(), n);
+    const torch::Tensor counts = torch::bincount(r, {}, 4).to(torch::kDouble);
+    // Each count is Binomial(n, p_k): within 6 standard deviations, √(n·p_k·(1 − p_k)), of n·p_k (a chance of
+    // about 2·10⁻⁹ each to fall outside for a correct sampler; the routes are seeded, so a pass is reproducible).
+    const torch::Tensor bound = 6 * (n * p * (1 - p)).sqrt();
+    EXPECT_TRUE(within_bound(counts, n * p, bound));
+    EXPECT_EQ(counts[2].item<double>(), 0.0);  // p = 0 is never drawn
+    // What the bound rejects: the shares of another p (two entries swapped).
+    EXPECT_FALSE(within_bound(counts, n * torch::tensor({0.3, 0.5, 0.0, 0.2}, torch::kDouble), bound));
+    EXPECT_TRUE(torch::equal(r, draw_routes(p, n, 7)));
+    EXPECT_FALSE(torch::equal(r, draw_routes(p, n, 8)));
+    // One-hot p routes everything to its candidate; a p that is not a distribution is refused.
+    EXPECT_TRUE(torch::equal(draw_routes(torch::tensor({0.0f, 0.0f, 1.0f}), 50, 1), torch::full({50}, 2, torch::kLong)));
+    EXPECT_NE(test::error_of([] { draw_routes(torch::tensor({0.0f, 0.0f}), 4, 1); }).find("sum to 0"), std::string::npos);
+}
+
+TEST(gated, ptqr_gives_each_token_its_routed_candidates_product_exactly) {
+    gguf_file f(test::stories260k());
+    const std::vector<ggml_type> types = {GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0};
+    for (mixture_path path : {mixture_path::cpu, mixture_path::reference}) {
+        SCOPED_TRACE(mixture_path_name(path));
+        auto g = make_gated(f, "blk.1.attn_q.weight", types);
+        place_candidates(g, path, torch::kCPU, torch::kFloat, torch::kFloat);
+        const torch::Tensor p = torch::softmax(g.gate, 0);
+        const int64_t n = 192, ne0 = 64;
+        const torch::Tensor routes = draw_routes(p, n, 3);
+        // Token i is the basis vector e_(i mod 64): x_i · Dᵀ is column i mod 64 of D, with no rounding at all
+        // (products with 0 and 1, sums with zeros), so the routed product must give it bit for bit.
+        const torch::Tensor x = torch::eye(ne0).repeat({3, 1}).view({2, n / 2, ne0});
+        const torch::Tensor y = routed_product(x, gated_mixture(p, g), routes, g).view({n, 64});
+        std::vector<std::vector<float>> deq;
+        for (ggml_type t : types) {
+            deq.push_back(dequantize(t, g.bytes[deq.size()], ne0));
+        }
+        int64_t mismatches = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            const auto & d = deq[static_cast<size_t>(routes[i].item<int64_t>())];
+            for (int64_t row = 0; row < 64; ++row) {
+                mismatches += y[i][row].item<float>() != d[static_cast<size_t>(row * ne0 + i % ne0)];
+            }
+        }
+        EXPECT_EQ(mismatches, 0);
+        EXPECT_GT(torch::bincount(routes, {}, 3).min().item<int64_t>(), 0);  // every candidate served some token
+
+        // Embedding rows: row i is row ids[i] of candidate routes[i], bit for bit.
+        auto e = make_gated(f, "token_embd.weight", types);
+        place_candidates(e, path, torch::kCPU, torch::kFloat, torch::kFloat);
+        const torch::Tensor ids = torch::randint(0, 512, {100}, torch::kLong);
+        const torch::Tensor pe = torch::softmax(e.gate, 0);
+        const torch::Tensor er = draw_routes(pe, 100, 4);
+        const torch::Tensor rows = routed_rows(pe, ids, er, e);
+        std::vector<std::vector<float>> edeq;
+        for (ggml_type t : types) {
+            edeq.push_back(dequantize(t, e.bytes[edeq.size()], 64));
+        }
+        mismatches = 0;
+        for (int64_t i = 0; i < 100; ++i) {
+            const auto & d = edeq[static_cast<size_t>(er[i].item<int64_t>())];
+            for (int64_t c = 0; c < 64; ++c) {
+                mismatches += rows[i][c].item<float>() != d[static_cast<size_t>(ids[i].item<int64_t>() * 64 + c)];
+            }
+        }
+        EXPECT_EQ(mismatches, 0);
+        EXPECT_THROW(routed_rows(pe, torch::tensor({512}, torch::kLong), torch::tensor({0}, torch::kLong), e), std::exception);
+        EXPECT_THROW(routed_rows(pe, torch::tensor({1}, torch::kLong), torch::tensor({3}, torch::kLong), e), std::exception);
+    }
+}
+
+TEST(gated, ptqr_backward_is_straight_through_as_if_mixed) {
+    // L = ||Y||² with Y_i = x_i · D_(r_i)ᵀ (routed). Straight-through: ∂L/∂X = G·W_eff and ∂L/∂W_eff = Gᵀ·X with
+    // G = 2Y, so ∂L/∂p_k = ⟨Gᵀ·X, D_k⟩ (issue #22). The exact values in f64 from the same f32 inputs, and the
+    // bound on an f32 computation in any order: Y (64 terms), Gᵀ·X (B terms), W_eff (K terms), G·W_eff (64 terms),
+    // then ⟨·, D_k⟩ and the softmax backward (gate_grad_from).
+    gguf_file f(test::stories260k());
+    for (mixture_path path : {mixture_path::cpu, mixture_path::reference}) {
+        SCOPED_TRACE(mixture_path_name(path));
+        auto g = make_gated(f, "blk.1.attn_q.weight", {GGML_TYPE_Q4_0, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0});
+        place_candidates(g, path, torch::kCPU, torch::kFloat, torch::kFloat);
+        torch::manual_seed(5);
+        const int64_t B = 48;
+        const torch::Tensor x = torch::randn({B, 64}).requires_grad_(true);
+        const torch::Tensor p = torch::softmax(g.gate, 0);
+        const torch::Tensor routes = draw_routes(p, B, 9);
+        const torch::Tensor y = routed_product(x, gated_mixture(p, g), routes, g);
+        y.pow(2).sum().backward();
+
+        const torch::Tensor d = candidates_f64(g), pd = p.detach().to(torch::kDouble);
+        const torch::Tensor xd = x.detach().to(torch::kDouble), xa = xd.abs();
+        const torch::Tensor dk = d.view({4, 64, 64}).index_select(0, routes);        // [B, rows, ne0]: D_(r_i)
+        const torch::Tensor yd = torch::bmm(dk, xd.unsqueeze(2)).squeeze(2);          // [B, rows]
+        const torch::Tensor by = gamma_n(64) * torch::bmm(dk.abs(), xa.unsqueeze(2)).squeeze(2);
+        EXPECT_TRUE(within_bound(y, yd, by));
+        const torch::Tensor gw = 2 * yd.t().matmul(xd);                               // ∂L/∂W_eff [rows, ne0]
+        const torch::Tensor bgw = 2 * by.t().matmul(xa) + matmul_bound((2 * (yd.abs() + by)).t(), xd);
+        const gate_grad_check check = test::gate_grad_from(p, d, gw.view(-1), bgw.view(-1));
+        EXPECT_TRUE(within_bound(g.grad_p, check.grad_p, check.grad_p_bound));
+        EXPECT_TRUE(within_bound(g.gate.grad(), check.grad, check.grad_bound));
+        const torch::Tensor w = pd.matmul(d).view({64, 64}), bw = matmul_bound(pd, d).view({64, 64});
+        const torch::Tensor wa = w.abs() + bw, ga = 2 * (yd.abs() + by);
+        const torch::Tensor bx = 2 * by.matmul(wa) + 2 * yd.abs().matmul(bw) + gamma_n(64) * ga.matmul(wa);
+        EXPECT_TRUE(within_bound(x.grad(), 2 * yd.matmul(w), bx));
+        // What the bounds reject: the gradient of the mixing forward (Y = X·W_effᵀ), and ⟨G, D_k⟩ without a row.
+        const torch::Tensor gw_mix = 2 * xd.matmul(w.t()).t().matmul(xd);
+        EXPECT_FALSE(within_bound(d.matmul(gw_mix.view(-1)), check.grad_p, check.grad_p_bound));
+        EXPECT_FALSE(within_bound(last_row_left_out(check, d, 64), check.grad_p, check.grad_p_bound));
+
+        // Embedding rows: L = ||R||², G_i = 2·D_(r_i)[ids_i] exactly (rows are exact, doubling too), and
+        // ∂L/∂p_k = Σ_i ⟨G_i, D_k[ids_i]⟩, the rows rule of the mixture.
+        auto e = make_gated(f, "token_embd.weight", {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0});
+        place_candidates(e, path, torch::kCPU, torch::kFloat, torch::kFloat);
+        const torch::Tensor ids = torch::tensor({5, 17, 5, 300, 9, 17}, torch::kLong);
+        const torch::Tensor pe = torch::softmax(e.gate, 0);
+        const torch::Tensor er = torch::tensor({0, 1, 1, 0, 1, 0}, torch::kLong);
+        routed_rows(pe, ids, er, e).pow(2).sum().backward();
+        const torch::Tensor d_rows = candidate_rows(candidates_f64(e), e, ids);        // [K, n·ne0]
+        const torch::Tensor gr = 2 * d_rows.view({2, 6, 64}).gather(0, er.view({1, 6, 1}).expand({1, 6, 64})).view(-1);
+        const gate_grad_check echeck = test::gate_grad_from(pe, d_rows, gr, torch::zeros_like(gr));
+        EXPECT_TRUE(within_bound(e.grad_p, echeck.grad_p, echeck.grad_p_bound));
+        EXPECT_TRUE(within_bound(e.gate.grad(), echeck.grad, echeck.grad_bound));
+        const torch::Tensor gr_mix = 2 * pe.detach().to(torch::kDouble).matmul(d_rows);  // the mixture's G
+        EXPECT_FALSE(within_bound(d_rows.matmul(gr_mix), echeck.grad_p, echeck.grad_p_bound));
+    }
+}
+
+TEST(gated, ptqr_is_parsed_by_name) {
+    EXPECT_EQ(parse_routing("ptqr"), routing_mode::ptqr);
+    EXPECT_EQ(parse_routing("mix"), routing_mode::mix);
+    EXPECT_NE(test::error_of([] { parse_routing("gumbel"); }).find("--routing 'gumbel'"), std::string::npos);
+}

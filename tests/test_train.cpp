@@ -300,3 +300,47 @@ TEST(train, a_device_this_build_or_machine_lacks_is_refused_before_any_work) {
 #endif
     EXPECT_FALSE(std::filesystem::exists(dir.file("run/journal.pt")));
 }
+
+TEST(train, ptqr_routes_tokens_replays_on_resume_and_excludes_st_gumbel) {
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    token_data data(stories_data());
+    auto o = quick(dir.file("a"));
+    o.routing = "ptqr";
+    o.cache_dir = dir.file("cache");
+    train_gates(src, src, data.train(), nullptr, o);
+
+    auto b = o;
+    b.run_dir = dir.file("b");
+    b.should_stop = [](int step) { return step == 2; };
+    EXPECT_FALSE(train_gates(src, src, data.train(), nullptr, b).finished);
+    b.should_stop = nullptr;
+    b.resume = true;
+    EXPECT_TRUE(train_gates(src, src, data.train(), nullptr, b).finished);
+    const auto ja = recipe_to_json(recipe_load(dir.file("a/recipe.json")));
+    const auto jb = recipe_to_json(recipe_load(dir.file("b/recipe.json")));
+    EXPECT_EQ(ja["tensors"], jb["tensors"]);  // the routes replay: types and gate probabilities, bit for bit
+
+    // The routed forward is not the mixture's: the first step's KL differs from a mixing run's on the same batch.
+    auto m = o;
+    m.routing = "mix";
+    m.run_dir = dir.file("m");
+    train_gates(src, src, data.train(), nullptr, m);
+    auto first_kl = [&](const std::string & run) {
+        std::ifstream log(dir.file(run + "/log.jsonl"));
+        std::string line;
+        std::getline(log, line);
+        return nlohmann::json::parse(line)["kl"].get<double>();
+    };
+    EXPECT_NE(first_kl("a"), first_kl("m"));
+
+    auto st = quick(dir.file("st"));
+    st.routing = "ptqr";
+    st.st_gumbel_fraction = 0.5;
+    const std::string msg = error_of([&] { train_gates(src, src, data.train(), nullptr, st); });
+    EXPECT_NE(msg.find("--routing ptqr and --st-gumbel-fraction"), std::string::npos) << msg;
+    st.st_gumbel_fraction = 0;
+    st.routing = "tokens";
+    EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, st); }).find("--routing 'tokens'"),
+              std::string::npos);
+}

@@ -74,6 +74,14 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--mixture", o->q.train.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
     sub->add_option("--lr", o->q.train.lr, "Peak learning rate of the gates (AdamW, cosine)")->capture_default_str();
+    sub->add_option("--routing", o->q.train.routing,
+                    "What each token of the training forward sees: mix (the mixture of the candidates) or ptqr "
+                    "(per-token quant routing: one candidate drawn from the gate, straight-through backward)")
+        ->capture_default_str()->check(CLI::IsMember({"mix", "ptqr"}));
+    sub->add_option("--lambda-size", o->q.train.lambda_size, "Weight of the size penalty")->capture_default_str();
+    sub->add_option("--size-tol", o->q.train.size_tol, "Dead zone of the size penalty (relative)")->capture_default_str();
+    sub->add_option("--tau0", o->q.train.tau0, "Start temperature of the gates")->capture_default_str();
+    sub->add_option("--tau1", o->q.train.tau1, "End temperature of the gates")->capture_default_str();
     sub->add_option("--gate-init", o->q.train.gate_init, "Start logit of the probe's allocation (others start at 0)")
         ->capture_default_str();
     sub->add_option("--lambda-ce", o->q.train.lambda_ce, "Weight of the cross-entropy on the calibration tokens")->capture_default_str();

@@ -54,6 +54,10 @@ command add_train(CLI::App & app) {
     sub->add_option("--size-tol", o->t.size_tol, "Dead zone of the size penalty (relative)")->capture_default_str();
     sub->add_option("--st-gumbel-fraction", o->t.st_gumbel_fraction, "Last fraction of steps with straight-through Gumbel")
         ->capture_default_str();
+    sub->add_option("--routing", o->t.routing,
+                    "What each token of the forward sees: mix (the mixture of the candidates) or ptqr (per-token quant "
+                    "routing: one candidate drawn from the gate, straight-through backward)")
+        ->capture_default_str()->check(CLI::IsMember({"mix", "ptqr"}));
     sub->add_option("--probe-sequences", o->t.probe_sequences, "Sequences for each candidate's ΔKL probe")
         ->capture_default_str();
     sub->add_option("--probe-anchors", o->t.probe_anchors,

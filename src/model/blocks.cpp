@@ -22,8 +22,7 @@ torch::Tensor linear(forward_context & ctx, const std::string & name, const torc
     if (ctx.observer && *ctx.observer) {
         (*ctx.observer)(name, x);
     }
-    const torch::Tensor w = ctx.w.get(name).to(x.device(), ctx.dtype);
-    torch::Tensor y = torch::matmul(x, w.t());
+    torch::Tensor y = ctx.w.product(name, x, ctx.dtype);
     const std::string stem = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
     if (ctx.w.has(stem + ".bias")) {
         y = y + ctx.w.get(stem + ".bias").to(x.device(), ctx.dtype);

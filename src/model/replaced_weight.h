@@ -25,6 +25,10 @@ public:
         return name == name_ ? w_.index_select(0, ids.reshape({-1})) : base_.rows(name, ids);
     }
     bool has(const std::string & name) const override { return base_.has(name); }
+    /// The base decides how to multiply (per-token routing of a gated student applies to the stand-in too).
+    torch::Tensor product_with(const std::string & name, const torch::Tensor & x, const torch::Tensor & w) override {
+        return base_.product_with(name, x, w);
+    }
 
 private:
     weight_source & base_;

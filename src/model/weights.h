@@ -24,6 +24,23 @@ public:
 
     /// True when the model has the tensor (optional tensors: biases, output.weight when tied).
     virtual bool has(const std::string & name) const = 0;
+
+    /// y = x · Wᵀ with W the 2-D tensor `name` ([ne1, ne0]): x [..., ne0] → y [..., ne1], W taken in `dtype` on x's
+    /// device. Every matmul with a weight goes through here (blocks.cpp `linear`). The default multiplies by
+    /// get(name); the gated student under per-token routing (train/gated.h, `routing_mode::ptqr`) overrides
+    /// product_with instead.
+    virtual torch::Tensor product(const std::string & name, const torch::Tensor & x, torch::ScalarType dtype) {
+        return product_with(name, x, get(name).to(x.device(), dtype));
+    }
+
+    /// The same product with the weight given by the caller: `w` ([ne1, ne0], x's dtype and device) is get(name)
+    /// or a stand-in for it that the backward flows into (the chunked loss's detached head). The default is
+    /// x · wᵀ. Under per-token routing the gated student answers each token with the candidate it was routed to
+    /// and lets w (the mixture) carry the backward: the straight-through estimator.
+    virtual torch::Tensor product_with(const std::string & name, const torch::Tensor & x, const torch::Tensor & w) {
+        (void)name;
+        return torch::matmul(x, w.t());
+    }
 };
 
 }  // namespace voodoo

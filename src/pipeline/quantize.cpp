@@ -173,6 +173,7 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     args.insert(args.end(), {"--probe-compute", t.probe_compute});
     num("--size-tol", t.size_tol);
     num("--st-gumbel-fraction", t.st_gumbel_fraction);
+    args.insert(args.end(), {"--routing", t.routing});
     num("--probe-sequences", t.probe_sequences);
     num("--probe-anchors", t.probe_anchors);
     num("--gate-init", t.gate_init);
@@ -359,7 +360,7 @@ nlohmann::json run_inputs(const train_options & t, const std::string & model, co
             {"steps", t.steps}, {"batch", t.batch}, {"accum", t.accum}, {"seq", t.seq}, {"lr", t.lr},
             {"lr_final", t.lr_final}, {"weight_decay", t.weight_decay}, {"tau0", t.tau0}, {"tau1", t.tau1},
             {"lambda_kl", t.lambda_kl}, {"lambda_ce", t.lambda_ce}, {"lambda_size", t.lambda_size},
-            {"size_tol", t.size_tol}, {"st_gumbel_fraction", t.st_gumbel_fraction}, {"gate_init", t.gate_init},
+            {"size_tol", t.size_tol}, {"st_gumbel_fraction", t.st_gumbel_fraction}, {"routing", t.routing}, {"gate_init", t.gate_init},
             {"probe_sequences", t.probe_sequences}, {"probe_anchors", t.probe_anchors},
             {"probe_compute", t.probe_compute}, {"compute", t.compute}, {"select_sequences", t.select_sequences},
             {"seed", t.seed}, {"smaller_sizes", priors}};
@@ -499,6 +500,14 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     at_least("--probe-sequences", o.train.probe_sequences, 1, "expected at least one sequence");
     at_least("--probe-anchors", o.train.probe_anchors, 0, "expected a number of types, or 0 to measure every type");
     at_least("--select-sequences", o.train.select_sequences, 1, "expected at least one sequence");
+    parse_routing(o.train.routing);
+    if (!(o.train.lambda_size >= 0) || !(o.train.size_tol >= 0)) {
+        fail("--lambda-size {} and --size-tol {}: expected finite numbers ≥ 0", o.train.lambda_size, o.train.size_tol);
+    }
+    if (!(o.train.tau0 > 0) || !(o.train.tau1 > 0)) {
+        fail("--tau0 {} and --tau1 {}: the temperatures must be positive (1 → 0.01 is the default)", o.train.tau0,
+             o.train.tau1);
+    }
     check_device_name(o.train.device);
     if (o.train.device == "cpu" && o.train.mixture == "fused") {
         fail("--mixture fused runs on a CUDA device; pass --device cuda (a CUDA build), or --mixture cpu");

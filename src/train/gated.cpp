@@ -8,6 +8,8 @@
 #include "cuda/gpu.h"
 #endif
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -80,6 +82,25 @@ torch::Tensor device_rows(const gated_tensor & t, const torch::Tensor & p, const
     (void)p;
     fail("tensor '{}': the fused mixture needs a CUDA build of voodoo", t.tensor->name);
 #endif
+}
+
+// ∂L/∂p_k = ⟨G, deq(Q_k)[id]⟩ for rows id (on the path's device; the CPU path's on the CPU) and G [n, ne0];
+// added to t.grad_p. Returns it as [K] f32 on G's device.
+torch::Tensor rows_gate_grad(gated_tensor & t, const torch::Tensor & grad, const torch::Tensor & id) {
+    if (t.path != mixture_path::cpu) {
+        const torch::Tensor grad_p = device_gate_grad(t, grad, id);
+        t.grad_p = t.grad_p.defined() ? t.grad_p + grad_p : grad_p;
+        return grad_p.to(torch::kFloat);
+    }
+    const torch::Tensor g = grad.to(torch::kFloat).contiguous().view(-1);
+    auto grad_p = torch::empty({static_cast<int64_t>(t.types.size())}, torch::kDouble);
+    std::vector<float> buf;
+    for (size_t k = 0; k < t.types.size(); ++k) {
+        dequantize_rows(t, k, id.data_ptr<int64_t>(), id.numel(), buf);
+        grad_p[static_cast<int64_t>(k)] = torch::dot(g, torch::from_blob(buf.data(), {g.numel()}, torch::kFloat)).item<double>();
+    }
+    t.grad_p = t.grad_p.defined() ? t.grad_p + grad_p : grad_p;
+    return grad_p.to(torch::kFloat);
 }
 
 class mixture_fn : public torch::autograd::Function<mixture_fn> {
@@ -164,27 +185,186 @@ public:
     }
 
     static tensor_list backward(AutogradContext * ctx, tensor_list grads) {
-        auto & t = *from_handle(ctx);
-        const torch::Tensor id = ctx->get_saved_variables()[0];
-        if (t.path != mixture_path::cpu) {
-            const torch::Tensor grad_p = device_gate_grad(t, grads[0], id);
-            t.grad_p = t.grad_p.defined() ? t.grad_p + grad_p : grad_p;
-            return {grad_p.to(torch::kFloat), torch::Tensor(), torch::Tensor()};
+        const torch::Tensor grad_p = rows_gate_grad(*from_handle(ctx), grads[0], ctx->get_saved_variables()[0]);
+        return {grad_p, torch::Tensor(), torch::Tensor()};
+    }
+};
+
+// Checks ids ([n] int64 on the CPU) against the rows of t.
+void check_rows(const gated_tensor & t, const torch::Tensor & id) {
+    const int64_t * v = id.data_ptr<int64_t>();
+    for (int64_t i = 0; i < id.numel(); ++i) {
+        if (v[i] < 0 || v[i] >= rows_of(t)) {
+            fail("tensor '{}': row {} is out of range (the tensor has {} rows)", t.tensor->name, v[i], rows_of(t));
         }
-        const torch::Tensor g = grads[0].to(torch::kFloat).contiguous().view(-1);
-        auto grad_p = torch::empty({static_cast<int64_t>(t.types.size())}, torch::kDouble);
+    }
+}
+
+// The positions i with routes[i] == k for every k, as [n_k] int64 CPU tensors (empty when none).
+std::vector<torch::Tensor> group_by_route(const gated_tensor & t, const torch::Tensor & routes) {
+    const int64_t K = static_cast<int64_t>(t.types.size());
+    std::vector<std::vector<int64_t>> groups(static_cast<size_t>(K));
+    const int64_t * r = routes.data_ptr<int64_t>();
+    for (int64_t i = 0; i < routes.numel(); ++i) {
+        if (r[i] < 0 || r[i] >= K) {
+            fail("tensor '{}': route {} of position {} is out of range (the tensor has {} candidates)", t.tensor->name,
+                 r[i], i, K);
+        }
+        groups[static_cast<size_t>(r[i])].push_back(i);
+    }
+    std::vector<torch::Tensor> out;
+    for (auto & g : groups) {
+        out.push_back(torch::tensor(g, torch::kLong));
+    }
+    return out;
+}
+
+torch::Tensor routes_on_cpu(const torch::Tensor & routes, int64_t n, const gated_tensor & t) {
+    const torch::Tensor r = routes.to(torch::kCPU, torch::kLong).contiguous().view(-1);
+    if (r.numel() != n) {
+        fail("tensor '{}': {} routes for {} positions", t.tensor->name, r.numel(), n);
+    }
+    return r;
+}
+
+// PTQR: the routed forward, the mixing backward (gated.h, routed_product).
+class routed_product_fn : public torch::autograd::Function<routed_product_fn> {
+public:
+    static torch::Tensor forward(AutogradContext * ctx, const torch::Tensor & x, const torch::Tensor & w,
+                                 const torch::Tensor & routes, int64_t handle) {
+        auto & t = *reinterpret_cast<gated_tensor *>(handle);
+        const int64_t ne0 = t.tensor->ne[0], rows = rows_of(t);
+        if (x.size(-1) != ne0 || w.dim() != 2 || w.size(0) != rows || w.size(1) != ne0) {
+            fail("tensor '{}': the routed product needs x [..., {}] and w [{}, {}]", t.tensor->name, ne0, rows, ne0);
+        }
+        const torch::Tensor xf = x.reshape({-1, ne0});
+        const std::vector<torch::Tensor> groups = group_by_route(t, routes_on_cpu(routes, xf.size(0), t));
+        torch::Tensor y = torch::empty({xf.size(0), rows}, x.options());
+        for (size_t k = 0; k < groups.size(); ++k) {
+            if (groups[k].numel() == 0) {
+                continue;
+            }
+            const torch::Tensor idx = groups[k].to(x.device());
+            const torch::Tensor wk = candidate_weights(t, k, x.device()).to(x.scalar_type());
+            y.index_copy_(0, idx, torch::matmul(xf.index_select(0, idx), wk.t()));
+        }
+        ctx->save_for_backward({x, w});
+        std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+        shape.back() = rows;
+        return y.view(shape);
+    }
+
+    static tensor_list backward(AutogradContext * ctx, tensor_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const torch::Tensor & x = saved[0], & w = saved[1];
+        const torch::Tensor g = grads[0].to(x.scalar_type());
+        torch::Tensor grad_x, grad_w;
+        if (ctx->needs_input_grad(0)) {
+            grad_x = torch::matmul(g, w);
+        }
+        if (ctx->needs_input_grad(1)) {
+            grad_w = torch::matmul(g.reshape({-1, w.size(0)}).t(), x.reshape({-1, w.size(1)}));
+        }
+        return {grad_x, grad_w, torch::Tensor(), torch::Tensor()};
+    }
+};
+
+// PTQR's embedding rows: row i from candidate routes[i]; backward as mixture_rows_fn.
+class routed_rows_fn : public torch::autograd::Function<routed_rows_fn> {
+public:
+    static torch::Tensor forward(AutogradContext * ctx, const torch::Tensor & p, const torch::Tensor & ids,
+                                 const torch::Tensor & routes, int64_t handle) {
+        auto & t = *reinterpret_cast<gated_tensor *>(handle);
+        ctx->saved_data["t"] = handle;
+        const torch::Tensor id_cpu = ids.to(torch::kCPU, torch::kLong).contiguous().view(-1);
+        check_rows(t, id_cpu);
+        const int64_t n = id_cpu.numel(), K = static_cast<int64_t>(t.types.size());
+        const std::vector<torch::Tensor> groups = group_by_route(t, routes_on_cpu(routes, n, t));
+        const bool on_device = t.path != mixture_path::cpu;
+        const torch::Device device = on_device ? p.device() : torch::Device(torch::kCPU);
+        torch::Tensor out = torch::empty({n, t.tensor->ne[0]}, torch::TensorOptions().dtype(t.dtype).device(device));
         std::vector<float> buf;
-        for (size_t k = 0; k < t.types.size(); ++k) {
-            dequantize_rows(t, k, id.data_ptr<int64_t>(), id.numel(), buf);
-            grad_p[static_cast<int64_t>(k)] =
-                torch::dot(g, torch::from_blob(buf.data(), {g.numel()}, torch::kFloat)).item<double>();
+        for (size_t k = 0; k < groups.size(); ++k) {
+            if (groups[k].numel() == 0) {
+                continue;
+            }
+            const torch::Tensor ids_k = id_cpu.index_select(0, groups[k]);
+            torch::Tensor part;
+            if (on_device) {
+                // One-hot weights: 1 · deq(Q_k) + 0 · the others is deq(Q_k) exactly.
+                const torch::Tensor onehot = torch::zeros({K}, p.options().dtype(torch::kFloat)).index_fill_(0, torch::tensor({static_cast<int64_t>(k)}, torch::kLong).to(device), 1.0);
+                part = device_rows(t, onehot, ids_k.to(device));
+            } else {
+                dequantize_rows(t, k, ids_k.data_ptr<int64_t>(), ids_k.numel(), buf);
+                part = torch::from_blob(buf.data(), {ids_k.numel(), t.tensor->ne[0]}, torch::kFloat);
+            }
+            out.index_copy_(0, groups[k].to(device), part.to(t.dtype));
         }
-        t.grad_p = t.grad_p.defined() ? t.grad_p + grad_p : grad_p;
-        return {grad_p.to(torch::kFloat), torch::Tensor(), torch::Tensor()};
+        ctx->save_for_backward({on_device ? id_cpu.to(device) : id_cpu});
+        return out;
+    }
+
+    static tensor_list backward(AutogradContext * ctx, tensor_list grads) {
+        const torch::Tensor grad_p = rows_gate_grad(*from_handle(ctx), grads[0], ctx->get_saved_variables()[0]);
+        return {grad_p, torch::Tensor(), torch::Tensor(), torch::Tensor()};
     }
 };
 
 }  // namespace
+
+torch::Tensor routed_product(const torch::Tensor & x, const torch::Tensor & w, const torch::Tensor & routes,
+                             gated_tensor & t) {
+    return routed_product_fn::apply(x, w, routes, reinterpret_cast<int64_t>(&t));
+}
+
+torch::Tensor routed_rows(const torch::Tensor & p, const torch::Tensor & ids, const torch::Tensor & routes,
+                          gated_tensor & t) {
+    return routed_rows_fn::apply(p, ids, routes, reinterpret_cast<int64_t>(&t));
+}
+
+torch::Tensor draw_routes(const torch::Tensor & p, int64_t n, uint64_t seed) {
+    const std::vector<double> w = probs_of(p);
+    std::vector<double> cum(w.size());
+    double total = 0;
+    for (size_t k = 0; k < w.size(); ++k) {
+        if (!(w[k] >= 0) || !std::isfinite(w[k])) {
+            fail("draw_routes: p[{}] = {} is not a probability", k, w[k]);
+        }
+        total += w[k];
+        cum[k] = total;
+    }
+    if (!(total > 0)) {
+        fail("draw_routes: the probabilities sum to {}, not 1", total);
+    }
+    std::mt19937_64 rng(seed);
+    torch::Tensor out = torch::empty({n}, torch::kLong);
+    int64_t * r = out.data_ptr<int64_t>();
+    size_t last = 0;  // the last candidate with p > 0: where a uniform that rounding puts past the total lands
+    for (size_t k = 0; k < w.size(); ++k) {
+        if (w[k] > 0) {
+            last = k;
+        }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53 * total;
+        const size_t k = static_cast<size_t>(std::upper_bound(cum.begin(), cum.end(), u) - cum.begin());
+        r[i] = static_cast<int64_t>(std::min(k, last));
+    }
+    return out;
+}
+
+routing_mode parse_routing(const std::string & s) {
+    if (s == "mix") {
+        return routing_mode::mix;
+    }
+    if (s == "ptqr") {
+        return routing_mode::ptqr;
+    }
+    fail("--routing '{}': expected mix (every token sees the mixture of the candidates) or ptqr (per-token quant "
+         "routing: each token sees one candidate drawn from the gate)", s);
+}
+
+std::string routing_name(routing_mode r) { return r == routing_mode::ptqr ? "ptqr" : "mix"; }
 
 torch::Tensor gated_mixture(const torch::Tensor & p, gated_tensor & t) {
     return mixture_fn::apply(p, reinterpret_cast<int64_t>(&t));
@@ -278,6 +458,12 @@ gated_weights::gated_weights(weight_source & dense, std::vector<gated_tensor> & 
     }
 }
 
+void gated_weights::set_routing(routing_mode mode, uint64_t seed) {
+    routing_ = mode;
+    route_seed_ = seed;
+    route_calls_ = 0;
+}
+
 void gated_weights::set_straight_through(bool on, uint64_t seed) {
     straight_through_ = on;
     noise_seed_ = seed;
@@ -326,7 +512,21 @@ torch::Tensor gated_weights::rows(const std::string & name, const torch::Tensor 
     if (it == index_.end()) {
         return dense_.rows(name, ids);
     }
-    return gated_mixture_rows(forward_probs(it->second), ids.reshape({-1}), tensors_[it->second]);
+    const torch::Tensor id = ids.reshape({-1});
+    if (routing_ == routing_mode::ptqr) {
+        const torch::Tensor p = probs(it->second);
+        return routed_rows(p, id, draw_routes(p, id.numel(), next_route_seed()), tensors_[it->second]);
+    }
+    return gated_mixture_rows(forward_probs(it->second), id, tensors_[it->second]);
+}
+
+torch::Tensor gated_weights::product_with(const std::string & name, const torch::Tensor & x, const torch::Tensor & w) {
+    const auto it = index_.find(name);
+    if (routing_ != routing_mode::ptqr || it == index_.end()) {
+        return weight_source::product_with(name, x, w);
+    }
+    const int64_t n = x.numel() / std::max<int64_t>(1, x.size(-1));
+    return routed_product(x, w, draw_routes(probs(it->second), n, next_route_seed()), tensors_[it->second]);
 }
 
 bool gated_weights::has(const std::string & name) const { return index_.count(name) > 0 || dense_.has(name); }

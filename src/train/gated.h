@@ -28,6 +28,17 @@ enum class mixture_path {
 mixture_path parse_mixture_path(const std::string & s);
 std::string mixture_path_name(mixture_path p);
 
+/// What each token of the student's forward sees (issue #22).
+enum class routing_mode {
+    mix,   // the mixture W_eff = Σ_k p_k · deq(Q_k), for every token
+    ptqr,  // per-token quant routing: each token is routed to one candidate drawn from p, so the forward only
+           // sees weights that can be deployed; the backward is straight-through, as if mixed
+};
+
+/// "mix" or "ptqr" → the mode; throws voodoo::error naming --routing otherwise.
+routing_mode parse_routing(const std::string & s);
+std::string routing_name(routing_mode r);
+
 /// The candidates of one selectable tensor: the menu's types and their exact bytes.
 struct gated_tensor {
     const gguf_tensor * tensor;                 // the source tensor (shape, name)
@@ -65,6 +76,29 @@ torch::Tensor gated_mixture(const torch::Tensor & p, gated_tensor & t);
 /// (the token embedding of a batch). Same gradient rule, over the rows used.
 torch::Tensor gated_mixture_rows(const torch::Tensor & p, const torch::Tensor & ids, gated_tensor & t);
 
+/// n routes drawn from p ([K], f32 or f64, any device; entries ≥ 0 summing to 1 within rounding): [n] int64 on the
+/// CPU, route i = k with probability p_k. The same categorical draw as Gumbel-argmax (argmax_k log p_k + G_ik), made
+/// by inversion with one uniform per route: u_i = (53 bits of mt19937_64(seed)) · 2⁻⁵³, route i = the first k with
+/// u_i < Σ_{j≤k} p_j / Σ_j p_j. A candidate with p_k = 0 is never drawn. The same seed gives the same routes on
+/// every machine (the generator and the 53-bit conversion are fixed by the C++ standard, not by the library).
+torch::Tensor draw_routes(const torch::Tensor & p, int64_t n, uint64_t seed);
+
+/// PTQR's product of x with the gated tensor t: token i ([..., ne0] flattened to n rows) gets
+/// y_i = x_i · deq(Q_{routes[i]})ᵀ, each candidate's tokens in one matrix product with the candidate formed from its
+/// bytes (on the path's device; the fused path's dequantization kernel on a GPU). The backward is straight-through:
+/// ∂L/∂x_i = G_i · w and ∂L/∂w = Σ_i G_iᵀ x_i, so that through w = W_eff = Σ_k p_k deq(Q_k),
+/// ∂L/∂p_k = Σ_i ⟨G_iᵀ x_i, deq(Q_k)⟩ — the mixing path's gradients at the routed forward (issue #22).
+/// x [..., ne0] and w [ne1, ne0] in one dtype on one device; routes [n] int64 on the CPU, each in [0, K).
+/// Returns [..., ne1] in x's dtype. Throws voodoo::error when shapes or routes disagree with t.
+torch::Tensor routed_product(const torch::Tensor & x, const torch::Tensor & w, const torch::Tensor & routes,
+                             gated_tensor & t);
+
+/// PTQR's embedding lookup: row i of the result ([n, ne0], the path's dtype and device) is row ids[i] of candidate
+/// routes[i], exactly. Backward as gated_mixture_rows (straight-through): ∂L/∂p_k = Σ_i ⟨G_i, deq(Q_k)[ids[i]]⟩,
+/// stored in t.grad_p. ids and routes [n] int64. Throws voodoo::error for a row or route out of range.
+torch::Tensor routed_rows(const torch::Tensor & p, const torch::Tensor & ids, const torch::Tensor & routes,
+                          gated_tensor & t);
+
 /// The student's weight_source: gated tensors answer with their mixture at the current temperature, every
 /// other tensor comes from `dense` (norms, biases, tensors without a menu).
 class gated_weights : public weight_source {
@@ -77,6 +111,10 @@ public:
     /// Straight-through Gumbel hardening: forward uses one-hot argmax((g + Gumbel)/τ), backward the soft
     /// probabilities. `seed` makes the noise reproducible (it changes every call of next_noise).
     void set_straight_through(bool on, uint64_t seed);
+    /// Per-token quant routing (routing_mode::ptqr) or the mixture. `seed` makes the routes reproducible (each
+    /// product and embedding lookup draws new ones: draw_routes with a seed derived from it and a call count).
+    void set_routing(routing_mode mode, uint64_t seed);
+    routing_mode routing() const { return routing_; }
 
     /// p of tensor i at the current temperature, [K], differentiable in its gate.
     torch::Tensor probs(size_t i) const;
@@ -84,9 +122,12 @@ public:
     torch::Tensor get(const std::string & name) override;
     torch::Tensor rows(const std::string & name, const torch::Tensor & ids) override;
     bool has(const std::string & name) const override;
+    /// Under PTQR, gated tensors answer each token with its routed candidate (routed_product); else x · wᵀ.
+    torch::Tensor product_with(const std::string & name, const torch::Tensor & x, const torch::Tensor & w) override;
 
 private:
     torch::Tensor forward_probs(size_t i);
+    uint64_t next_route_seed() { return route_seed_ * 0xD1B54A32D192ED03ull + route_calls_++; }
 
     weight_source & dense_;
     std::vector<gated_tensor> & tensors_;
@@ -95,6 +136,9 @@ private:
     bool straight_through_ = false;
     uint64_t noise_seed_ = 0;
     uint64_t noise_calls_ = 0;
+    routing_mode routing_ = routing_mode::mix;
+    uint64_t route_seed_ = 0;
+    uint64_t route_calls_ = 0;
 };
 
 }  // namespace voodoo

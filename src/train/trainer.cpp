@@ -60,6 +60,9 @@ std::string fingerprint(const gguf_file & src, const std::vector<tensor_menu> & 
     if (o.probe_anchors > 0) {
         j["probe_anchors"] = o.probe_anchors;
     }
+    if (o.routing != "mix") {
+        j["routing"] = o.routing;
+    }
     for (const tensor_menu & m : menus) {
         std::string types;
         for (ggml_type t : m.types) {
@@ -341,6 +344,11 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     if (o.st_gumbel_fraction < 0 || o.st_gumbel_fraction > 1) {
         fail("--st-gumbel-fraction must be in [0, 1] (got {})", o.st_gumbel_fraction);
     }
+    const routing_mode routing = parse_routing(o.routing);
+    if (routing == routing_mode::ptqr && o.st_gumbel_fraction > 0) {
+        fail("--routing ptqr and --st-gumbel-fraction {} are exclusive: per-token routing already gives the forward "
+             "one candidate per token; drop one of them", o.st_gumbel_fraction);
+    }
     train.require_vocab(vocab_hash(src), src.path());
     if (val) {
         val->require_vocab(vocab_hash(src), src.path());
@@ -551,6 +559,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         student.set_temperature(tau);
         student.set_straight_through(step >= st_from, o.seed * 1000003ull + static_cast<uint64_t>(step));
+        student.set_routing(routing, o.seed * 2000003ull + static_cast<uint64_t>(step));
         opt.zero_grad();
         for (auto & g : gated) {
             g.grad_p = torch::Tensor();
@@ -613,6 +622,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
     }
     bar.finish();
+    student.set_routing(routing_mode::mix, 0);  // what follows measures whole recipes, never routed tokens
 
     train_result res;
     res.finished = !stopped;

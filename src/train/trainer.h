@@ -39,6 +39,8 @@ struct train_options {
     double lambda_size = 1000.0;
     double size_tol = 0.005;
     double st_gumbel_fraction = 0.0;    // last fraction of steps with straight-through Gumbel hardening
+    std::string routing = "mix";        // "mix" or "ptqr": what each token of the forward sees (gated.h routing_mode);
+                                        // ptqr excludes st_gumbel_fraction > 0
     int probe_sequences = 8;            // sequences on which each candidate's ΔKL alone is measured
     int probe_anchors = 0;              // types measured per tensor, the rest predicted from the imatrix-weighted
                                         // error (anchor_plan); 0 = every type
