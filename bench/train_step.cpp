@@ -50,16 +50,34 @@ struct model_shape {
     int64_t n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff;
     std::string vocab;  // file name under the vocab folder
     bool tied;
+    std::string arch = "llama";
+    // qwen35: one attention layer in every full_attention_interval, the others gated delta nets of ssm_n_group key
+    // heads and ssm_dt_rank value heads of ssm_d_state each
+    int64_t full_attention_interval = 0, ssm_d_state = 0, ssm_n_group = 0, ssm_dt_rank = 0;
 };
 
 const std::map<std::string, model_shape> & shapes() {
-    // Qwen3-0.6B (tied embeddings) and Llama-3-8B, on the llama architecture.
+    // Qwen3-0.6B (tied embeddings) and Llama-3-8B on the llama architecture; Qwen3.5-0.8B's shape on qwen35 (hidden
+    // 1024, 24 layers, three gated delta nets of 16 heads × 128 to one gated attention layer of 8 query and 2 KV
+    // heads × 256, FFN 3584, its real 248,320-token vocabulary, tied head; from the model's config.json as we read
+    // it: speed and memory only).
     static const std::map<std::string, model_shape> s = {
+        {"qwen35-0.8b", {"qwen35-0.8b", 1024, 24, 8, 2, 256, 3584, "ggml-vocab-qwen35.gguf", true, "qwen35", 4, 128, 16, 16}},
         {"qwen3-0.6b", {"qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, "ggml-vocab-qwen2.gguf", true}},
         {"llama3-8b", {"llama3-8b", 4096, 32, 32, 8, 128, 14336, "ggml-vocab-llama-bpe.gguf", false}},
         {"tiny", {"tiny", 256, 2, 4, 2, 64, 512, "ggml-vocab-llama-spm.gguf", false}},
     };
     return s;
+}
+
+std::vector<std::string> split_list(const std::string & s) {
+    std::vector<std::string> out;
+    for (size_t a = 0; a <= s.size();) {
+        const size_t b = std::min(s.find(',', a), s.size());
+        out.push_back(s.substr(a, b - a));
+        a = b + 1;
+    }
+    return out;
 }
 
 void sync(torch::Device d) {
@@ -106,7 +124,7 @@ std::vector<float> tile_f32(const gguf_file & f, const gguf_tensor & t, int64_t 
 int main(int argc, char ** argv) {
     CLI::App app{"bench/train_step: one gate-training step, fused GPU mixture vs the reference path"};
     std::string shape_name = "qwen3-0.6b", work = "runs/bench", json_out, vocab_dir, device_str = "cuda", profile_dir;
-    std::string paths_str = "fused,reference", menu_str;
+    std::string paths_str = "fused,reference", menu_str, routings_str = "mix";
     int64_t layers = 0, seq = 2048, batch = 1, tile = 64;
     int steps = 5, warmup = 2;
     double peak_tflops = 989.0;
@@ -117,6 +135,8 @@ int main(int argc, char ** argv) {
     app.add_option("--steps", steps, "Timed steps (the median is reported)")->capture_default_str();
     app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
     app.add_option("--paths", paths_str, "Mixture paths to time: fused, reference, cpu")->capture_default_str();
+    app.add_option("--routing", routings_str, "Training forward: mix, ptqr, or mix,ptqr to time both on each path")
+        ->capture_default_str();
     app.add_option("--menu", menu_str, "Candidate types (default: the default menu, no imatrix)");
     app.add_option("--tile-rows", tile, "Rows really quantized per tensor shape, repeated down the rows")->capture_default_str();
     app.add_option("--work", work, "Folder for the fixture")->capture_default_str();
@@ -145,7 +165,7 @@ int main(int argc, char ** argv) {
 #endif
         const auto it = shapes().find(shape_name);
         if (it == shapes().end()) {
-            fail("--shape '{}': expected qwen3-0.6b, llama3-8b or tiny", shape_name);
+            fail("--shape '{}': expected qwen3-0.6b, qwen35-0.8b, llama3-8b or tiny", shape_name);
         }
         const model_shape & sh = it->second;
         torch::Device device = device_str == "cpu" ? torch::Device(torch::kCPU) : torch::Device(device_str);
@@ -165,6 +185,13 @@ int main(int argc, char ** argv) {
         spec.head_dim = sh.head_dim;
         spec.n_ff = sh.n_ff;
         spec.tied_output = sh.tied;
+        spec.arch = sh.arch;
+        if (sh.arch == "qwen35") {
+            spec.full_attention_interval = sh.full_attention_interval;
+            spec.ssm_d_state = sh.ssm_d_state;
+            spec.ssm_n_group = sh.ssm_n_group;
+            spec.ssm_dt_rank = sh.ssm_dt_rank;
+        }
         spec.vocab_path = (fs::path(vocab_dir) / sh.vocab).string();
         spec.weight_type = GGML_TYPE_BF16;
         fs::create_directories(work);
@@ -240,9 +267,14 @@ int main(int argc, char ** argv) {
         if (hp.tied_output) {
             matmul_weights += static_cast<double>(src.tensor("token_embd.weight").n_elements());
         }
+        // Attention layers only: a gated delta net layer's recurrence (O(T · chunk) per head) is not counted, so
+        // the MFU of a hybrid is a lower bound.
+        const double n_attn_layers = sh.full_attention_interval > 0
+                                         ? static_cast<double>(hp.n_layer / sh.full_attention_interval)
+                                         : static_cast<double>(hp.n_layer);
         const double tokens = static_cast<double>(batch * seq);
         const double fwd = tokens * (2.0 * matmul_weights +
-                                     2.0 * hp.n_layer * hp.n_head * hp.n_embd_head_k * static_cast<double>(seq));
+                                     2.0 * n_attn_layers * hp.n_head * hp.n_embd_head_k * static_cast<double>(seq));
         const double step_flops = 4.0 * fwd;
 
         std::vector<std::string> paths;
@@ -302,6 +334,9 @@ int main(int argc, char ** argv) {
             for (size_t i = 0, at = 0; i < gated.size(); at += gated[i].types.size(), ++i) {
                 gated[i].gate = all_gates.narrow(0, static_cast<int64_t>(at), static_cast<int64_t>(gated[i].types.size()));
             }
+            for (const std::string & routing_name_s : split_list(routings_str)) {
+            const routing_mode routing = parse_routing(routing_name_s);
+            reset_peak(device);
             torch::optim::AdamW opt(std::vector<torch::Tensor>{all_gates}, torch::optim::AdamWOptions(0.05));
             gated_weights student(dense, gated);
             torch::manual_seed(1);
@@ -321,6 +356,7 @@ int main(int argc, char ** argv) {
                 }
                 const auto a = std::chrono::steady_clock::now();
                 opt.zero_grad();
+                student.set_routing(routing, static_cast<uint64_t>(s));
                 torch::Tensor h_t;
                 {
                     torch::NoGradGuard no_grad;
@@ -333,7 +369,7 @@ int main(int argc, char ** argv) {
                 const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - a).count();
                 if (profiled) {
                     fs::create_directories(profile_dir);
-                    const std::string trace = (fs::path(profile_dir) / fmt::format("trace-{}.json", path_name)).string();
+                    const std::string trace = (fs::path(profile_dir) / fmt::format("trace-{}-{}.json", path_name, routing_name_s)).string();
                     prof::disableProfiler()->save(trace);
                     fmt::print(stderr, "  {} profiled step: {:.3f} s, trace {}\n", path_name, dt, trace);
                     continue;
@@ -341,12 +377,12 @@ int main(int argc, char ** argv) {
                 if (s >= warmup) {
                     times.push_back(dt);
                 }
-                fmt::print(stderr, "  {} step {}: {:.3f} s (CE {:.3f}, KL {:.4f})\n", path_name, s, dt, v.ce, v.kl);
+                fmt::print(stderr, "  {} {} step {}: {:.3f} s (CE {:.3f}, KL {:.4f})\n", path_name, routing_name_s, s, dt, v.ce, v.kl);
             }
             std::sort(times.begin(), times.end());
             const double med = times[times.size() / 2];
             const nlohmann::json r = {
-                {"shape", sh.name},         {"layers", spec.n_layer},     {"path", path_name},
+                {"shape", sh.name},         {"layers", spec.n_layer},     {"path", path_name}, {"routing", routing_name_s},
                 {"candidates", K},          {"seq", seq},                  {"batch", batch},
                 {"step_s", med},            {"step_s_min", times.front()}, {"step_s_max", times.back()},
                 {"tokens_per_s", tokens / med},
@@ -359,22 +395,24 @@ int main(int argc, char ** argv) {
                 {"kernels", path == mixture_path::fused ? (row_kernels ? std::string("rows") : fmt::format("tiled, min blocks {}", min_blocks)) : std::string("-")},
                 {"step_flops", step_flops}};
             results.push_back(r);
+            }
             for (gated_tensor & g : gated) {
                 g.dense = torch::Tensor();
                 g.device_bytes.reset();
                 g.gate = torch::Tensor();
             }
         }
-        fmt::print("| shape | layers | path | K | seq | step (s) | tokens/s | TFLOP/s | MFU | peak GPU (GiB) | candidates (GiB) |\n");
-        fmt::print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+        fmt::print("| shape | layers | path | routing | K | seq | step (s) | tokens/s | TFLOP/s | MFU | peak GPU (GiB) | candidates (GiB) |\n");
+        fmt::print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
         for (const auto & r : results) {
-            fmt::print("| {} | {} | {} | {} | {} | {:.3f} | {:.0f} | {:.0f} | {:.1f}% | {:.1f} | {:.2f} |\n",
+            fmt::print("| {} | {} | {} | {} | {} | {} | {:.3f} | {:.0f} | {:.0f} | {:.1f}% | {:.1f} | {:.2f} |\n",
                        r["shape"].get<std::string>(), r["layers"].get<int64_t>(), r["path"].get<std::string>(),
+                       r["routing"].get<std::string>(),
                        r["candidates"].get<size_t>(), r["seq"].get<int64_t>(), r["step_s"].get<double>(),
                        r["tokens_per_s"].get<double>(), r["tflops"].get<double>(), 100 * r["mfu"].get<double>(),
                        r["peak_gib"].get<double>(), r["candidate_gib"].get<double>());
         }
-        if (results.size() == 2) {
+        if (results.size() == 2 && results[0]["routing"] == results[1]["routing"]) {
             fmt::print("fused vs reference: {:.2f}x faster per step, {:.2f}x less candidate memory, {:.2f}x less peak memory\n",
                        results[1]["step_s"].get<double>() / results[0]["step_s"].get<double>(),
                        results[1]["candidate_gib"].get<double>() / results[0]["candidate_gib"].get<double>(),

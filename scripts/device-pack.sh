@@ -11,7 +11,7 @@ mkdir -p .device/llama/include .device/llama/lib .device/llama/models .device/in
          .device/data/models/stories260K .device/data/text/tinystories .device/data/text/wikitext-2-raw
 cp .deps/llama.cpp/include/*.h .deps/llama.cpp/ggml/include/*.h .deps/llama.cpp/ggml/src/ggml-common.h .device/llama/include/
 cp $B/libggml-base.so $B/libggml.v0.4.0.so $B/libllama.v0.4.0.so $B/libggml-cpu-*.so .device/llama/lib/
-cp .deps/llama.cpp/models/ggml-vocab-{qwen2,llama-bpe,llama-spm}.gguf .device/llama/models/
+cp .deps/llama.cpp/models/ggml-vocab-{qwen2,qwen35,llama-bpe,llama-spm}.gguf .device/llama/models/
 cp /usr/include/xxhash.h /usr/include/xxh3.h .device/include/
 cp $S/models/stories260K/stories260K.gguf .device/data/models/stories260K/
 cp $S/text/tinystories/tinystories_val.txt .device/data/text/tinystories/

@@ -3,7 +3,8 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations. Logs and results go to $OUT (or ./out).
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35. Logs and results
+# go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -28,7 +29,7 @@ build)
     ;;
 test)
     log test
-    build-cuda/bin/voodoo_tests --gtest_filter="${TEST_FILTER:-cuda*:gated*:train.the_loss*:train.finishes*}" 2>&1 | tee "$OUT/test-cuda.log" | grep -E "^\[|Failure|Expected|Which|error" | head -80
+    build-cuda/bin/voodoo_tests --gtest_filter="${TEST_FILTER:-cuda*:gated*:train.the_loss*:train.finishes*:train.ptqr*}" 2>&1 | tee "$OUT/test-cuda.log" | grep -E "^\[|Failure|Expected|Which|error" | head -80
     if [ "${PIPESTATUS[0]}" -ge 128 ]; then
         log "the tests crashed: the training test again under cuda-gdb for a backtrace"
         cuda-gdb -batch -ex run -ex bt -ex 'x/8a $sp' -ex 'info sharedlibrary' --args build-cuda/bin/voodoo_tests \
@@ -223,6 +224,47 @@ learning)
         first=${first:-$A}
     done
     tar czf "$OUT/learning/learning.tgz" -C $W $(cd $W && ls -d */run-*/{recipe,selection}.json */run-*/log.jsonl 2>/dev/null)
+    ;;
+ptqr)
+    # Issue #22: mixing against per-token quant routing (PTQR) on mix30M at the sizes of IQ2_M, Q4_K_M and Q6_K, at
+    # the defaults (equal steps), with freer gates (gate-init 1, lr 0.25), and at the method's published settings
+    # (50 steps, lr 0.25, λ_KL 2, λ_size 100, tolerance 0.02, sequences of 512). Data, imatrix, candidates and probe
+    # are the first run's; every Voodoo file is evaluated on 40 chunks of wiki.test.raw, every stock recipe once (the
+    # first run); selection.json holds each candidate recipe's validation KL, the trained one among them.
+    log ptqr
+    [ -f /tmp/mix30M.gguf ] || xz -dc .device-model/mix30M.gguf.xz > /tmp/mix30M.gguf
+    W=/tmp/mixp; T=$D/data/text/tinystories/tinystories_val.txt
+    n=$(wc -l < "$T"); k=$((n * 4 / 5)); mkdir -p $W "$OUT/ptqr"
+    [ -f $W/calib.txt ] || (cat "$D/data/text/wikitext-2-raw/wiki.valid.raw"; head -n $k "$T") > $W/calib.txt
+    cp "$D/data/text/wikitext-2-raw/wiki.test.raw" $W/
+    PUB="--steps 50 --lr 0.25 --lambda-kl 2 --lambda-size 100 --size-tol 0.02 --gate-init 1"
+    first=""
+    for a in "mix:" "ptqr:--routing ptqr" "mix-free:--gate-init 1 --lr 0.25" "ptqr-free:--routing ptqr --gate-init 1 --lr 0.25" \
+             "mix-pub:$PUB" "ptqr-pub:--routing ptqr $PUB"; do
+        name=${a%%:*}; flags=${a#*:}; A=$W/$name; mkdir -p $A
+        base="--baselines none"
+        if [ -n "$first" ]; then
+            cp -r $first/data $first/imatrix.gguf $first/probe.json $A/; ln -sfn $first/candidates $A/candidates
+        else
+            base="--baselines all-that-fit"
+        fi
+        /usr/bin/time -f "$name: %e s, max RSS %M KB" build-cuda/bin/voodoo quantize /tmp/mix30M.gguf --text $W/calib.txt \
+            --eval-text $W/wiki.test.raw --like IQ2_M,Q4_K_M,Q6_K --ctx 512 --eval-ctx 512 --eval-chunks 40 $base \
+            --device cuda --work $A --threads 16 --ggml-threads 16 $flags > "$OUT/ptqr/$name.log" 2>&1
+        tail -1 "$OUT/ptqr/$name.log"
+        for r in $A/run-*/selection.json; do
+            python3 -c "import json; print('$name', '$r'.split('/')[-2], ' '.join(e['recipe'].split('/')[-2] + '=' + format(e['val_kl'], '.4e') if '/' in e['recipe'] else e['recipe'] + '=' + format(e['val_kl'], '.4e') for e in json.load(open('$r'))))"
+        done
+        first=${first:-$A}
+    done
+    tar czf "$OUT/ptqr/ptqr.tgz" -C $W $(cd $W && ls -d */eval.json */eval.md */curve.json */run-*/{recipe,selection}.json */run-*/log.jsonl 2>/dev/null)
+    ;;
+bench-qwen35)
+    # Issue #15: one training step on Qwen3.5-0.8B's shape (qwen35, every layer, its real vocabulary), 2,048 tokens,
+    # fused and reference paths, mixing and PTQR.
+    log bench qwen35-0.8b shape
+    build-cuda/bin/train_step --shape qwen35-0.8b --routing mix,ptqr --work /tmp/bench --json "$OUT/bench-qwen35-0.8b.json" 2>&1 \
+        | tee "$OUT/bench-qwen35-0.8b.log" | tail -8
     ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;
