@@ -28,6 +28,10 @@ int64_t rows_of(const gated_tensor & t) { return t.tensor->n_rows(); }
 
 // One candidate as f32 [rows, ne0], into `buf` (reused between candidates).
 void dequantize_candidate(const gated_tensor & t, size_t k, std::vector<float> & buf) {
+    if (t.bytes.size() <= k || t.bytes[k].size() != static_cast<size_t>(tensor_bytes(t.types[k], t.tensor->ne, t.tensor->name))) {
+        fail("tensor '{}': candidate {} has no host bytes to dequantize (they were released after the upload)",
+             t.tensor->name, k);
+    }
     buf.resize(static_cast<size_t>(t.tensor->n_elements()));
     dequantize_into(t.types[k], t.bytes[k], t.tensor->ne[0], buf, t.n_threads, t.tensor->name);
 }
@@ -245,7 +249,10 @@ public:
                 continue;
             }
             const torch::Tensor idx = groups[k].to(x.device());
-            const torch::Tensor wk = candidate_weights(t, k, x.device()).to(x.scalar_type());
+            // The reference path's own dense candidate (what its mixture is made of); else formed from the bytes.
+            const torch::Tensor wk = (t.path == mixture_path::reference ? t.dense[static_cast<int64_t>(k)]
+                                                                        : candidate_weights(t, k, x.device()))
+                                         .to(x.scalar_type());
             y.index_copy_(0, idx, torch::matmul(xf.index_select(0, idx), wk.t()));
         }
         ctx->save_for_backward({x, w});
