@@ -191,3 +191,48 @@ TEST(cli, metadata_that_is_not_utf8_is_written_as_json_and_a_recipe_with_a_huge_
     EXPECT_EQ(e2.exit_code, 1) << e2.output;
     EXPECT_NE(e2.output.find("must hold whole numbers"), std::string::npos) << e2.output;
 }
+
+TEST(cli, quantize_train_export_and_baseline_report_as_json_to_a_file_or_alone_on_stdout) {
+    // Issue #21: --json FILE (- for stdout) in the four commands that make files too; with -, stdout holds the JSON
+    // and nothing else (progress and a training child's report go to stderr).
+    voodoo::test::temp_dir dir;
+    const std::string model = voodoo::test::stories260k();
+    const std::string text = dir.file("calib.txt");
+    voodoo::test::write_file(text, voodoo::test::read_file(voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt").substr(0, 60000));
+
+    const auto q = voodoo::test::run_voodoo_stdout(
+        "quantize " + model + " --text " + text + " --target-size 400000 --ctx 64 --menu Q4_0,Q8_0 --steps 1 --probe-sequences 1 "
+        "--select-sequences 1 --eval-chunks 1 --baselines Q4_0 -t 1 --work " + dir.file("work") + " --json -");
+    ASSERT_EQ(q.exit_code, 0) << q.output;
+    const auto jq = nlohmann::json::parse(q.output);  // throws (and fails) on any other output
+    ASSERT_EQ(jq["files"].size(), 1u);
+    EXPECT_EQ(jq["files"][0]["file_bytes"].get<int64_t>(),
+              static_cast<int64_t>(std::filesystem::file_size(jq["files"][0]["path"].get<std::string>())));
+    EXPECT_EQ(jq["work"], dir.file("work"));
+    EXPECT_EQ(jq["eval"]["files"].size(), 2u) << "the Voodoo file and stock Q4_0";
+
+    const auto b = voodoo::test::run_voodoo_stdout("baseline " + model + " --recipe Q8_0 --out " + dir.file("q8.gguf") + " --json -");
+    ASSERT_EQ(b.exit_code, 0) << b.output;
+    const auto jb = nlohmann::json::parse(b.output);
+    EXPECT_EQ(jb["recipe"], "Q8_0");
+    EXPECT_EQ(jb["file_bytes"].get<int64_t>(), static_cast<int64_t>(std::filesystem::file_size(dir.file("q8.gguf"))));
+
+    const std::string run = dir.file("work/run-size-400000");
+    const auto e = run_voodoo("export --model " + model + " --recipe " + run + "/recipe.json --out " + dir.file("e.gguf") +
+                              " --json " + dir.file("export.json"));
+    ASSERT_EQ(e.exit_code, 0) << e.output;
+    EXPECT_NE(e.output.find("wrote"), std::string::npos) << "with a file, the text report stays";
+    const auto je = nlohmann::json::parse(voodoo::test::read_file(dir.file("export.json")));
+    EXPECT_EQ(je["file_bytes"].get<int64_t>(), static_cast<int64_t>(std::filesystem::file_size(dir.file("e.gguf"))));
+    EXPECT_GT(je["bpw"].get<double>(), 4.0);
+
+    const auto t = voodoo::test::run_voodoo_stdout("train --model " + model + " --data " + dir.file("work/data") +
+                                                   " --target-size 400000 --menu Q4_0,Q8_0 --steps 1 --probe-sequences 1 "
+                                                   "--select-sequences 1 --out " + dir.file("run") + " --json -");
+    ASSERT_EQ(t.exit_code, 0) << t.output;
+    const auto jt = nlohmann::json::parse(t.output);
+    EXPECT_LE(jt["total"].get<double>(), jt["limit"].get<double>());
+    EXPECT_EQ(jt["routing"], "mix");
+    EXPECT_FALSE(jt["selection"].empty());
+    EXPECT_TRUE(std::filesystem::exists(jt["recipe"].get<std::string>()));
+}

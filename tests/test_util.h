@@ -57,9 +57,10 @@ struct run_result {
     std::string output;  // stdout and stderr together
 };
 
-/// Runs the voodoo CLI with arguments (a shell-quoted string) and captures its output.
-inline run_result run_voodoo(const std::string & args) {
-    const std::string cmd = std::string(VOODOO_BIN) + " " + args + " 2>&1";
+/// Runs the voodoo CLI with arguments (a shell-quoted string) and captures its output (`stderr`: where stderr
+/// goes, the same pipe as stdout by default).
+inline run_result run_voodoo(const std::string & args, const std::string & stderr_to = "&1") {
+    const std::string cmd = std::string(VOODOO_BIN) + " " + args + " 2>" + stderr_to;
     FILE * p = popen(cmd.c_str(), "r");
     run_result r{-1, {}};
     char buf[4096];
@@ -71,6 +72,9 @@ inline run_result run_voodoo(const std::string & args) {
     r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     return r;
 }
+
+/// Runs the voodoo CLI and captures its stdout alone (stderr, where progress goes, is dropped): for `--json -`.
+inline run_result run_voodoo_stdout(const std::string & args) { return run_voodoo(args, "/dev/null"); }
 
 /// n normal(0, 1) floats from a fixed seed.
 inline std::vector<float> gaussian(size_t n, uint32_t seed) {

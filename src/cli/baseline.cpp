@@ -33,6 +33,7 @@ command add_baseline(CLI::App & app) {
         std::string recipes;
         std::string out;
         std::string out_dir;
+        std::string json;
     };
     auto o = std::make_shared<options>();
     sub->add_option("source", o->base.source, "Full-precision GGUF (F32/F16/BF16)")->required();
@@ -43,14 +44,18 @@ command add_baseline(CLI::App & app) {
     sub->add_option("--out", o->out, "Output GGUF (with --recipe)");
     sub->add_option("--out-dir", o->out_dir, "Output folder (with --recipes): SOURCE_STEM-RECIPE.gguf, baselines.json");
     sub->add_option("-t,--threads", o->base.n_threads, "Quantization threads (default: every core)")->check(non_negative());
+    add_json_option(sub, o->json, "Each file made (recipe, path, bytes, BPW, tensor types)");
     return {sub, [o] {
         if (!o->recipe.empty()) {
             if (o->out.empty()) {
                 fail("--recipe {} needs --out F.gguf", o->recipe);
             }
             const baseline_result r = make_baseline(o->base, o->recipe, o->out);
-            fmt::print("{}", baselines_to_markdown({r}));
-            return 0;
+            if (o->json != "-") {
+                fmt::print("{}", baselines_to_markdown({r}));
+            }
+            write_json_to(o->json, result_json(r));
+            return r.ok ? 0 : 1;
         }
         if (o->recipes.empty()) {
             fail("give --recipe NAME --out F.gguf, or --recipes all-that-fit --out-dir DIR");
@@ -71,14 +76,19 @@ command add_baseline(CLI::App & app) {
             }
         }
         const std::vector<baseline_result> results = make_baselines(o->base, names, o->out_dir);
-        fmt::print("{}", baselines_to_markdown(results));
+        if (o->json != "-") {
+            fmt::print("{}", baselines_to_markdown(results));
+        }
         nlohmann::json j = nlohmann::json::array();
         for (const baseline_result & r : results) {
             j.push_back(result_json(r));
         }
         const std::string json_path = (std::filesystem::path(o->out_dir) / "baselines.json").string();
         write_file_atomic(json_path, j.dump(2) + "\n");
-        fmt::print("json: {}\n", json_path);
+        if (o->json != "-") {
+            fmt::print("json: {}\n", json_path);
+        }
+        write_json_to(o->json, j);
         const bool all_ok = std::all_of(results.begin(), results.end(), [](const auto & r) { return r.ok; });
         return all_ok ? 0 : 1;
     }};

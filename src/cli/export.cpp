@@ -18,7 +18,7 @@ command add_export(CLI::App & app) {
                 "  voodoo export --model model.gguf --recipe run/recipe.json --out model.Voodoo45.gguf\n"
                 "  voodoo export --model model.gguf --recipe run/recipe.json --out out/   # names it <model>.Voodoo<NN>.gguf");
     struct options {
-        std::string model, recipe, out, cache, imatrix;
+        std::string model, recipe, out, cache, imatrix, json;
         int threads = 0;
     };
     auto o = std::make_shared<options>();
@@ -28,6 +28,7 @@ command add_export(CLI::App & app) {
     sub->add_option("--cache", o->cache, "Candidate cache folder to take bytes from (optional)");
     sub->add_option("--imatrix", o->imatrix, "Importance matrix (default: the one the recipe was trained with)");
     sub->add_option("-t,--threads", o->threads, "Threads (0 = all cores)")->capture_default_str()->check(non_negative());
+    add_json_option(sub, o->json, "What was written (path, bytes on disk, tensor bytes, BPW)");
     return {sub, [o] {
         const gguf_file src(o->model);
         const recipe r = recipe_load(o->recipe);
@@ -51,8 +52,13 @@ command add_export(CLI::App & app) {
             out = default_output_path(out, src, ratio);
         }
         const export_result res = export_gguf(src, r, out, opts);
-        fmt::print("wrote {}\n  {} bytes on disk, {} tensor bytes, {:.4f} BPW, {:.1f}% of the Q8_0 size\n", res.path,
-                   res.file_bytes, res.tensor_bytes, res.bpw, 100.0 * res.q8_0_ratio);
+        if (o->json != "-") {
+            fmt::print("wrote {}\n  {} bytes on disk, {} tensor bytes, {:.4f} BPW, {:.1f}% of the Q8_0 size\n", res.path,
+                       res.file_bytes, res.tensor_bytes, res.bpw, 100.0 * res.q8_0_ratio);
+        }
+        write_json_to(o->json, {{"path", res.path}, {"file_bytes", res.file_bytes}, {"tensor_bytes", res.tensor_bytes},
+                                {"bpw", res.bpw}, {"q8_0_ratio", res.q8_0_ratio}, {"recipe", o->recipe},
+                                {"model", o->model}, {"imatrix", imatrix_path}});
         return 0;
     }};
 }

@@ -1,10 +1,12 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/file.h"
+#include "eval/report.h"
 #include "pipeline/quantize.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include <memory>
 
@@ -23,7 +25,7 @@ command add_quantize(CLI::App & app) {
                 "Run it again after a stop: finished stages are kept, training resumes from its journal.");
     struct options {
         quantize_options q;
-        std::string target_size, menu, target_bpw, ratio, model_flag;
+        std::string target_size, menu, target_bpw, ratio, model_flag, json;
         std::vector<std::string> menu_for;
     };
     auto o = std::make_shared<options>();
@@ -97,6 +99,7 @@ command add_quantize(CLI::App & app) {
                     "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str()
         ->check(CLI::PositiveNumber);
     sub->add_option("--seed", o->q.train.seed, "Seed")->capture_default_str();
+    add_json_option(sub, o->json, "What was made (files, sizes, the comparison with every stock file, the work folder)");
     return {sub, [o, bpw, size, ratio, like, sub, model_opt, threads, ggml_threads] {
         quantize_options q = o->q;
         if (model_opt->count()) {
@@ -172,10 +175,18 @@ command add_quantize(CLI::App & app) {
         q.train.should_stop = stop_on_sigint();
         q.command = command_line();
         const quantize_result r = run_quantize(q);
-        fmt::print("\n{}\n", r.table);
-        for (const std::string & f : r.outs) {
-            fmt::print("wrote {} ({} bytes)\n", f, file_size(f));
+        if (o->json != "-") {
+            fmt::print("\n{}\n", r.table);
+            for (const std::string & f : r.outs) {
+                fmt::print("wrote {} ({} bytes)\n", f, file_size(f));
+            }
         }
+        nlohmann::json files = nlohmann::json::array();
+        for (const std::string & f : r.outs) {
+            files.push_back({{"path", f}, {"file_bytes", file_size(f)}});
+        }
+        write_json_to(o->json, {{"files", files}, {"largest", r.out}, {"q8_0_ratio", r.q8_0_ratio}, {"work", r.work},
+                                {"model_card", r.card}, {"eval", eval_to_json(r.eval)}});
         return 0;
     }};
 }

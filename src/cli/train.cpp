@@ -6,6 +6,9 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
 
 #include <memory>
 
@@ -22,7 +25,7 @@ command add_train(CLI::App & app) {
                 "  voodoo train ... --out run/ --resume      # continue after Ctrl-C\n"
                 "Then: voodoo export --model m.gguf --recipe run/recipe.json --out out/");
     struct options {
-        std::string model, data, out, imatrix, teacher, menu, cache, target_size;
+        std::string model, data, out, imatrix, teacher, menu, cache, target_size, json;
         std::vector<std::string> menu_for;
         double target_bpw = 0, ratio = 0;
         train_options t;
@@ -75,6 +78,7 @@ command add_train(CLI::App & app) {
     sub->add_option("--gate-init", o->t.gate_init, "Start logit of the probe's allocation")->capture_default_str();
     sub->add_option("--journal-every", o->t.journal_every, "Steps between journals")->capture_default_str();
     sub->add_flag("--resume", o->t.resume, "Continue the run in --out from its journal");
+    add_json_option(sub, o->json, "The result (recipe, bytes against the limit, the final selection's measurements)");
     sub->add_option("--device", o->t.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
     sub->add_option("--mixture", o->t.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
@@ -126,8 +130,22 @@ command add_train(CLI::App & app) {
                        r.steps_done, o->out);
             return 130;
         }
-        fmt::print("{}", r.summary);
-        fmt::print("wrote {0}/recipe.json and {0}/recipe.tensor-types.txt in {1:.1f} s\n", o->out, r.seconds);
+        if (o->json != "-") {
+            fmt::print("{}", r.summary);
+            fmt::print("wrote {0}/recipe.json and {0}/recipe.tensor-types.txt in {1:.1f} s\n", o->out, r.seconds);
+        }
+        nlohmann::json selection = nlohmann::json::array();
+        for (const auto & e : r.selection) {
+            selection.push_back({{"recipe", e.name}, {"val_kl", e.val_kl}, {"probe_estimate", e.estimated}, {"bytes", e.bytes}});
+        }
+        const std::filesystem::path run(o->out);
+        write_json_to(o->json, {{"recipe", (run / "recipe.json").string()},
+                                {"tensor_types", (run / "recipe.tensor-types.txt").string()},
+                                {"target", r.final_recipe.target}, {"total", r.total_bytes}, {"limit", r.limit_bytes},
+                                {"steps", r.steps_done}, {"seconds", r.seconds}, {"device", r.device},
+                                {"mixture", r.mixture}, {"routing", t.routing},
+                                {"selection_tokens", {r.select_tokens_shape.first, r.select_tokens_shape.second}},
+                                {"selection_held_apart", r.select_held_apart}, {"selection", selection}});
         return 0;
     }};
 }

@@ -116,6 +116,7 @@ void run_child(std::vector<std::string> args, const std::string & what, const st
         fail("{}: cannot start a child process: {}", what, std::strerror(errno));
     }
     if (pid == 0) {
+        dup2(STDERR_FILENO, STDOUT_FILENO);  // a stage's report is progress here: stdout is for the job's result
         execv(argv[0], argv.data());
         std::fprintf(stderr, "cannot run %s: %s\n", argv[0], std::strerror(errno));
         _exit(127);
@@ -734,6 +735,7 @@ quantize_result run_quantize(const quantize_options & opts) {
     }
 
     quantize_result res;
+    res.work = work;
     std::vector<std::string> recipe_paths;  // each file's recipe.json
     std::vector<size_t> sizes;
     std::vector<std::string> peers;

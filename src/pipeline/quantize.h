@@ -56,6 +56,7 @@ struct quantize_result {
     eval_result eval;                       // empty files when baselines == "none" and no eval ran
     std::string table;                      // the final comparison table (markdown)
     std::string card;                       // the model card written beside the files (README.md)
+    std::string work;                       // the work folder it used
 };
 
 /// Checks every option against the source model before anything is made (no file, no folder): texts and files
