@@ -237,7 +237,7 @@ TEST(quantize, every_bad_option_is_refused_before_anything_is_made) {
          [](auto & q) { q.train.menu.per_role = {{"nomatch.*", {GGML_TYPE_Q4_0}}}; },
          {"--menu-for 'nomatch.*'", "matches no"}},
         {"a missing imatrix", [&](auto & q) { q.imatrix = dir.file("im.gguf"); }, {"im.gguf"}},
-        {"a quantized source", [&](auto & q) { q.model = q8_0; }, {"already quantized", "convert"}},
+        {"a quantized source", [&](auto & q) { q.model = q8_0; }, {"already quantized", "convert", "--allow-requantize"}},
         {"--out and --out-dir",
          [&](auto & q) {
              q.out = dir.file("x.gguf");
@@ -363,4 +363,33 @@ TEST(quantize, a_ladder_with_an_impossible_size_is_refused_before_any_training) 
     q.out = dir.file("one.gguf");
     const std::string out_msg = test::error_of([&] { run_quantize(q); });
     EXPECT_NE(out_msg.find("--out"), std::string::npos) << out_msg;
+}
+
+TEST(quantize, allow_requantize_quantizes_a_quantized_source_against_itself_as_llama_quantize_does) {
+    // Issue #21: llama-quantize's --allow-requantize. A Q8_0 file is the source and the teacher: the stock Q5_0 made
+    // from it (llama_model_quantize with allow_requantize) sets the budget, and the Voodoo file fits it.
+    test::temp_dir dir;
+    const std::string q8_0 = dir.file("stories260K-Q8_0.gguf");
+    baseline_options bo;
+    bo.source = test::stories260k();
+    ASSERT_TRUE(make_baseline(bo, "Q8_0", q8_0).ok);
+    auto q = small_job(dir.file("work"));
+    q.model = q8_0;
+    q.baselines = "Q5_0";
+    q.allow_requantize = true;
+    const quantize_result r = run_quantize(q);
+    ASSERT_EQ(r.eval.files.size(), 2u);
+    const auto & stock = r.eval.files[1];
+    EXPECT_NE(stock.name.find("Q5_0"), std::string::npos) << stock.name;
+    EXPECT_LE(r.file_bytes, static_cast<size_t>(stock.file_bytes));
+    EXPECT_TRUE(std::isfinite(r.eval.files[0].kld_mean));
+    EXPECT_EQ(r.eval.reference, q8_0) << "every KLD is against the quantized source";
+    // The stock tool refuses the same source without the flag; so does a baseline without it.
+    bo.source = q8_0;
+    const std::string refused = test::error_of([&] { make_baseline(bo, "Q4_0", dir.file("no.gguf")); });
+    EXPECT_NE(refused.find("already quantized"), std::string::npos) << refused;
+    EXPECT_NE(refused.find("--allow-requantize"), std::string::npos) << refused;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("no.gguf")));
+    bo.allow_requantize = true;
+    EXPECT_TRUE(make_baseline(bo, "Q4_0", dir.file("yes.gguf")).ok);
 }

@@ -45,6 +45,7 @@ command add_baseline(CLI::App & app) {
     sub->add_option("--out-dir", o->out_dir, "Output folder (with --recipes): SOURCE_STEM-RECIPE.gguf, baselines.json");
     sub->add_option("-t,--threads", o->base.n_threads, "Quantization threads (default: every core)")->check(non_negative());
     add_json_option(sub, o->json, "Each file made (recipe, path, bytes, BPW, tensor types)");
+    sub->add_flag("--allow-requantize", o->base.allow_requantize, "Accept an already quantized source (llama-quantize's flag)");
     return {sub, [o] {
         if (!o->recipe.empty()) {
             if (o->out.empty()) {

@@ -99,6 +99,8 @@ command add_quantize(CLI::App & app) {
                     "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str()
         ->check(CLI::PositiveNumber);
     sub->add_option("--seed", o->q.train.seed, "Seed")->capture_default_str();
+    sub->add_flag("--allow-requantize", o->q.allow_requantize,
+                  "Accept an already quantized source (as llama-quantize): it is also the teacher, and no file can be better than it");
     add_json_option(sub, o->json, "What was made (files, sizes, the comparison with every stock file, the work folder)");
     return {sub, [o, bpw, size, ratio, like, sub, model_opt, threads, ggml_threads] {
         quantize_options q = o->q;

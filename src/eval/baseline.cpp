@@ -142,6 +142,7 @@ baseline_result quantize_one(const baseline_options & opt, const stock_recipe & 
     llama_model_quantize_params qp = llama_model_quantize_default_params();
     qp.ftype = r.ftype;
     qp.nthread = opt.n_threads;
+    qp.allow_requantize = opt.allow_requantize;
     if (im) {
         qp.imatrix = im->entries.data();
         qp.kv_overrides = im->kv.data();
@@ -180,6 +181,15 @@ std::unique_ptr<gguf_file> open_source(const baseline_options & opt) {
     auto src = std::make_unique<gguf_file>(opt.source);
     if (src->tensors().empty()) {
         fail("'{}' has no tensors: give the full-precision model GGUF", opt.source);
+    }
+    if (!opt.allow_requantize) {
+        for (const gguf_tensor & t : src->tensors()) {
+            if (t.n_dims >= 2 && type_info_of(t.type).is_quantized) {
+                fail("'{}' is already quantized ({} is {}): stock recipes are made from the full-precision model; give "
+                     "that, or pass --allow-requantize (llama-quantize's flag) to requantize this file",
+                     opt.source, t.name, type_name(t.type));
+            }
+        }
     }
     return src;
 }

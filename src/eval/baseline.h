@@ -34,6 +34,7 @@ struct baseline_options {
     std::string source;             // F32/F16/BF16 GGUF
     std::string imatrix;            // llama.cpp imatrix (GGUF or legacy .dat, src/imatrix), or empty
     int n_threads = 0;              // 0 = every core
+    bool allow_requantize = false;  // llama_model_quantize_params.allow_requantize: a quantized source is accepted
 };
 
 struct baseline_result {

@@ -515,12 +515,26 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     }
 
     // The source: full precision, since Voodoo's candidates and its teacher are made from it.
+    size_t n_quantized = 0;
+    const gguf_tensor * first_quantized = nullptr;
     for (const gguf_tensor & t : src.tensors()) {
         if (tensor_is_selectable(t.name, t.n_dims) && type_info_of(t.type).is_quantized) {
-            fail("'{}' is already quantized ({} is {}): Voodoo quantizes from the full-precision model (F32, F16 or "
-                 "BF16), which is also its teacher; convert the original checkpoint (convert_hf_to_gguf.py --outtype "
-                 "bf16) and give that", src.path(), t.name, type_name(t.type));
+            first_quantized = first_quantized ? first_quantized : &t;
+            ++n_quantized;
         }
+    }
+    if (first_quantized && !o.allow_requantize) {
+        fail("'{}' is already quantized ({} is {}): Voodoo quantizes from the full-precision model (F32, F16 or "
+             "BF16), which is also its teacher; convert the original checkpoint (convert_hf_to_gguf.py --outtype "
+             "bf16) and give that, or pass --allow-requantize (as llama-quantize has it) to quantize this file anyway",
+             src.path(), first_quantized->name, type_name(first_quantized->type));
+    }
+    if (first_quantized) {
+        fmt::print(stderr,
+                   "voodoo: warning: requantizing '{}': {} tensors are already quantized ({} is {}). Candidates are "
+                   "made from their dequantized values, and this file is also the teacher, so every KLD is measured "
+                   "against it, not against the original model; no file can be better than it.\n",
+                   src.path(), n_quantized, first_quantized->name, type_name(first_quantized->type));
     }
 
     // Recipe names.
@@ -692,6 +706,7 @@ quantize_result run_quantize(const quantize_options & opts) {
     // the stock files: made with the model and the imatrix
     baseline_options bo;
     bo.source = o.model;
+    bo.allow_requantize = o.allow_requantize;
     bo.imatrix = imatrix_path;
     bo.n_threads = o.threads;
     const std::string base_dir = (fs::path(work) / "baselines").string();

@@ -21,6 +21,8 @@ struct quantize_options {
     std::string out_dir;                    // folder for the output file(s) ("" = WORK, or --out's folder in a ladder)
     std::string work;                       // work folder: data/, imatrix.gguf, run-<label>/, baselines/, eval.*
     std::string imatrix;                    // an imatrix the user has (GGUF or legacy .dat): no imatrix stage
+    bool allow_requantize = false;          // accept an already quantized source (llama-quantize's --allow-requantize):
+                                            // it is then also the teacher, and every KLD is measured against it
     bool greedy_peer = false;               // also export the measured-sensitivity greedy knapsack at every size
                                             // (<model>.greedy[.<label>].gguf) and compare it (bench/greedy_peer)
     std::string baselines = "nearest";      // "nearest", "all-that-fit", "none" or a comma list of recipe names
