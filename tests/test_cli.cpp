@@ -3,8 +3,17 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
+#include <csignal>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <thread>
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 using voodoo::test::run_voodoo;
 
@@ -235,4 +244,105 @@ TEST(cli, quantize_train_export_and_baseline_report_as_json_to_a_file_or_alone_o
     EXPECT_EQ(jt["routing"], "mix");
     EXPECT_FALSE(jt["selection"].empty());
     EXPECT_TRUE(std::filesystem::exists(jt["recipe"].get<std::string>()));
+}
+
+namespace {
+
+// Starts `voodoo args…` with stderr on a pipe (VOODOO_PROGRESS=0), reads its lines until one starts with
+// `header` (empty: the first line), waits `delay_ms`, and kills it with SIGKILL. Returns whether it was killed
+// (false: it ended before).
+bool kill_voodoo_at(const std::vector<std::string> & args, const std::string & header, int delay_ms) {
+    int fds[2];
+    if (::pipe(fds) != 0) {
+        return false;
+    }
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+        ::dup2(fds[1], STDERR_FILENO);
+        const int null = ::open("/dev/null", O_WRONLY);
+        ::dup2(null, STDOUT_FILENO);
+        ::close(fds[0]);
+        ::setenv("VOODOO_PROGRESS", "0", 1);
+        std::vector<char *> argv;
+        std::string bin = VOODOO_BIN;
+        argv.push_back(bin.data());
+        std::vector<std::string> copy = args;
+        for (std::string & a : copy) {
+            argv.push_back(a.data());
+        }
+        argv.push_back(nullptr);
+        ::execv(argv[0], argv.data());
+        ::_exit(127);
+    }
+    ::close(fds[1]);
+    FILE * err = ::fdopen(fds[0], "r");
+    char line[4096];
+    bool seen = header.empty();
+    while (!seen && std::fgets(line, sizeof line, err)) {
+        seen = std::string(line).starts_with(header);
+    }
+    if (seen) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+        ::kill(pid, SIGKILL);
+    }
+    std::fclose(err);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    return WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+}
+
+}  // namespace
+
+TEST(cli, quantize_killed_with_sigkill_in_any_stage_then_run_again_makes_the_same_bytes) {
+    // Issue #19: kill -9 at a point in each stage (right after its header line, and at several points of the
+    // training stage, which holds candidates, probe, gate training and selection), then the same command again:
+    // the file, the recipe and the evaluation must be byte for byte those of an uninterrupted run. The same work
+    // path every time, since the recipe and the file record it.
+    voodoo::test::temp_dir dir;
+    const std::string text = voodoo::test::read_file(voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt");
+    voodoo::test::write_file(dir.file("calib.txt"), text.substr(0, 150000));
+    voodoo::test::write_file(dir.file("held.txt"), text.substr(text.size() - 40000));
+    const std::string work = dir.file("w");
+    const std::vector<std::string> args = {
+        "quantize", voodoo::test::stories260k(), "--text", dir.file("calib.txt"), "--eval-text", dir.file("held.txt"),
+        "--like", "Q4_0", "--ctx", "64", "--steps", "8", "--batch", "2", "--probe-sequences", "2", "--select-sequences",
+        "2", "--eval-ctx", "64", "--eval-chunks", "4", "--baselines", "Q4_0", "-t", "1", "--work", work};
+    std::string line;
+    for (const std::string & a : args) {
+        line += "'" + a + "' ";
+    }
+    const std::vector<std::string> outputs = {"stories260K.Voodoo73.gguf", "run-Q4_0/recipe.json",
+                                              "run-Q4_0/recipe.tensor-types.txt", "eval.json"};
+    ASSERT_EQ(run_voodoo(line).exit_code, 0);
+    std::map<std::string, std::string> want;
+    for (const std::string & f : outputs) {
+        want[f] = voodoo::test::read_file(work + "/" + f);
+    }
+    const auto times = nlohmann::json::parse(voodoo::test::read_file(work + "/times.json"));
+    const int train_ms = static_cast<int>(1000 * times["train"].get<double>());
+
+    struct point {
+        std::string header;
+        int delay_ms;
+    };
+    std::vector<point> points;
+    for (const char * stage : {"data", "imatrix", "target", "train", "export", "baselines", "eval", "card"}) {
+        points.push_back({std::string("== ") + stage + ":", 0});
+    }
+    for (int i = 1; i <= 4; ++i) {
+        points.push_back({"== train:", train_ms * i / 5});
+    }
+    int killed = 0;
+    for (const point & p : points) {
+        SCOPED_TRACE(p.header + " + " + std::to_string(p.delay_ms) + " ms");
+        voodoo::remove_tree(work);
+        killed += kill_voodoo_at(args, p.header, p.delay_ms);
+        const auto again = run_voodoo(line);
+        ASSERT_EQ(again.exit_code, 0) << again.output;
+        for (const std::string & f : outputs) {
+            EXPECT_TRUE(voodoo::test::read_file(work + "/" + f) == want[f]) << f << " differs from the uninterrupted run's";
+        }
+    }
+    RecordProperty("killed", killed);
+    EXPECT_GE(killed, 8) << "most kills must land before the job ends";
 }

@@ -112,10 +112,18 @@ void atomic_file::write(const void * data, size_t n) {
         return;
     }
     if (std::fwrite(data, 1, n, file_) != n) {
-        fail("writing '{}' failed after {} bytes: {}; nothing was written to the destination", path_, written_,
-             std::strerror(errno));
+        fail_write(errno);
     }
     written_ += n;
+}
+
+void atomic_file::fail_write(int err) const {
+    const std::string needed =
+        expected_ > 0 ? fmt::format(" of the {} bytes it needs ({:.1f} MiB)", expected_, static_cast<double>(expected_) / 1048576.0)
+                      : std::string();
+    fail("writing '{}' failed after {} bytes{}: {}; nothing was written to the destination (free the space and run "
+         "the same command again: what was finished is kept)",
+         path_, written_, needed, std::strerror(err));
 }
 
 void atomic_file::write_zeros(size_t n) {
@@ -129,7 +137,7 @@ void atomic_file::write_zeros(size_t n) {
 
 void atomic_file::commit() {
     if (std::fflush(file_) != 0 || fsync(fileno(file_)) != 0) {
-        fail("writing '{}' failed: {}; nothing was written to the destination", path_, std::strerror(errno));
+        fail_write(errno);
     }
     std::fclose(file_);
     file_ = nullptr;
@@ -148,6 +156,7 @@ void atomic_file::commit() {
 
 void write_file_atomic(const std::string & path, std::span<const uint8_t> bytes) {
     atomic_file f(path);
+    f.expect(bytes.size());
     f.write(bytes);
     f.commit();
 }

@@ -58,6 +58,8 @@ public:
     void write_zeros(size_t n);
     /// Bytes written so far.
     size_t tell() const { return written_; }
+    /// The file's whole size when known in advance: a failed write then says how many bytes it needs.
+    void expect(size_t total) { expected_ = total; }
     /// Flushes, fsyncs, renames onto the destination and fsyncs the folder.
     void commit();
 
@@ -69,7 +71,10 @@ private:
     std::string temp_path_;
     FILE * file_ = nullptr;
     size_t written_ = 0;
+    size_t expected_ = 0;
     bool committed_ = false;
+
+    [[noreturn]] void fail_write(int err) const;
 };
 
 /// One job at a time in a work folder: an exclusive flock(2) on `<dir>/.lock`, held as long as this object (and

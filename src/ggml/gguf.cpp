@@ -290,6 +290,11 @@ void gguf_writer::begin_data() {
     }
     std::vector<uint8_t> meta(gguf_get_meta_size(ctx_));
     gguf_get_meta_data(ctx_, meta.data());
+    size_t total = meta.size();
+    for (int64_t i = 0; i < gguf_get_n_tensors(ctx_); ++i) {
+        total += GGML_PAD(gguf_get_tensor_size(ctx_, i), alignment_);
+    }
+    out_.expect(total);  // a full disk then says how many bytes the file needs
     out_.write(meta);
     data_started_ = true;
 }
