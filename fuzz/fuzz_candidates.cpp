@@ -29,11 +29,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     // The first byte: the candidate's ggml type (its enum value, low 7 bits), and whether the entry is voodoo's
     // own (written by store(), high bit) or the raw bytes of a damaged or foreign file; the rest is the entry.
     // The size asked for is the nearest whole number of rows, so that sizes match often.
-    const auto type = static_cast<ggml_type>(data[0] & 0x7f);
+    // (Compared as numbers: a cast of 100 to ggml_type is itself undefined behaviour, as UBSan said.)
+    const int number = data[0] & 0x7f;
     const auto & types = voodoo::type_table();
-    if (std::none_of(types.begin(), types.end(), [&](const voodoo::type_info & t) { return t.type == type; })) {
+    const auto info = std::find_if(types.begin(), types.end(),
+                                   [&](const voodoo::type_info & t) { return static_cast<int>(t.type) == number; });
+    if (info == types.end()) {
         return 0;
     }
+    const ggml_type type = info->type;
     const bool stored = (data[0] & 0x80) != 0;
     const std::span<const uint8_t> bytes(data + 1, size - 1);
     const size_t row = ggml_row_size(type, k_ne0);
@@ -41,7 +45,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (stored) {
         cache().store(k_key, bytes);
     } else {
-        const std::filesystem::path entry = std::filesystem::path(cache().dir()) / k_key.substr(0, 2) / (k_key + ".bin");
+        namespace fs = std::filesystem;
+        const fs::path entry = fs::path(cache().dir()) / k_key.substr(0, 2) / (k_key + ".bin");  // as path_of lays it
         std::filesystem::create_directories(entry.parent_path());
         voodoo::fuzz::write_file(entry.string(), bytes.data(), bytes.size());
     }

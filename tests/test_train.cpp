@@ -99,12 +99,13 @@ TEST(train, a_resumed_run_ends_with_the_same_recipe_as_an_uninterrupted_one) {
     EXPECT_FALSE(std::filesystem::exists(dir.file("b/recipe.json")));
     b.should_stop = nullptr;
     b.resume = true;
+    std::ofstream(dir.file("b/log.jsonl"), std::ios::app) << R"({"step": 3, "lo)";  // a write cut short by the stop
     const train_result rest = train_gates(src, src, data.train(), nullptr, b);
     EXPECT_TRUE(rest.finished);
     const auto ja = recipe_to_json(recipe_load(dir.file("a/recipe.json")));
     const auto jb = recipe_to_json(recipe_load(dir.file("b/recipe.json")));
     EXPECT_EQ(ja["tensors"], jb["tensors"]);  // types and gate probabilities, bit for bit
-    // The log of the resumed run has each step once.
+    // The log of the resumed run has each step once, and the cut line is gone.
     std::ifstream log(dir.file("b/log.jsonl"));
     int lines = 0;
     for (std::string line; std::getline(log, line); ++lines) {

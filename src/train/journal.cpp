@@ -33,7 +33,7 @@ int load_journal(const std::string & path, const std::string & fingerprint, std:
     // error naming the file.
     const std::string bytes = read_journal_file(path);
     auto cannot_read = [&](const std::string & why) {
-        fail("journal '{}' cannot be read ({}): start without --resume", path, why);
+        fail("journal '{}' cannot be read ({}); delete it to start the training over", path, why);
     };
     c10::IValue stored_fingerprint;
     torch::Tensor step;

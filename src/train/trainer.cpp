@@ -469,7 +469,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         std::string kept;
         for (std::string line; std::getline(in, line);) {
             const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions =*/false);
-            if (j.is_object() && j.contains("step") && j["step"].is_number_integer() && j["step"].get<int64_t>() < step) {
+            const bool before = j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+                                j["step"].get<int64_t>() < step;
+            if (before) {
                 kept += line + "\n";
             }
         }
