@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <llama.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -247,6 +248,64 @@ TEST(data, token_file_rejects_a_truncated_file) {
     EXPECT_THROW(voodoo::token_file(tmp.file("short.tokens")), voodoo::error);
     EXPECT_THROW(voodoo::write_token_file(tmp.file("x.tokens"), tokens, 4, 0, 8, 0), voodoo::error);  // id 9 ≥ 8
     EXPECT_FALSE(std::filesystem::exists(tmp.file("x.tokens")));
+}
+
+TEST(data, a_token_file_whose_header_counts_wrap_around_2_64_is_refused_naming_it) {
+    // Found by fuzz_tokens (scripts/fuzz.sh): 2^39 chunks of 0x29000000 tokens are 0x29 · 2^65 bytes, 0 modulo
+    // 2^64, so a bare 48-byte header passed the size check and the token check then read far past the map
+    // (UBSan stopped it first, at n_chunks · ctx).
+    temp_dir tmp;
+    voodoo::token_file_header h{};
+    std::memcpy(h.magic, "VOODOTOK", 8);
+    h.version = voodoo::token_file_version;
+    h.ctx = 0x29000000;
+    h.n_chunks = uint64_t{1} << 39;
+    h.n_vocab = 512;
+    voodoo::test::write_file(tmp.file("wrap.tokens"), std::string(reinterpret_cast<const char *>(&h), sizeof h));
+    const std::string msg = voodoo::test::error_of([&] { voodoo::token_file f(tmp.file("wrap.tokens")); });
+    EXPECT_NE(msg.find(tmp.file("wrap.tokens")), std::string::npos) << msg;
+    EXPECT_NE(msg.find("promises 549755813888 chunks of 687865856 tokens"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("holds 0 bytes of tokens"), std::string::npos) << msg;
+    h.ctx = 0;
+    voodoo::test::write_file(tmp.file("zero.tokens"), std::string(reinterpret_cast<const char *>(&h), sizeof h));
+    EXPECT_NE(voodoo::test::error_of([&] { voodoo::token_file f(tmp.file("zero.tokens")); }).find("chunks of 0 tokens"),
+              std::string::npos);
+}
+
+TEST(data, a_data_json_field_of_the_wrong_type_or_an_empty_train_split_is_one_error_naming_the_file) {
+    // nlohmann's value() threw its own type_error on these (an internal error, exit 3, in `voodoo imatrix`/`train`);
+    // an empty train.tokens reached the trainer's chunk arithmetic (a division by 0 chunks).
+    temp_dir tmp;
+    const std::vector<int32_t> tokens = {1, 5, 6, 7, 1, 8, 9, 10};
+    std::filesystem::create_directories(tmp.file("d"));
+    voodoo::write_token_file(tmp.file("d/train.tokens"), tokens, 4, 0x1234, 512, voodoo::token_file_flag_bos);
+    voodoo::write_token_file(tmp.file("d/val.tokens"), tokens, 4, 0x1234, 512, voodoo::token_file_flag_bos);
+    const std::string json = tmp.file("d/data.json");
+    auto error_for = [&](const std::string & text) {
+        voodoo::test::write_file(json, text);
+        return voodoo::test::error_of([&] { voodoo::token_data d(tmp.file("d")); });
+    };
+    for (const char * text : {R"({"format": 5})", R"([1, 2])", R"({"sources": []})"}) {
+        const std::string msg = error_for(text);
+        EXPECT_NE(msg.find(json), std::string::npos) << text << ": " << msg;
+        EXPECT_NE(msg.find("is not a Voodoo data sidecar"), std::string::npos) << text << ": " << msg;
+    }
+    std::string msg = error_for(R"({"format": "voodoo-tokens", "sources": 5})");
+    EXPECT_NE(msg.find(json + "': \"sources\" must be an array"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("it is number"), std::string::npos) << msg;
+    msg = error_for(R"({"format": "voodoo-tokens", "sources": [{"path": "a.txt"}, {"path": 7}]})");
+    EXPECT_NE(msg.find(json + "': sources[1] has no string \"path\""), std::string::npos) << msg;
+    voodoo::test::write_file(json, R"({"format": "voodoo-tokens", "sources": [{"path": "a.txt"}]})");
+    EXPECT_EQ(voodoo::token_data(tmp.file("d")).sources(), std::vector<std::string>({"a.txt"}));
+    voodoo::write_token_file(tmp.file("d/train.tokens"), {}, 4, 0x1234, 512, voodoo::token_file_flag_bos);
+    msg = voodoo::test::error_of([&] { voodoo::token_data d(tmp.file("d")); });
+    EXPECT_NE(msg.find(tmp.file("d/train.tokens") + "' holds no chunk"), std::string::npos) << msg;
+    // Through the CLI: one error line and exit 1, not an internal error.
+    voodoo::test::write_file(json, R"({"format": "voodoo-tokens", "sources": "a.txt"})");
+    const auto r = run_voodoo("imatrix --model " + stories260k() + " --data " + tmp.file("d") + " --out " +
+                              tmp.file("im.gguf"));
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("\"sources\" must be an array"), std::string::npos) << r.output;
 }
 
 }  // namespace

@@ -286,3 +286,27 @@ TEST(candidates, the_cache_returns_the_same_bytes_and_ignores_a_damaged_entry) {
     EXPECT_FALSE(cache.load(key, direct.size()).has_value());
     EXPECT_EQ(candidate_bytes(src, t, GGML_TYPE_Q5_1, {}, &cache), direct);
 }
+
+TEST(candidates, an_entry_of_the_right_size_whose_bytes_are_damaged_is_rebuilt_not_used) {
+    // Before the checksum, any bytes of the right size were returned as the candidate: trained on and exported.
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    candidate_cache cache(dir.file("cache"));
+    const gguf_tensor & t = src.tensor("blk.1.attn_k.weight");
+    const auto direct = candidate_bytes(src, t, GGML_TYPE_Q8_0, {}, &cache);
+    const std::string key = candidate_cache::key(src, t, GGML_TYPE_Q8_0, {});
+    const std::string entry = dir.file("cache/" + key.substr(0, 2) + "/" + key + ".bin");
+    std::vector<uint8_t> bytes = test::read_bytes(entry);
+    ASSERT_EQ(bytes.size(), direct.size() + 8);  // the candidate, then its xxh3-64
+    bytes[100] ^= 0x40;
+    test::write_bytes(entry, bytes);
+    EXPECT_FALSE(cache.load(key, direct.size()).has_value());
+    EXPECT_EQ(candidate_bytes(src, t, GGML_TYPE_Q8_0, {}, &cache), direct);
+    EXPECT_EQ(test::read_bytes(entry).size(), direct.size() + 8);  // rebuilt in place
+    EXPECT_TRUE(cache.load(key, direct.size()).has_value());
+    // An entry without a checksum (an older Voodoo's, or any file of the candidate's size) is not used either.
+    test::write_bytes(entry, direct);
+    EXPECT_FALSE(cache.load(key, direct.size()).has_value());
+    test::write_bytes(entry, std::vector<uint8_t>(direct.size() + 8, 0xff));
+    EXPECT_FALSE(cache.load(key, direct.size()).has_value());
+}

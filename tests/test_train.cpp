@@ -5,6 +5,7 @@
 #include "imatrix/imatrix.h"
 #include "model/fixture.h"
 #include "test_util.h"
+#include "train/journal.h"
 #include "train/trainer.h"
 
 #include <gtest/gtest.h>
@@ -98,12 +99,13 @@ TEST(train, a_resumed_run_ends_with_the_same_recipe_as_an_uninterrupted_one) {
     EXPECT_FALSE(std::filesystem::exists(dir.file("b/recipe.json")));
     b.should_stop = nullptr;
     b.resume = true;
+    std::ofstream(dir.file("b/log.jsonl"), std::ios::app) << R"({"step": 3, "lo)";  // a write cut short by the stop
     const train_result rest = train_gates(src, src, data.train(), nullptr, b);
     EXPECT_TRUE(rest.finished);
     const auto ja = recipe_to_json(recipe_load(dir.file("a/recipe.json")));
     const auto jb = recipe_to_json(recipe_load(dir.file("b/recipe.json")));
     EXPECT_EQ(ja["tensors"], jb["tensors"]);  // types and gate probabilities, bit for bit
-    // The log of the resumed run has each step once.
+    // The log of the resumed run has each step once, and the cut line is gone.
     std::ifstream log(dir.file("b/log.jsonl"));
     int lines = 0;
     for (std::string line; std::getline(log, line); ++lines) {
@@ -127,6 +129,74 @@ TEST(train, refuses_to_reuse_or_resume_the_wrong_run_directory) {
     auto fresh = quick(dir.file("empty"));
     fresh.resume = true;
     EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, fresh); }).find("no journal"),
+              std::string::npos);
+}
+
+// Not a libFuzzer harness: the archive inside journal.pt is read by LibTorch's deserializer (its zip reader, its
+// unpickler and TorchScript's type parser), and the fuzz build (fuzz/) compiles only Voodoo's own readers with ASan
+// and UBSan. Debian's LibTorch is not built with them, so under libFuzzer its code would run without coverage or
+// sanitizer checks, and linking it would pull hundreds of MB into every harness; fuzz/fuzz_journal.cpp fuzzes the
+// envelope (train/journal_file.cpp), which has no LibTorch. Here a real journal is cut at every length and has
+// every byte flipped: each must be one voodoo::error naming the file. Before the envelope, a flipped byte in the
+// archive's TorchScript source crashed libtorch 1.13 (SIGSEGV in ScriptTypeParser::parseClassConstant).
+TEST(train, a_journal_cut_short_or_with_any_byte_flipped_is_one_error_naming_it_not_a_crash) {
+    temp_dir dir;
+    const std::string path = dir.file("journal.pt");
+    auto gates = [] {
+        std::vector<gated_tensor> g(2);
+        g[0].gate = torch::tensor({3.0f, 0.5f, -1.0f}).requires_grad_(true);
+        g[1].gate = torch::zeros({5}).requires_grad_(true);
+        return g;
+    };
+    auto adamw = [](std::vector<gated_tensor> & g) {
+        return torch::optim::AdamW(std::vector<torch::Tensor>{g[0].gate, g[1].gate}, torch::optim::AdamWOptions(0.1));
+    };
+    std::vector<gated_tensor> saved = gates();
+    auto opt = adamw(saved);
+    (saved[0].gate.sum() + saved[1].gate.pow(2).sum()).backward();
+    opt.step();
+    save_journal(path, "fp", 4, saved, opt);
+    const std::string bytes = test::read_file(path);
+    {
+        auto g = gates();
+        auto o = adamw(g);
+        EXPECT_EQ(load_journal(path, "fp", g, o, 8), 4);
+        EXPECT_TRUE(torch::equal(g[0].gate, saved[0].gate));
+        EXPECT_NE(error_of([&] { load_journal(path, "fp", g, o, 3); }).find("its step is not a count in [0, 3]"),
+                  std::string::npos);
+    }
+    int refused = 0;
+    auto expect_refused = [&](const std::string & damaged, const std::string & what, const std::string & reason) {
+        test::write_file(path, damaged);
+        auto g = gates();
+        auto o = adamw(g);
+        try {
+            load_journal(path, "fp", g, o, 8);
+            ADD_FAILURE() << what << ": loaded";
+        } catch (const voodoo::error & e) {
+            const std::string msg = e.what();
+            EXPECT_NE(msg.find("journal '" + path + "'"), std::string::npos) << what << ": " << msg;
+            EXPECT_NE(msg.find(reason), std::string::npos) << what << ": " << msg;
+            ++refused;
+        } catch (const std::exception & e) {
+            ADD_FAILURE() << what << ": not a voodoo::error: " << e.what();
+        }
+        EXPECT_TRUE(torch::equal(g[0].gate, gates()[0].gate)) << what << ": a gate was set";
+    };
+    for (size_t n = 0; n < bytes.size(); ++n) {
+        expect_refused(bytes.substr(0, n), fmt::format("cut to {} of {} bytes", n, bytes.size()),
+                       n < 32 ? "is not a Voodoo journal" : "cut short");
+    }
+    for (size_t i = 0; i < bytes.size(); ++i) {
+        std::string damaged = bytes;
+        damaged[i] = static_cast<char>(damaged[i] ^ 0xff);
+        expect_refused(damaged, fmt::format("byte {} of {} flipped", i, bytes.size()), "");
+    }
+    EXPECT_EQ(refused, static_cast<int>(2 * bytes.size()));
+    // A journal of a Voodoo before the envelope (a plain LibTorch archive) is refused by name, not read.
+    test::write_file(path, bytes.substr(32));
+    EXPECT_NE(error_of([&] { auto g = gates(); auto o = adamw(g); load_journal(path, "fp", g, o, 8); })
+                  .find("is not a Voodoo journal"),
               std::string::npos);
 }
 

@@ -68,6 +68,28 @@ std::vector<int32_t> make_chunks(const std::vector<const document *> & docs, int
     return chunks;
 }
 
+// The "sources" of data.json: an array of objects, each with a string "path"; none when the key is absent.
+std::vector<std::string> read_sources(const nlohmann::json & sidecar, const std::string & json_path) {
+    std::vector<std::string> out;
+    const auto it = sidecar.find("sources");
+    if (it == sidecar.end()) {
+        return out;
+    }
+    if (!it->is_array()) {
+        fail("'{}': \"sources\" must be an array of {{\"path\": ...}} objects, it is {}; make the folder again with "
+             "`voodoo data`",
+             json_path, it->type_name());
+    }
+    for (size_t i = 0; i < it->size(); ++i) {
+        const nlohmann::json & s = (*it)[i];
+        if (!s.is_object() || !s.contains("path") || !s["path"].is_string()) {
+            fail("'{}': sources[{}] has no string \"path\"; make the folder again with `voodoo data`", json_path, i);
+        }
+        out.push_back(s["path"].get<std::string>());
+    }
+    return out;
+}
+
 nlohmann::json split_json(const std::string & file, const split_stats & s) {
     return {{"file", file},
             {"n_documents", s.n_documents},
@@ -224,24 +246,25 @@ token_data::token_data(const std::string & dir) : dir_(dir) {
             fail("'{}' is not valid JSON ({}); make the folder again with `voodoo data`", json_path, e.what());
         }
     }
-    if (!sidecar_.is_object() || sidecar_.value("format", "") != "voodoo-tokens") {
+    // Each field is checked for its JSON type before it is read: nlohmann's value() throws its own type_error
+    // (an internal error to the user) on "format": 5 or "sources": "x".
+    const auto format = sidecar_.is_object() ? sidecar_.find("format") : sidecar_.end();
+    if (!sidecar_.is_object() || format == sidecar_.end() || *format != "voodoo-tokens") {
         fail("'{}' is not a Voodoo data sidecar (no \"format\": \"voodoo-tokens\"); make the folder with `voodoo data`",
              json_path);
     }
+    sources_ = read_sources(sidecar_, json_path);
     train_ = std::make_unique<token_file>((fs::path(dir) / "train.tokens").string());
     val_ = std::make_unique<token_file>((fs::path(dir) / "val.tokens").string());
     if (train_->vocab_hash() != val_->vocab_hash() || train_->ctx() != val_->ctx()) {
         fail("'{}': train.tokens and val.tokens disagree (vocabulary or ctx); make the folder again with `voodoo data`",
              dir);
     }
-}
-
-std::vector<std::string> token_data::sources() const {
-    std::vector<std::string> out;
-    for (const auto & s : sidecar_.value("sources", nlohmann::json::array())) {
-        out.push_back(s.value("path", ""));
+    if (train_->n_chunks() == 0) {
+        fail("'{}' holds no chunk (`voodoo data` never writes an empty train split); make the folder again with "
+             "`voodoo data`",
+             train_->path());
     }
-    return out;
 }
 
 void token_data::require_vocab_of(const std::string & model_path) const {

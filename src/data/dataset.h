@@ -41,7 +41,9 @@ nlohmann::json prepare_data(const data_options & options);
 /// The folder `voodoo data` wrote, opened for reading.
 class token_data {
 public:
-    /// Opens DIR/data.json, DIR/train.tokens and DIR/val.tokens. Throws voodoo::error naming the missing or bad file.
+    /// Opens DIR/data.json, DIR/train.tokens and DIR/val.tokens. Throws voodoo::error naming the missing or bad file:
+    /// data.json not JSON, without "format": "voodoo-tokens" or with malformed "sources"; a bad token file; token
+    /// files that disagree; a train.tokens of no chunk.
     explicit token_data(const std::string & dir);
 
     const std::string & dir() const { return dir_; }
@@ -49,7 +51,7 @@ public:
     const token_file & val() const { return *val_; }
     const nlohmann::json & sidecar() const { return sidecar_; }
     /// The text files the tokens came from (as given to `voodoo data`).
-    std::vector<std::string> sources() const;
+    const std::vector<std::string> & sources() const { return sources_; }
 
     /// Throws voodoo::error when the tokens were made with another vocabulary than the model at model_path has.
     void require_vocab_of(const std::string & model_path) const;
@@ -57,6 +59,7 @@ public:
 private:
     std::string dir_;
     nlohmann::json sidecar_;
+    std::vector<std::string> sources_;
     std::unique_ptr<token_file> train_;
     std::unique_ptr<token_file> val_;
 };

@@ -54,11 +54,17 @@ token_file::token_file(const std::string & path) : path_(path), map_(path) {
              "`voodoo data`",
              path, header_.version, token_file_version);
     }
-    const uint64_t want = sizeof(token_file_header) + header_.n_chunks * header_.ctx * sizeof(int32_t);
-    if (header_.ctx == 0 || header_.n_chunks > (uint64_t{1} << 40) || bytes.size() != want) {
-        fail("'{}': the header promises {} chunks of {} tokens ({} bytes) but the file has {} bytes; it is truncated "
-             "or corrupt",
-             path, header_.n_chunks, header_.ctx, want, bytes.size());
+    if (header_.ctx == 0) {
+        fail("'{}': the header gives chunks of 0 tokens; the file is corrupt, make it again with `voodoo data`", path);
+    }
+    // Counted from the file's size, not from the header's product: n_chunks · ctx · 4 of a corrupt header can wrap
+    // around 2^64 to the size of a short file.
+    const uint64_t chunk_bytes = uint64_t{header_.ctx} * sizeof(int32_t);
+    const uint64_t token_bytes = bytes.size() - sizeof(token_file_header);
+    if (token_bytes % chunk_bytes != 0 || header_.n_chunks != token_bytes / chunk_bytes) {
+        fail("'{}': the header promises {} chunks of {} tokens ({} bytes each) but the file holds {} bytes of tokens; "
+             "it is truncated or corrupt, make it again with `voodoo data`",
+             path, header_.n_chunks, header_.ctx, chunk_bytes, token_bytes);
     }
     check_tokens(tokens(), header_.n_vocab, path);
 }

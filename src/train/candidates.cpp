@@ -103,12 +103,14 @@ std::string candidate_cache::path_of(const std::string & key) const {
 std::optional<std::vector<uint8_t>> candidate_cache::load(const std::string & key, size_t expected_bytes) const {
     const std::string path = path_of(key);
     std::error_code ec;
-    if (std::filesystem::file_size(path, ec) != expected_bytes || ec) {
+    if (std::filesystem::file_size(path, ec) != expected_bytes + sizeof(uint64_t) || ec) {
         return std::nullopt;
     }
     std::ifstream in(path, std::ios::binary);
     std::vector<uint8_t> bytes(expected_bytes);
-    if (!in.read(reinterpret_cast<char *>(bytes.data()), static_cast<std::streamsize>(expected_bytes))) {
+    uint64_t sum = 0;
+    if (!in.read(reinterpret_cast<char *>(bytes.data()), static_cast<std::streamsize>(expected_bytes)) ||
+        !in.read(reinterpret_cast<char *>(&sum), sizeof sum) || sum != XXH3_64bits(bytes.data(), bytes.size())) {
         return std::nullopt;
     }
     return bytes;
@@ -117,7 +119,11 @@ std::optional<std::vector<uint8_t>> candidate_cache::load(const std::string & ke
 void candidate_cache::store(const std::string & key, std::span<const uint8_t> bytes) const {
     const std::string path = path_of(key);
     std::filesystem::create_directories(std::filesystem::path(path).parent_path());
-    write_file_atomic(path, bytes);
+    const uint64_t sum = XXH3_64bits(bytes.data(), bytes.size());
+    atomic_file out(path);
+    out.write(bytes.data(), bytes.size());
+    out.write(&sum, sizeof sum);
+    out.commit();
 }
 
 std::vector<uint8_t> candidate_bytes(const gguf_file & file, const gguf_tensor & t, ggml_type type,

@@ -37,6 +37,8 @@ std::vector<uint8_t> quantize_tensor(const gguf_file & file, const gguf_tensor &
 /// A content-addressed store of candidate bytes on disk: one file per key, where the key is the
 /// xxh3-128 hash of (source tensor bytes, source type, shape, target type, the tensor's importance
 /// values, llama.cpp commit). A changed model, imatrix or llama.cpp never reads a stale entry.
+/// An entry is the bytes followed by their xxh3-64 (8 bytes, little-endian), so a damaged entry is rebuilt
+/// rather than trained on or exported.
 class candidate_cache {
 public:
     /// Creates the folder when missing. Throws voodoo::error when it cannot.
@@ -46,7 +48,8 @@ public:
     static std::string key(const gguf_file & file, const gguf_tensor & t, ggml_type type,
                            std::span<const float> importance);
 
-    /// The cached bytes, or nullopt. An entry of the wrong size is ignored (and rebuilt by the caller).
+    /// The cached bytes, or nullopt. An entry of the wrong size or whose checksum does not match its bytes (a
+    /// damaged disk, a cache of an older Voodoo without checksums) is ignored, and rebuilt by the caller.
     std::optional<std::vector<uint8_t>> load(const std::string & key, size_t expected_bytes) const;
     /// Stores bytes atomically.
     void store(const std::string & key, std::span<const uint8_t> bytes) const;

@@ -11,6 +11,7 @@
 #include "model/gguf_weights.h"
 #include "model/registry.h"
 #include "train/gated.h"
+#include "train/journal.h"
 #include "train/loss.h"
 #include "train/probe.h"
 
@@ -150,51 +151,6 @@ double cosine_lr(const train_options & o, int step) {
 double temperature(const train_options & o, int step) {
     const double x = o.steps > 1 ? static_cast<double>(step) / (o.steps - 1) : 1.0;
     return o.tau0 * std::pow(o.tau1 / o.tau0, x);
-}
-
-void save_journal(const std::string & path, const std::string & fp, int step, const std::vector<gated_tensor> & g,
-                  torch::optim::Optimizer & opt) {
-    torch::serialize::OutputArchive a;
-    a.write("fingerprint", c10::IValue(fp));
-    a.write("step", torch::tensor(static_cast<int64_t>(step)));
-    for (size_t i = 0; i < g.size(); ++i) {
-        a.write(fmt::format("gate.{}", i), g[i].gate.detach().cpu());
-    }
-    torch::serialize::OutputArchive o;
-    opt.save(o);
-    a.write("optimizer", o);
-    const std::string tmp = path + ".tmp";
-    a.save_to(tmp);
-    fs::rename(tmp, path);
-}
-
-int load_journal(const std::string & path, const std::string & fp, std::vector<gated_tensor> & g,
-                 torch::optim::Optimizer & opt) {
-    torch::serialize::InputArchive a;
-    try {
-        a.load_from(path);
-    } catch (const c10::Error & e) {
-        fail("journal '{}' cannot be read: {}; start without --resume", path, e.what_without_backtrace());
-    }
-    c10::IValue v;
-    a.read("fingerprint", v);
-    if (v.toStringRef() != fp) {
-        fail("journal '{}' belongs to a run with other options, menus or data; resume with the same command, "
-             "or start a new run directory",
-             path);
-    }
-    torch::Tensor step;
-    a.read("step", step);
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < g.size(); ++i) {
-        torch::Tensor gate;
-        a.read(fmt::format("gate.{}", i), gate);
-        g[i].gate.copy_(gate);
-    }
-    torch::serialize::InputArchive o;
-    a.read("optimizer", o);
-    opt.load(o);
-    return static_cast<int>(step.item<int64_t>());
 }
 
 std::string family_of(const std::string & name) {
@@ -514,12 +470,16 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     const std::string fp = fingerprint(src, menus, o, data_hash);
     int step = 0;
     if (o.resume) {
-        step = load_journal(journal_path, fp, gated, opt);
-        // Keep the log of the steps the journal holds; later lines are redone.
+        step = load_journal(journal_path, fp, gated, opt, o.steps);
+        // Keep the log of the steps the journal holds; later lines are redone, and so is a line cut short by a
+        // stop in the middle of its write (it does not parse).
         std::ifstream in(log_path);
         std::string kept;
         for (std::string line; std::getline(in, line);) {
-            if (!line.empty() && nlohmann::json::parse(line).value("step", 0) < step) {
+            const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions =*/false);
+            const bool before = j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+                                j["step"].get<int64_t>() < step;
+            if (before) {
                 kept += line + "\n";
             }
         }
