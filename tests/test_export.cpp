@@ -236,6 +236,45 @@ TEST(export_gguf, a_full_disk_leaves_no_partial_file) {
     EXPECT_TRUE(std::filesystem::is_empty(dir.path));
 }
 
+TEST(candidates, a_full_disk_while_caching_is_one_error_naming_the_entry_and_a_rerun_continues) {
+    // Issue #19: a file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored: writes then fail with EFBIG, as on a full disk)
+    // under the largest entry. The small entries are kept, the large one fails naming its path and its size, no
+    // entry is left half-written under its name, and with the space back the same call finishes.
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    candidate_cache cache(dir.file("cache"));
+    const gguf_tensor & small_t = src.tensor("blk.0.attn_q.weight");  // 64 × 64: 4,352 bytes at Q8_0
+    const gguf_tensor & big_t = src.tensor("token_embd.weight");     // 512 × 64: 34,816 bytes at Q8_0
+    const std::string big_key = candidate_cache::key(src, big_t, GGML_TYPE_Q8_0, {});
+    const std::string big_entry = dir.file("cache/" + big_key.substr(0, 2) + "/" + big_key + ".bin");
+    struct rlimit old {};
+    getrlimit(RLIMIT_FSIZE, &old);
+    signal(SIGXFSZ, SIG_IGN);
+    struct rlimit small = old;
+    small.rlim_cur = 10000;
+    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+    std::vector<uint8_t> kept;
+    std::string msg;
+    try {
+        kept = candidate_bytes(src, small_t, GGML_TYPE_Q8_0, {}, &cache);
+        candidate_bytes(src, big_t, GGML_TYPE_Q8_0, {}, &cache);
+    } catch (const error & e) {
+        msg = e.what();
+    }
+    setrlimit(RLIMIT_FSIZE, &old);
+    signal(SIGXFSZ, SIG_DFL);
+    EXPECT_NE(msg.find(big_entry), std::string::npos) << msg;
+    EXPECT_NE(msg.find("of the 34824 bytes it needs"), std::string::npos) << msg;  // the candidate and its checksum
+    EXPECT_FALSE(std::filesystem::exists(big_entry));
+    for (const auto & e : std::filesystem::recursive_directory_iterator(dir.file("cache"))) {
+        EXPECT_FALSE(e.path().filename().string().ends_with(".tmp")) << e.path();
+    }
+    EXPECT_TRUE(cache.load(candidate_cache::key(src, small_t, GGML_TYPE_Q8_0, {}), kept.size()).has_value());
+    const auto big = candidate_bytes(src, big_t, GGML_TYPE_Q8_0, {}, &cache);
+    EXPECT_EQ(big, quantize_tensor(src, big_t, GGML_TYPE_Q8_0, {}));
+    EXPECT_TRUE(std::filesystem::exists(big_entry));
+}
+
 TEST(export_gguf, recipe_files_round_trip_and_tensor_types_are_anchored) {
     temp_dir dir;
     gguf_file src(test::stories260k());

@@ -121,6 +121,7 @@ void candidate_cache::store(const std::string & key, std::span<const uint8_t> by
     std::filesystem::create_directories(std::filesystem::path(path).parent_path());
     const uint64_t sum = XXH3_64bits(bytes.data(), bytes.size());
     atomic_file out(path);
+    out.expect(bytes.size() + sizeof sum);
     out.write(bytes.data(), bytes.size());
     out.write(&sum, sizeof sum);
     out.commit();
