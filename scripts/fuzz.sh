@@ -15,6 +15,14 @@ shift $(($# > 0 ? 1 : 0))
 READERS=("$@")
 if ((${#READERS[@]} == 0)); then READERS=(gguf imatrix recipe tokens data candidates journal); fi
 SHARED=${SHARED:-../shared}
+# clang with libFuzzer and the sanitizer runtimes (Debian: clang, libclang-rt-14-dev), installed when missing.
+if ! command -v clang++ >/dev/null 2>&1 || ! dpkg-query -W -f='${Status}' libclang-rt-14-dev 2>/dev/null | grep -q "install ok installed"; then
+    echo "fuzz: installing Debian packages: clang libclang-rt-14-dev"
+    sudo_cmd=()
+    if [ "$(id -u)" != 0 ]; then sudo_cmd=(sudo); fi
+    "${sudo_cmd[@]}" apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq clang libclang-rt-14-dev
+fi
 B=build-fuzz
 mkdir -p $B
 cmake -S . -B $B -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ \
