@@ -47,6 +47,21 @@ std::vector<uint8_t> gaussian_quantized(ggml_type type, int64_t ne0, int64_t row
     return quantize(type, w, ne0, type_info_of(type).needs_imatrix ? std::span<const float>(im) : std::span<const float>());
 }
 
+// Tensor `name` of `file` with its candidates of `types` (quantized without an imatrix) placed for `path` on the GPU,
+// gates {0.3, -0.2, 0.5, 0.1} (the first types.size()).
+gated_tensor gpu_gated(const gguf_file & file, const std::string & name, const std::vector<ggml_type> & types,
+                       mixture_path path) {
+    gated_tensor g;
+    g.tensor = &file.tensor(name);
+    g.types = types;
+    for (ggml_type t : types) {
+        g.bytes.push_back(quantize_tensor(file, *g.tensor, t, {}));
+    }
+    g.gate = torch::tensor({0.3f, -0.2f, 0.5f, 0.1f}).slice(0, 0, static_cast<int64_t>(types.size())).to(k_gpu).requires_grad_(true);
+    place_candidates(g, path, k_gpu, torch::kFloat, torch::kFloat);
+    return g;
+}
+
 // Equal bit for bit, or both NaN. Index of the first difference, or -1.
 int64_t first_difference(const std::vector<float> & want, const torch::Tensor & got_dev) {
     const torch::Tensor got = got_dev.to(torch::kCPU).contiguous();
@@ -277,18 +292,8 @@ TEST(cuda, sixteen_bit_candidates_read_the_teachers_bf16_weights_when_bit_identi
 TEST(cuda, fused_and_reference_paths_train_the_same_gates_through_autograd) {
     gguf_file file(test::stories260k());
     const std::vector<ggml_type> types = {GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0, GGML_TYPE_F16};
-    auto make = [&](mixture_path path) {
-        gated_tensor g;
-        g.tensor = &file.tensor("blk.2.ffn_up.weight");
-        g.types = types;
-        for (ggml_type t : types) {
-            g.bytes.push_back(quantize_tensor(file, *g.tensor, t, {}));
-        }
-        g.gate = torch::tensor({0.3f, -0.2f, 0.5f, 0.1f}).to(k_gpu).requires_grad_(true);
-        place_candidates(g, path, k_gpu, torch::kFloat, torch::kFloat);
-        return g;
-    };
-    gated_tensor fused = make(mixture_path::fused), ref = make(mixture_path::reference);
+    gated_tensor fused = gpu_gated(file, "blk.2.ffn_up.weight", types, mixture_path::fused);
+    gated_tensor ref = gpu_gated(file, "blk.2.ffn_up.weight", types, mixture_path::reference);
     torch::manual_seed(2);
     const torch::Tensor x = torch::randn({16, 64}, torch::TensorOptions().device(k_gpu));
     torch::Tensor wf = gated_mixture(torch::softmax(fused.gate, 0), fused);
@@ -315,18 +320,11 @@ TEST(cuda, ptqr_gives_each_token_its_candidate_exactly_and_the_straight_through_
     std::vector<std::vector<float>> deq;
     for (const char * path : {"fused", "reference"}) {
         SCOPED_TRACE(path);
-        gated_tensor g;
-        g.tensor = &file.tensor("blk.2.ffn_up.weight");  // [172, 64]
-        g.types = types;
-        for (ggml_type t : types) {
-            g.bytes.push_back(quantize_tensor(file, *g.tensor, t, {}));
-        }
+        gated_tensor g = gpu_gated(file, "blk.2.ffn_up.weight", types, parse_mixture_path(path));  // [172, 64]
         deq.clear();
         for (size_t k = 0; k < types.size(); ++k) {
             deq.push_back(dequantize(types[k], g.bytes[k], 64));
         }
-        g.gate = torch::tensor({0.3f, -0.2f, 0.5f, 0.1f}).to(k_gpu).requires_grad_(true);
-        place_candidates(g, parse_mixture_path(path), k_gpu, torch::kFloat, torch::kFloat);
         const torch::Tensor p = torch::softmax(g.gate, 0);
         // Basis-vector tokens: x_i · Dᵀ is a column of D with no rounding, so it must be ggml's value bit for bit.
         const int64_t n = 128;
@@ -360,14 +358,7 @@ TEST(cuda, ptqr_gives_each_token_its_candidate_exactly_and_the_straight_through_
         EXPECT_TRUE(within_bound(g.grad_p, check.grad_p, check.grad_p_bound));
         EXPECT_TRUE(within_bound(g.gate.grad(), check.grad, check.grad_bound));
         // Embedding rows: exactly the routed candidate's rows.
-        gated_tensor e;
-        e.tensor = &file.tensor("token_embd.weight");
-        e.types = types;
-        for (ggml_type t : types) {
-            e.bytes.push_back(quantize_tensor(file, *e.tensor, t, {}));
-        }
-        e.gate = torch::tensor({0.3f, -0.2f, 0.5f, 0.1f}).to(k_gpu).requires_grad_(true);
-        place_candidates(e, parse_mixture_path(path), k_gpu, torch::kFloat, torch::kFloat);
+        gated_tensor e = gpu_gated(file, "token_embd.weight", types, parse_mixture_path(path));
         const torch::Tensor ids = torch::randint(0, 512, {64}, torch::kLong);
         const torch::Tensor pe = torch::softmax(e.gate, 0);
         const torch::Tensor er = draw_routes(pe, 64, 23);

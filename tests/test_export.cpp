@@ -223,15 +223,8 @@ TEST(export_gguf, a_full_disk_leaves_no_partial_file) {
     temp_dir dir;
     gguf_file src(test::stories260k());
     const std::string out = dir.file("out.gguf");
-    struct rlimit old {};
-    getrlimit(RLIMIT_FSIZE, &old);
-    signal(SIGXFSZ, SIG_IGN);
-    struct rlimit small = old;
-    small.rlim_cur = 100000;
-    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
-    const std::string msg = error_of([&] { export_gguf(src, mixed_recipe(src, k_export_cycle), out, {}); });
-    setrlimit(RLIMIT_FSIZE, &old);
-    signal(SIGXFSZ, SIG_DFL);
+    const std::string msg = test::error_with_file_size_limit(
+        100000, [&] { export_gguf(src, mixed_recipe(src, k_export_cycle), out, {}); });
     EXPECT_NE(msg.find("nothing was written"), std::string::npos) << msg;
     EXPECT_TRUE(std::filesystem::is_empty(dir.path));
 }
@@ -247,22 +240,11 @@ TEST(candidates, a_full_disk_while_caching_is_one_error_naming_the_entry_and_a_r
     const gguf_tensor & big_t = src.tensor("token_embd.weight");     // 512 × 64: 34,816 bytes at Q8_0
     const std::string big_key = candidate_cache::key(src, big_t, GGML_TYPE_Q8_0, {});
     const std::string big_entry = dir.file("cache/" + big_key.substr(0, 2) + "/" + big_key + ".bin");
-    struct rlimit old {};
-    getrlimit(RLIMIT_FSIZE, &old);
-    signal(SIGXFSZ, SIG_IGN);
-    struct rlimit small = old;
-    small.rlim_cur = 10000;
-    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
     std::vector<uint8_t> kept;
-    std::string msg;
-    try {
+    const std::string msg = test::error_with_file_size_limit(10000, [&] {
         kept = candidate_bytes(src, small_t, GGML_TYPE_Q8_0, {}, &cache);
         candidate_bytes(src, big_t, GGML_TYPE_Q8_0, {}, &cache);
-    } catch (const error & e) {
-        msg = e.what();
-    }
-    setrlimit(RLIMIT_FSIZE, &old);
-    signal(SIGXFSZ, SIG_DFL);
+    });
     EXPECT_NE(msg.find(big_entry), std::string::npos) << msg;
     EXPECT_NE(msg.find("of the 34824 bytes it needs"), std::string::npos) << msg;  // the candidate and its checksum
     EXPECT_FALSE(std::filesystem::exists(big_entry));

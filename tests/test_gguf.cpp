@@ -182,14 +182,7 @@ TEST(gguf, a_full_disk_is_an_error_and_leaves_no_file) {
     temp_dir dir;
     const std::string out = dir.file("full.gguf");
     gguf_file src(test::stories260k());
-    struct rlimit old {};
-    getrlimit(RLIMIT_FSIZE, &old);
-    signal(SIGXFSZ, SIG_IGN);  // a write past the limit then fails with EFBIG, as on a full disk
-    struct rlimit small = old;
-    small.rlim_cur = 200000;
-    ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
-    std::string msg;
-    try {
+    const std::string msg = test::error_with_file_size_limit(200000, [&] {
         gguf_writer w(out, src.alignment());
         w.copy_kv(src);
         for (const gguf_tensor & t : src.tensors()) {
@@ -199,11 +192,7 @@ TEST(gguf, a_full_disk_is_an_error_and_leaves_no_file) {
             w.write_tensor(t.name, src.data(t));
         }
         w.commit();
-    } catch (const error & e) {
-        msg = e.what();
-    }
-    setrlimit(RLIMIT_FSIZE, &old);
-    signal(SIGXFSZ, SIG_DFL);
+    });
     EXPECT_NE(msg.find(out), std::string::npos) << msg;
     EXPECT_NE(msg.find("nothing was written"), std::string::npos) << msg;
     EXPECT_NE(msg.find("bytes it needs"), std::string::npos) << msg;  // how much room to make

@@ -25,6 +25,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 
 namespace voodoo::test {
@@ -152,6 +154,24 @@ inline std::string error_of(const std::function<void()> & fn) {
         return e.what();
     }
     return "";
+}
+
+/// error_of(fn) with every file limited to `bytes` (RLIMIT_FSIZE, with SIGXFSZ ignored so that a write past it
+/// fails with EFBIG, as on a full disk); the limit and the signal are restored before it returns.
+inline std::string error_with_file_size_limit(rlim_t bytes, const std::function<void()> & fn) {
+    struct rlimit old {};
+    getrlimit(RLIMIT_FSIZE, &old);
+    struct rlimit small = old;
+    small.rlim_cur = bytes;
+    signal(SIGXFSZ, SIG_IGN);
+    if (setrlimit(RLIMIT_FSIZE, &small) != 0) {
+        signal(SIGXFSZ, SIG_DFL);
+        return "setrlimit(RLIMIT_FSIZE) failed";
+    }
+    const std::string msg = error_of(fn);
+    setrlimit(RLIMIT_FSIZE, &old);
+    signal(SIGXFSZ, SIG_DFL);
+    return msg;
 }
 
 /// What `llama-quantize --tensor-type-file recipe.tensor-types.txt [--imatrix …] SRC OUT Q8_0` writes: the
