@@ -199,6 +199,26 @@ TEST(cli, metadata_that_is_not_utf8_is_written_as_json_and_a_recipe_with_a_huge_
                                " --out " + dir.file("out.gguf"));
     EXPECT_EQ(e2.exit_code, 1) << e2.output;
     EXPECT_NE(e2.output.find("must hold whole numbers"), std::string::npos) << e2.output;
+    // Optional fields of the wrong type: "imatrix" as an array reached std::terminate (fuzz_recipe, 332,069 inputs
+    // into the long run); a tensor's "source_type" or "probs" likewise.
+    for (const char * bad : {R"("imatrix": ["x"])", R"("target": 5)", R"("architecture": {})"}) {
+        voodoo::test::write_file(dir.file("recipe3.json"),
+                                 std::string(R"({"model": "m.gguf", )") + bad +
+                                     R"(, "tensors": [{"name": "output.weight", "shape": [64, 512], "type": "q8_0"}]})");
+        const auto e3 = run_voodoo("export --model " + voodoo::test::stories260k() + " --recipe " + dir.file("recipe3.json") +
+                                   " --out " + dir.file("out.gguf"));
+        EXPECT_EQ(e3.exit_code, 1) << bad << "\n" << e3.output;
+        EXPECT_NE(e3.output.find("has the wrong type"), std::string::npos) << e3.output;
+    }
+    for (const char * bad : {R"("source_type": 7)", R"("probs": "q8_0")"}) {
+        voodoo::test::write_file(dir.file("recipe4.json"),
+                                 std::string(R"({"model": "m.gguf", "tensors": [{"name": "output.weight", "shape": [64, 512], "type": "q8_0", )") +
+                                     bad + "}]}");
+        const auto e4 = run_voodoo("export --model " + voodoo::test::stories260k() + " --recipe " + dir.file("recipe4.json") +
+                                   " --out " + dir.file("out.gguf"));
+        EXPECT_EQ(e4.exit_code, 1) << bad << "\n" << e4.output;
+        EXPECT_NE(e4.output.find("tensor 'output.weight'"), std::string::npos) << e4.output;
+    }
 }
 
 TEST(cli, quantize_train_export_and_baseline_report_as_json_to_a_file_or_alone_on_stdout) {

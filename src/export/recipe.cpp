@@ -122,14 +122,23 @@ T field(const nlohmann::json & j, const char * key, const std::string & path, co
     }
 }
 
+// An optional field: `fallback` when absent, else field<T> (the same checks and errors).
+template <typename T>
+T optional_field(const nlohmann::json & j, const char * key, T fallback, const std::string & path,
+                 const std::string & where) {
+    return j.is_object() && j.contains(key) ? field<T>(j, key, path, where) : fallback;
+}
+
 }  // namespace
 
 recipe recipe_from_json(const nlohmann::json & j, const std::string & path) {
     recipe r;
     r.model = field<std::string>(j, "model", path, "the recipe");
-    r.architecture = j.value("architecture", "");
-    r.target = j.value("target", "");
-    r.imatrix = j.value("imatrix", "");
+    // Optional fields through the same checks: a wrong type is one error naming it, not an escaped exception
+    // ("imatrix": [...] reached std::terminate: found by fuzz_recipe).
+    r.architecture = optional_field<std::string>(j, "architecture", "", path, "the recipe");
+    r.target = optional_field<std::string>(j, "target", "", path, "the recipe");
+    r.imatrix = optional_field<std::string>(j, "imatrix", "", path, "the recipe");
     const auto tensors = field<nlohmann::json>(j, "tensors", path, "the recipe");
     if (!tensors.is_array()) {
         fail("recipe '{}': 'tensors' must be an array", path);
@@ -143,14 +152,15 @@ recipe recipe_from_json(const nlohmann::json & j, const std::string & path) {
         t.type = parse_type(field<std::string>(jt, "type", path, "tensor '" + t.name + "'"),
                             fmt::format("recipe '{}', tensor '{}'", path, t.name));
         t.source_type = jt.contains("source_type")
-                            ? parse_type(jt["source_type"].get<std::string>(), fmt::format("recipe '{}'", path))
+                            ? parse_type(field<std::string>(jt, "source_type", path, "tensor '" + t.name + "'"),
+                                         fmt::format("recipe '{}'", path))
                             : t.type;
         if (t.shape.empty() || t.shape.size() > 4) {
             fail("recipe '{}': tensor '{}' has shape {}, expected 1 to 4 dimensions", path, t.name, shape_str(t.shape));
         }
         t.bytes = tensor_bytes(t.type, t.shape, t.name);
         if (jt.contains("probs")) {
-            t.probs = jt["probs"].get<std::map<std::string, double>>();
+            t.probs = field<std::map<std::string, double>>(jt, "probs", path, "tensor '" + t.name + "'");
         }
         r.tensors.push_back(std::move(t));
     }
