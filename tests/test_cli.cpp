@@ -366,3 +366,21 @@ TEST(cli, quantize_killed_with_sigkill_in_any_stage_then_run_again_makes_the_sam
     RecordProperty("killed", killed);
     EXPECT_GE(killed, 8) << "most kills must land before the job ends";
 }
+
+TEST(cli, a_json_destination_that_cannot_be_written_is_refused_before_any_work) {
+    // Found trying the commands as a new user: --json /proc/x.json ran the whole job, then failed on the report.
+    voodoo::test::temp_dir dir;
+    const std::string model = voodoo::test::stories260k();
+    for (const std::string & bad : {std::string("/proc/x.json"), dir.path.string() + "/"}) {
+        const auto r = run_voodoo("baseline " + model + " --recipe Q8_0 --out " + dir.file("q8.gguf") + " --json " + bad);
+        EXPECT_EQ(r.exit_code, 2) << r.output;
+        EXPECT_NE(r.output.find("--json"), std::string::npos) << r.output;
+        EXPECT_FALSE(std::filesystem::exists(dir.file("q8.gguf"))) << "the work was done before the refusal";
+    }
+    // train refuses a quantized source as quantize does, and takes --allow-requantize.
+    ASSERT_EQ(run_voodoo("baseline " + model + " --recipe Q8_0 --out " + dir.file("q8.gguf")).exit_code, 0);
+    const auto t = run_voodoo("train --model " + dir.file("q8.gguf") + " --data " + dir.file("nodata") +
+                              " --target-size 300000 --out " + dir.file("run"));
+    EXPECT_EQ(t.exit_code, 1) << t.output;
+    EXPECT_NE(t.output.find("--allow-requantize"), std::string::npos) << t.output;
+}

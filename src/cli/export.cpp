@@ -24,7 +24,7 @@ command add_export(CLI::App & app) {
     auto o = std::make_shared<options>();
     sub->add_option("--model", o->model, "Source GGUF (the one the recipe was made for)")->required();
     sub->add_option("--recipe", o->recipe, "recipe.json from `voodoo train`")->required();
-    sub->add_option("--out", o->out, "Output GGUF, or an existing folder")->required();
+    sub->add_option("--out", o->out, "Output GGUF, or a folder (an existing one, or any path ending in /)")->required();
     sub->add_option("--cache", o->cache, "Candidate cache folder to take bytes from (optional)");
     sub->add_option("--imatrix", o->imatrix, "Importance matrix (default: the one the recipe was trained with)");
     sub->add_option("-t,--threads", o->threads, "Threads (0 = all cores)")->capture_default_str()->check(non_negative());
@@ -46,6 +46,9 @@ command add_export(CLI::App & app) {
         }
         opts.target = r.target;
         std::string out = o->out;
+        if (out.ends_with('/')) {
+            std::filesystem::create_directories(out);  // a folder by its trailing slash: made, as --out-dir folders are
+        }
         if (std::filesystem::is_directory(out)) {
             const double ratio = static_cast<double>(planned_file_bytes(src, r, opts)) /
                                  static_cast<double>(q8_0_file_bytes(src, opts));

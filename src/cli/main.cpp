@@ -9,11 +9,14 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <filesystem>
 #include <cstdio>
 
 #include <malloc.h>
+#include <unistd.h>
 #include <map>
 #include <vector>
 #include <string>
@@ -50,8 +53,33 @@ std::string & command_line_storage() {
 const std::string & command_line() { return command_line_storage(); }
 
 CLI::Option * add_json_option(CLI::App * sub, std::string & dest, const std::string & what) {
+    // Checked with the rest of the command line, before any work: a folder, or a place no file can be written
+    // (a read-only folder, /proc), is refused at once (exit 2) instead of after the job.
+    auto writable = [](const std::string & path) -> std::string {
+        if (path == "-") {
+            return "";
+        }
+        namespace fs = std::filesystem;
+        if (path.ends_with('/') || fs::is_directory(path)) {
+            return fmt::format("'{}' is a folder; give a file name (or - for stdout)", path);
+        }
+        const fs::path parent = fs::path(path).parent_path().empty() ? fs::path(".") : fs::path(path).parent_path();
+        std::error_code ec;
+        if (!fs::exists(parent, ec)) {
+            return "";  // made when the JSON is written, as the other outputs' folders are
+        }
+        const fs::path probe = parent / fmt::format(".{}.{}.probe", fs::path(path).filename().string(), getpid());
+        FILE * f = std::fopen(probe.c_str(), "wb");
+        if (!f) {
+            return fmt::format("cannot write in '{}': {}", parent.string(), std::strerror(errno));
+        }
+        std::fclose(f);
+        fs::remove(probe, ec);
+        return "";
+    };
     return sub->add_option("--json", dest, what + " as JSON in this file (- for stdout, instead of the text)")
-        ->type_name("FILE");
+        ->type_name("FILE")
+        ->check(CLI::Validator(writable, "FILE", "writable"));
 }
 
 void write_json_to(const std::string & dest, const nlohmann::json & j) {

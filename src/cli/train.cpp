@@ -2,6 +2,7 @@
 #include "common/error.h"
 #include "data/dataset.h"
 #include "export/export.h"
+#include "pipeline/quantize.h"
 #include "train/trainer.h"
 
 #include <fmt/format.h>
@@ -28,10 +29,11 @@ command add_train(CLI::App & app) {
         std::string model, data, out, imatrix, teacher, menu, cache, target_size, json;
         std::vector<std::string> menu_for;
         double target_bpw = 0, ratio = 0;
+        bool allow_requantize = false;
         train_options t;
     };
     auto o = std::make_shared<options>();
-    sub->add_option("--model", o->model, "Source GGUF (F32/F16/BF16, or any type as the teacher sees it)")->required();
+    sub->add_option("--model", o->model, "Source GGUF (F32/F16/BF16; an already quantized one with --allow-requantize)")->required();
     sub->add_option("--data", o->data, "Folder written by `voodoo data`")->required();
     sub->add_option("--out", o->out, "Run directory (journal, log.jsonl, recipe.json)")->required();
     auto * bpw = sub->add_option("--target-bpw", o->target_bpw, "Budget in bits per weight over every tensor (llama-quantize's BPW)");
@@ -78,6 +80,8 @@ command add_train(CLI::App & app) {
     sub->add_option("--gate-init", o->t.gate_init, "Start logit of the probe's allocation")->capture_default_str();
     sub->add_option("--journal-every", o->t.journal_every, "Steps between journals")->capture_default_str();
     sub->add_flag("--resume", o->t.resume, "Continue the run in --out from its journal");
+    sub->add_flag("--allow-requantize", o->allow_requantize,
+                  "Accept an already quantized source (as llama-quantize): it is also the teacher");
     add_json_option(sub, o->json, "The result (recipe, bytes against the limit, the final selection's measurements)");
     sub->add_option("--device", o->t.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
     sub->add_option("--mixture", o->t.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
@@ -104,6 +108,7 @@ command add_train(CLI::App & app) {
         t.run_dir = o->out;
         t.cache_dir = o->cache;
         const gguf_file src(o->model);
+        check_full_precision_source(src, o->allow_requantize);
         const token_data data(o->data);
         data.require_vocab_of(o->model);
         if (t.device == "cpu") {

@@ -139,6 +139,9 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
                     const std::string & data_dir, const std::string & imatrix_path) {
     std::vector<std::string> args = {exe, "train", "--model", o.model, "--data", data_dir, "--out", t.run_dir,
                                      "--cache", t.cache_dir, "--imatrix", imatrix_path};
+    if (o.allow_requantize) {
+        args.push_back("--allow-requantize");
+    }
     switch (t.goal.kind) {
         case target_kind::bpw: args.insert(args.end(), {"--target-bpw", fmt::format("{:.17g}", t.goal.value)}); break;
         case target_kind::size: args.insert(args.end(), {"--target-size", fmt::format("{:.0f}", t.goal.value)}); break;
@@ -470,6 +473,30 @@ int ggml_threads_for(int64_t n_weights) {
     return n_weights < 8'000'000 ? 1 : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
+void check_full_precision_source(const gguf_file & src, bool allow_requantize) {
+    size_t n_quantized = 0;
+    const gguf_tensor * first_quantized = nullptr;
+    for (const gguf_tensor & t : src.tensors()) {
+        if (tensor_is_selectable(t.name, t.n_dims) && type_info_of(t.type).is_quantized) {
+            first_quantized = first_quantized ? first_quantized : &t;
+            ++n_quantized;
+        }
+    }
+    if (first_quantized && !allow_requantize) {
+        fail("'{}' is already quantized ({} is {}): Voodoo quantizes from the full-precision model (F32, F16 or "
+             "BF16), which is also its teacher; convert the original checkpoint (convert_hf_to_gguf.py --outtype "
+             "bf16) and give that, or pass --allow-requantize (as llama-quantize has it) to quantize this file anyway",
+             src.path(), first_quantized->name, type_name(first_quantized->type));
+    }
+    if (first_quantized) {
+        fmt::print(stderr,
+                   "voodoo: warning: requantizing '{}': {} tensors are already quantized ({} is {}). Candidates are "
+                   "made from their dequantized values, and this file is also the teacher, so every KLD is measured "
+                   "against it, not against the original model; no file can be better than it.\n",
+                   src.path(), n_quantized, first_quantized->name, type_name(first_quantized->type));
+    }
+}
+
 void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     auto at_least = [](const char * flag, int64_t v, int64_t min, const char * what) {
         if (v < min) {
@@ -514,28 +541,7 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
         fail("--mixture fused runs on a CUDA device; pass --device cuda (a CUDA build), or --mixture cpu");
     }
 
-    // The source: full precision, since Voodoo's candidates and its teacher are made from it.
-    size_t n_quantized = 0;
-    const gguf_tensor * first_quantized = nullptr;
-    for (const gguf_tensor & t : src.tensors()) {
-        if (tensor_is_selectable(t.name, t.n_dims) && type_info_of(t.type).is_quantized) {
-            first_quantized = first_quantized ? first_quantized : &t;
-            ++n_quantized;
-        }
-    }
-    if (first_quantized && !o.allow_requantize) {
-        fail("'{}' is already quantized ({} is {}): Voodoo quantizes from the full-precision model (F32, F16 or "
-             "BF16), which is also its teacher; convert the original checkpoint (convert_hf_to_gguf.py --outtype "
-             "bf16) and give that, or pass --allow-requantize (as llama-quantize has it) to quantize this file anyway",
-             src.path(), first_quantized->name, type_name(first_quantized->type));
-    }
-    if (first_quantized) {
-        fmt::print(stderr,
-                   "voodoo: warning: requantizing '{}': {} tensors are already quantized ({} is {}). Candidates are "
-                   "made from their dequantized values, and this file is also the teacher, so every KLD is measured "
-                   "against it, not against the original model; no file can be better than it.\n",
-                   src.path(), n_quantized, first_quantized->name, type_name(first_quantized->type));
-    }
+    check_full_precision_source(src, o.allow_requantize);
 
     // Recipe names.
     for (const std::string & name : comma_list(o.like)) {

@@ -61,6 +61,11 @@ struct quantize_result {
     std::string work;                       // the work folder it used
 };
 
+/// The source must be full precision (F32, F16, BF16 in every selectable tensor), since Voodoo's candidates and its
+/// teacher are made from it: a quantized one is refused naming a tensor and --allow-requantize, or, with
+/// allow_requantize, accepted with a warning on stderr that it is also the teacher.
+void check_full_precision_source(const gguf_file & src, bool allow_requantize);
+
 /// Checks every option against the source model before anything is made (no file, no folder): texts and files
 /// exist, counts are in range, recipe and type names exist, the device is one this build has, the source is full
 /// precision, every --menu-for pattern names a tensor, and every --target-bpw/--target-size/--ratio is within what

@@ -629,7 +629,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         write_file_atomic((fs::path(o.run_dir) / "selection.json").string(), sel.dump(2) + "\n");
     }
-    res.summary += fmt::format("  trained on {} ({} mixture{})\n", device.str(), mixture_path_name(path),
+    res.summary += fmt::format("  trained on {} ({} mixture, {} routing{})\n", device.str(), mixture_path_name(path), o.routing,
                                candidate_device_bytes > 0 ? fmt::format(", candidates {:.1f} MiB on the device",
                                                                         candidate_device_bytes / 1048576.0)
                                                           : std::string());
