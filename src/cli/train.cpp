@@ -139,10 +139,6 @@ command add_train(CLI::App & app) {
             fmt::print("{}", r.summary);
             fmt::print("wrote {0}/recipe.json and {0}/recipe.tensor-types.txt in {1:.1f} s\n", o->out, r.seconds);
         }
-        nlohmann::json selection = nlohmann::json::array();
-        for (const auto & e : r.selection) {
-            selection.push_back({{"recipe", e.name}, {"val_kl", e.val_kl}, {"probe_estimate", e.estimated}, {"bytes", e.bytes}});
-        }
         const std::filesystem::path run(o->out);
         write_json_to(o->json, {{"recipe", (run / "recipe.json").string()},
                                 {"tensor_types", (run / "recipe.tensor-types.txt").string()},
@@ -150,7 +146,7 @@ command add_train(CLI::App & app) {
                                 {"steps", r.steps_done}, {"seconds", r.seconds}, {"device", r.device},
                                 {"mixture", r.mixture}, {"routing", t.routing},
                                 {"selection_tokens", {r.select_tokens_shape.first, r.select_tokens_shape.second}},
-                                {"selection_held_apart", r.select_held_apart}, {"selection", selection}});
+                                {"selection_held_apart", r.select_held_apart}, {"selection", selection_to_json(r)}});
         return 0;
     }};
 }

@@ -155,6 +155,16 @@ public:
     }
 };
 
+// Checks ids ([n] int64 on the CPU) against the rows of t.
+void check_rows(const gated_tensor & t, const torch::Tensor & id) {
+    const int64_t * v = id.data_ptr<int64_t>();
+    for (int64_t i = 0; i < id.numel(); ++i) {
+        if (v[i] < 0 || v[i] >= rows_of(t)) {
+            fail("tensor '{}': row {} is out of range (the tensor has {} rows)", t.tensor->name, v[i], rows_of(t));
+        }
+    }
+}
+
 class mixture_rows_fn : public torch::autograd::Function<mixture_rows_fn> {
 public:
     static torch::Tensor forward(AutogradContext * ctx, const torch::Tensor & p, const torch::Tensor & ids,
@@ -169,12 +179,7 @@ public:
         const torch::Tensor id = ids.to(torch::kLong).contiguous().cpu();
         ctx->save_for_backward({id});
         const int64_t n = id.numel();
-        for (int64_t i = 0; i < n; ++i) {
-            const int64_t v = id.data_ptr<int64_t>()[i];
-            if (v < 0 || v >= rows_of(t)) {
-                fail("tensor '{}': row {} is out of range (the tensor has {} rows)", t.tensor->name, v, rows_of(t));
-            }
-        }
+        check_rows(t, id);
         const auto w = probs_of(p);
         torch::Tensor out = torch::zeros({n, t.tensor->ne[0]}, torch::kFloat);
         std::vector<float> buf;
@@ -193,16 +198,6 @@ public:
         return {grad_p, torch::Tensor(), torch::Tensor()};
     }
 };
-
-// Checks ids ([n] int64 on the CPU) against the rows of t.
-void check_rows(const gated_tensor & t, const torch::Tensor & id) {
-    const int64_t * v = id.data_ptr<int64_t>();
-    for (int64_t i = 0; i < id.numel(); ++i) {
-        if (v[i] < 0 || v[i] >= rows_of(t)) {
-            fail("tensor '{}': row {} is out of range (the tensor has {} rows)", t.tensor->name, v[i], rows_of(t));
-        }
-    }
-}
 
 // The positions i with routes[i] == k for every k, as [n_k] int64 CPU tensors (empty when none).
 std::vector<torch::Tensor> group_by_route(const gated_tensor & t, const torch::Tensor & routes) {
@@ -299,7 +294,8 @@ public:
             torch::Tensor part;
             if (on_device) {
                 // One-hot weights: 1 · deq(Q_k) + 0 · the others is deq(Q_k) exactly.
-                const torch::Tensor onehot = torch::zeros({K}, p.options().dtype(torch::kFloat)).index_fill_(0, torch::tensor({static_cast<int64_t>(k)}, torch::kLong).to(device), 1.0);
+                torch::Tensor onehot = torch::zeros({K}, p.options().dtype(torch::kFloat));
+                onehot[static_cast<int64_t>(k)] = 1.0f;
                 part = device_rows(t, onehot, ids_k.to(device));
             } else {
                 dequantize_rows(t, k, ids_k.data_ptr<int64_t>(), ids_k.numel(), buf);
@@ -333,12 +329,14 @@ torch::Tensor draw_routes(const torch::Tensor & p, int64_t n, uint64_t seed) {
     const std::vector<double> w = probs_of(p);
     std::vector<double> cum(w.size());
     double total = 0;
+    size_t last = 0;  // the last candidate with p > 0: where a uniform that rounding puts past the total lands
     for (size_t k = 0; k < w.size(); ++k) {
         if (!(w[k] >= 0) || !std::isfinite(w[k])) {
             fail("draw_routes: p[{}] = {} is not a probability", k, w[k]);
         }
         total += w[k];
         cum[k] = total;
+        last = w[k] > 0 ? k : last;
     }
     if (!(total > 0)) {
         fail("draw_routes: the probabilities sum to {}, not 1", total);
@@ -346,12 +344,6 @@ torch::Tensor draw_routes(const torch::Tensor & p, int64_t n, uint64_t seed) {
     std::mt19937_64 rng(seed);
     torch::Tensor out = torch::empty({n}, torch::kLong);
     int64_t * r = out.data_ptr<int64_t>();
-    size_t last = 0;  // the last candidate with p > 0: where a uniform that rounding puts past the total lands
-    for (size_t k = 0; k < w.size(); ++k) {
-        if (w[k] > 0) {
-            last = k;
-        }
-    }
     for (int64_t i = 0; i < n; ++i) {
         const double u = static_cast<double>(rng() >> 11) * 0x1.0p-53 * total;
         const size_t k = static_cast<size_t>(std::upper_bound(cum.begin(), cum.end(), u) - cum.begin());
@@ -370,8 +362,6 @@ routing_mode parse_routing(const std::string & s) {
     fail("--routing '{}': expected mix (every token sees the mixture of the candidates) or ptqr (per-token quant "
          "routing: each token sees one candidate drawn from the gate)", s);
 }
-
-std::string routing_name(routing_mode r) { return r == routing_mode::ptqr ? "ptqr" : "mix"; }
 
 torch::Tensor gated_mixture(const torch::Tensor & p, gated_tensor & t) {
     return mixture_fn::apply(p, reinterpret_cast<int64_t>(&t));

@@ -37,7 +37,6 @@ enum class routing_mode {
 
 /// "mix" or "ptqr" → the mode; throws voodoo::error naming --routing otherwise.
 routing_mode parse_routing(const std::string & s);
-std::string routing_name(routing_mode r);
 
 /// The candidates of one selectable tensor: the menu's types and their exact bytes.
 struct gated_tensor {
@@ -114,7 +113,6 @@ public:
     /// Per-token quant routing (routing_mode::ptqr) or the mixture. `seed` makes the routes reproducible (each
     /// product and embedding lookup draws new ones: draw_routes with a seed derived from it and a call count).
     void set_routing(routing_mode mode, uint64_t seed);
-    routing_mode routing() const { return routing_; }
 
     /// p of tensor i at the current temperature, [K], differentiable in its gate.
     torch::Tensor probs(size_t i) const;

@@ -281,6 +281,14 @@ std::vector<int> select_recipe(train_result & res, causal_lm & model, weight_sou
 
 }  // namespace
 
+nlohmann::json selection_to_json(const train_result & r) {
+    nlohmann::json sel = nlohmann::json::array();
+    for (const auto & e : r.selection) {
+        sel.push_back({{"recipe", e.name}, {"val_kl", e.val_kl}, {"probe_estimate", e.estimated}, {"bytes", e.bytes}});
+    }
+    return sel;
+}
+
 train_result train_gates(const gguf_file & src, const gguf_file & teacher, const token_file & train,
                          const importance_map * importance, const train_options & o, const token_file * val) {
     const auto t_start = std::chrono::steady_clock::now();
@@ -623,11 +631,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         recipe greedy = recipe_from_choice(src, menus, greedy_choice(b, sens), {}, o.goal);
         greedy.imatrix = o.imatrix_path;
         recipe_save(greedy, (fs::path(o.run_dir) / "greedy.recipe.json").string());
-        nlohmann::json sel = nlohmann::json::array();
-        for (const auto & e : res.selection) {
-            sel.push_back({{"recipe", e.name}, {"val_kl", e.val_kl}, {"probe_estimate", e.estimated}, {"bytes", e.bytes}});
-        }
-        write_file_atomic((fs::path(o.run_dir) / "selection.json").string(), sel.dump(2) + "\n");
+        write_file_atomic((fs::path(o.run_dir) / "selection.json").string(), selection_to_json(res).dump(2) + "\n");
     }
     res.summary += fmt::format("  trained on {} ({} mixture, {} routing{})\n", device.str(), mixture_path_name(path), o.routing,
                                candidate_device_bytes > 0 ? fmt::format(", candidates {:.1f} MiB on the device",

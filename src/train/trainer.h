@@ -8,6 +8,7 @@
 #include "train/candidates.h"
 #include "train/gated.h"
 
+#include <nlohmann/json.hpp>
 #include <torch/torch.h>
 
 #include <functional>
@@ -86,6 +87,10 @@ struct train_result {
     std::string mixture;
     int64_t candidate_device_bytes = 0; // what the candidates took on the device (0 on the cpu path)
 };
+
+/// The final selection as written to RUN/selection.json (and `voodoo train --json`): [{recipe, val_kl,
+/// probe_estimate, bytes}], the chosen recipe first.
+nlohmann::json selection_to_json(const train_result & r);
 
 /// Every candidate's bytes of `menus` (menu order), quantized on `threads` cores (0 = all) through `cache`,
 /// with a progress bar. Throws voodoo::error naming the tensor when llama.cpp's quantizer refuses a type.
