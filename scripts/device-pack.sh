@@ -12,6 +12,10 @@ mkdir -p .device/llama/include .device/llama/lib .device/llama/models .device/in
 cp .deps/llama.cpp/include/*.h .deps/llama.cpp/ggml/include/*.h .deps/llama.cpp/ggml/src/ggml-common.h .device/llama/include/
 cp $B/libggml-base.so $B/libggml.v0.4.0.so $B/libllama.v0.4.0.so $B/libggml-cpu-*.so .device/llama/lib/
 cp .deps/llama.cpp/models/ggml-vocab-{qwen2,qwen35,llama-bpe,llama-spm}.gguf .device/llama/models/
+# llama.cpp's Hugging Face converter with its gguf-py (tests/test_hf.cpp runs it there: that machine has transformers).
+mkdir -p .device/llama/convert
+cp -r .deps/llama.cpp/convert_hf_to_gguf.py .deps/llama.cpp/conversion .deps/llama.cpp/gguf-py .deps/llama.cpp/requirements \
+    .device/llama/convert/
 cp /usr/include/xxhash.h /usr/include/xxh3.h .device/include/
 cp $S/models/stories260K/stories260K.gguf .device/data/models/stories260K/
 cp $S/text/tinystories/tinystories_val.txt .device/data/text/tinystories/

@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +26,13 @@ build)
     # -k 0: build every target that can be built, so one failing target still leaves the others to run.
     cmake --build build-cuda -j "$(nproc)" -- -k 0 > /tmp/build.log 2>&1 || grep -E "error|Error" -A5 /tmp/build.log | head -80
     log built
+    ;;
+hf)
+    # Hugging Face checkpoints in (issue #20): tiny llama and qwen3 checkpoints written by this machine's
+    # transformers, converted by the bundle's converter, quantized end to end on the CPU.
+    log hf
+    python3 -c 'import transformers, torch, numpy, sentencepiece; print("transformers", transformers.__version__, "torch", torch.__version__, "numpy", numpy.__version__)'
+    build-cuda/bin/voodoo_tests --gtest_filter='hf.*' 2>&1 | tee "$OUT/test-hf.log" | grep -E "^\[|Failure|Expected|Which|error|wrote" | head -60
     ;;
 test)
     log test
@@ -265,6 +272,19 @@ bench-qwen35)
     log bench qwen35-0.8b shape
     build-cuda/bin/train_step --shape qwen35-0.8b --routing mix,ptqr --work /tmp/bench --json "$OUT/bench-qwen35-0.8b.json" 2>&1 \
         | tee "$OUT/bench-qwen35-0.8b.log" | tail -8
+    ;;
+delta)
+    # Issue #15 after the affine state passing (session 10): the delta rule alone, a qwen35 step (fused and
+    # reference, mixing) beside the Qwen3-0.6B shape, and one profiled qwen35 step's kernel count.
+    log delta rule
+    build-cuda/bin/delta_rule --benchmark_min_time=1 2>&1 | tee "$OUT/delta-rule.log" | tail -4
+    build-cuda/bin/train_step --shape qwen35-0.8b --routing mix --work /tmp/bench --json "$OUT/bench-qwen35-0.8b.json" 2>&1 \
+        | tee "$OUT/bench-qwen35-0.8b.log" | tail -5
+    build-cuda/bin/train_step --shape qwen3-0.6b --paths fused --routing mix --work /tmp/bench06 --json "$OUT/bench-qwen3-0.6b.json" 2>&1 \
+        | tee "$OUT/bench-qwen3-0.6b.log" | tail -3
+    build-cuda/bin/train_step --shape qwen35-0.8b --paths fused --steps 2 --warmup 1 --work /tmp/bench --profile /tmp/prof \
+        > "$OUT/profile-qwen35.log" 2>&1
+    python3 scripts/trace_summary.py /tmp/prof/*.json > "$OUT/profile-qwen35-summary.md" 2>&1; head -14 "$OUT/profile-qwen35-summary.md"
     ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;

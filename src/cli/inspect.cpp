@@ -1,4 +1,5 @@
 #include "cli/commands.h"
+#include "pipeline/hf_source.h"
 #include "ggml/inspect.h"
 
 #include <fmt/format.h>
@@ -16,17 +17,19 @@ command add_inspect(CLI::App & app) {
                 "  voodoo inspect model.gguf --json model.json");
     struct options {
         std::string path;
+        std::string work;
         std::string json;
         bool metadata = false;
         bool imatrix = false;
     };
     auto o = std::make_shared<options>();
-    sub->add_option("file", o->path, "GGUF file")->required();
+    sub->add_option("file", o->path, "GGUF file, or a Hugging Face model folder (converted once into --work)")->required();
+    sub->add_option("--work", o->work, "Where a Hugging Face folder's GGUF is kept (default: <name>.voodoo, as quantize's)");
     add_json_option(sub, o->json, "The report");
     sub->add_flag("--metadata", o->metadata, "Also list every metadata key and value");
     sub->add_flag("--with-imatrix", o->imatrix, "Show menus as they are with an imatrix (adds the IQ1/IQ2/IQ3_XXS types)");
     return {sub, [o] {
-        const gguf_file file(o->path);
+        const gguf_file file(gguf_of_source(o->path, o->work.empty() ? default_work_folder(o->path) : o->work));
         const inspect_report report = inspect_gguf(file, o->imatrix);
         if (!o->json.empty()) {
             nlohmann::json j = inspect_to_json(report);
@@ -43,7 +46,7 @@ command add_inspect(CLI::App & app) {
             }
         }
         if (o->metadata) {
-            fmt::print("metadata of {}:\n{}\n", o->path, metadata_to_text(file));
+            fmt::print("metadata of {}:\n{}\n", file.path(), metadata_to_text(file));
         }
         fmt::print("{}", inspect_to_text(report));
         return 0;

@@ -30,7 +30,7 @@ command add_quantize(CLI::App & app) {
     };
     auto o = std::make_shared<options>();
     // Named MODEL, not model: CLI11 2.4 (Ubuntu 24.04's) refuses a positional whose name is also --model's.
-    auto * model_pos = sub->add_option("MODEL", o->q.model, "Source GGUF (F32/F16/BF16); or -m");
+    auto * model_pos = sub->add_option("MODEL", o->q.model, "Source GGUF (F32/F16/BF16) or Hugging Face model folder (converted once into WORK); or -m");
     auto * model_opt = sub->add_option("-m,--model", o->model_flag, "Source GGUF (as llama.cpp's tools take it)");
     model_pos->excludes(model_opt);
     sub->add_option("--imatrix", o->q.imatrix,

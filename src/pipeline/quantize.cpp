@@ -1,4 +1,5 @@
 #include "pipeline/quantize.h"
+#include "pipeline/hf_source.h"
 
 #include "common/error.h"
 #include "common/file.h"
@@ -97,7 +98,10 @@ std::vector<std::string> comma_list(const std::string & list) {
 std::string types_list(const std::vector<ggml_type> & types) {
     std::string s;
     for (ggml_type t : types) {
-        s += (s.empty() ? "" : ",") + type_name(t);
+        if (!s.empty()) {
+            s += ",";
+        }
+        s += type_name(t);
     }
     return s;
 }
@@ -615,13 +619,26 @@ quantize_result run_quantize(const quantize_options & opts) {
     if (opts.texts.empty()) {
         fail("give at least one calibration text (--text)");
     }
-    const gguf_file src(opts.model);
-    // Every option is checked before anything is made.
-    check_quantize_options(opts, src);
-    if (!opts.announce.empty()) {
-        fmt::print(stderr, "{}\n", opts.announce);
-    }
     quantize_options o = opts;
+    if (std::error_code ec; fs::is_directory(opts.model, ec)) {
+        // A Hugging Face folder becomes a BF16 GGUF in the work folder first (once); the texts are checked before
+        // that, since a conversion can take minutes.
+        for (const std::string & t : opts.texts) {
+            if (!fs::is_regular_file(t)) {
+                fail("--text {}: no such file", t);
+            }
+        }
+        if (o.work.empty()) {
+            o.work = default_work_folder(opts.model);
+        }
+        o.model = gguf_of_source(opts.model, o.work);
+    }
+    const gguf_file src(o.model);
+    // Every option is checked before anything is made.
+    check_quantize_options(o, src);
+    if (!o.announce.empty()) {
+        fmt::print(stderr, "{}\n", o.announce);
+    }
     {
         int64_t n = 0;
         for (const gguf_tensor & t : src.tensors()) {
@@ -637,7 +654,7 @@ quantize_result run_quantize(const quantize_options & opts) {
             o.threads = ggml_threads_for(n);
         }
     }
-    const std::string work = o.work.empty() ? (fs::path(o.model).stem().string() + ".voodoo") : o.work;
+    const std::string work = o.work.empty() ? default_work_folder(o.model) : o.work;
     const folder_lock lock(work);  // one job per work folder (creates it)
     stage_marks().clear();
     const std::string data_dir = (fs::path(work) / "data").string();
