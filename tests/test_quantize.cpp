@@ -393,3 +393,76 @@ TEST(quantize, allow_requantize_quantizes_a_quantized_source_against_itself_as_l
     bo.allow_requantize = true;
     EXPECT_TRUE(make_baseline(bo, "Q4_0", dir.file("yes.gguf")).ok);
 }
+
+TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_run_builds) {
+    test::temp_dir tmp;
+    const std::string work = tmp.file("work");
+    const std::string args = fmt::format("quantize {} --text {} --like Q5_0 --ctx 64 --imatrix-chunks 8 --steps 3 "
+                                         "--batch 1 --seq 32 --probe-sequences 2 --eval-chunks 0 --work {}",
+                                         test::stories260k(), test::shared_data() + "/text/tinystories/tinystories_val.txt", work);
+    // Before any run: nothing is made, the like target is not known yet, no candidate counts as built.
+    test::run_result r = test::run_voodoo_stdout(args + " --dry-run --json -");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_FALSE(std::filesystem::exists(work)) << "a dry run makes nothing";
+    const nlohmann::json before = nlohmann::json::parse(r.output);
+    EXPECT_EQ(before["candidates"]["in_cache"], 0);
+    EXPECT_GT(before["candidates"]["to_build"].get<int64_t>(), 0);
+    EXPECT_TRUE(before["sizes"]["targets"][0]["bytes"].is_null());
+    EXPECT_FALSE(before["sizes"]["exact"].get<bool>());
+    std::vector<std::string> stages;
+    for (const auto & s : before["stages"]) {
+        stages.push_back(s["stage"]);
+        EXPECT_GE(s["seconds"].get<double>(), 0.0);
+    }
+    EXPECT_EQ(stages, (std::vector<std::string>{"data", "imatrix", "candidates", "probe", "train", "select", "export"}));
+
+    // The real run: its cache holds exactly the candidates the dry run said it would build.
+    r = test::run_voodoo(args);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    int64_t entries = 0;
+    double entry_bytes = 0;
+    for (const auto & e : std::filesystem::recursive_directory_iterator(work + "/candidates")) {
+        if (e.is_regular_file() && e.path().extension() == ".bin") {
+            ++entries;
+            entry_bytes += static_cast<double>(e.file_size());
+        }
+    }
+    EXPECT_EQ(entries, before["candidates"]["to_build"].get<int64_t>());
+    EXPECT_EQ(entry_bytes, before["candidates"]["to_build_bytes"].get<double>());
+
+    // After it: every candidate is in the cache, the imatrix makes the range exact, the stock file's size is known
+    // and the file made is within it.
+    r = test::run_voodoo_stdout(args + " --dry-run --json -");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const nlohmann::json after = nlohmann::json::parse(r.output);
+    EXPECT_EQ(after["candidates"]["count"], before["candidates"]["count"]);
+    EXPECT_EQ(after["candidates"]["bytes"], before["candidates"]["bytes"]);
+    EXPECT_EQ(after["candidates"]["in_cache"], before["candidates"]["to_build"]);
+    EXPECT_EQ(after["candidates"]["in_cache_bytes"], before["candidates"]["to_build_bytes"]);
+    EXPECT_EQ(after["candidates"]["to_build"], 0);
+    EXPECT_TRUE(after["sizes"]["exact"].get<bool>());
+    const std::string stock = work + "/baselines/stories260K-Q5_0.gguf";
+    EXPECT_EQ(after["sizes"]["targets"][0]["bytes"].get<double>(), static_cast<double>(file_size(stock)));
+    EXPECT_TRUE(after["sizes"]["targets"][0]["feasible"].get<bool>());
+    std::string made;
+    for (const auto & e : std::filesystem::directory_iterator(work)) {
+        if (e.path().filename().string().find(".Voodoo") != std::string::npos && e.path().extension() == ".gguf") {
+            made = e.path().string();
+        }
+    }
+    ASSERT_FALSE(made.empty());
+    const double made_bytes = static_cast<double>(file_size(made));
+    EXPECT_GE(made_bytes, after["sizes"]["min_bytes"].get<double>());
+    EXPECT_LE(made_bytes, after["sizes"]["max_bytes"].get<double>());
+    // `voodoo train --dry-run` on the same data, imatrix and cache says the same.
+    r = test::run_voodoo_stdout(fmt::format("train --model {} --data {}/data --imatrix {}/imatrix.gguf --target-size {:.0f} "
+                                            "--out {} --cache {}/candidates --dry-run --json -",
+                                            test::stories260k(), work, work, made_bytes, tmp.file("run"), work));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const nlohmann::json train_plan = nlohmann::json::parse(r.output);
+    EXPECT_EQ(train_plan["candidates"]["count"], after["candidates"]["count"]);
+    EXPECT_EQ(train_plan["candidates"]["to_build"], 0);
+    EXPECT_EQ(train_plan["sizes"]["min_bytes"], after["sizes"]["min_bytes"]);
+    EXPECT_TRUE(train_plan["sizes"]["targets"][0]["feasible"].get<bool>());
+    EXPECT_FALSE(std::filesystem::exists(tmp.file("run"))) << "a dry run makes nothing";
+}

@@ -2,6 +2,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "eval/report.h"
+#include "pipeline/dry_run.h"
 #include "pipeline/quantize.h"
 
 #include <fmt/format.h>
@@ -101,6 +102,9 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--seed", o->q.train.seed, "Seed")->capture_default_str();
     sub->add_flag("--allow-requantize", o->q.allow_requantize,
                   "Accept an already quantized source (as llama-quantize): it is also the teacher, and no file can be better than it");
+    sub->add_flag("--dry-run", o->q.dry_run,
+                  "Make nothing: print the menus, the candidates to build (and those in WORK's cache), the feasible "
+                  "size range and each target in it, the GPU memory and each stage's estimated time");
     add_json_option(sub, o->json, "What was made (files, sizes, the comparison with every stock file, the work folder)");
     return {sub, [o, bpw, size, ratio, like, sub, model_opt, threads, ggml_threads] {
         quantize_options q = o->q;
@@ -177,6 +181,13 @@ command add_quantize(CLI::App & app) {
         q.train.should_stop = stop_on_sigint();
         q.command = command_line();
         const quantize_result r = run_quantize(q);
+        if (q.dry_run) {
+            write_json_to(o->json, r.plan);
+            if (o->json != "-") {
+                fmt::print("{}", dry_run_to_text(r.plan));
+            }
+            return 0;
+        }
         if (o->json != "-") {
             fmt::print("\n{}\n", r.table);
             for (const std::string & f : r.outs) {

@@ -2,6 +2,7 @@
 #include "common/error.h"
 #include "data/dataset.h"
 #include "export/export.h"
+#include "pipeline/dry_run.h"
 #include "pipeline/quantize.h"
 #include "train/trainer.h"
 
@@ -30,6 +31,7 @@ command add_train(CLI::App & app) {
         std::vector<std::string> menu_for;
         double target_bpw = 0, ratio = 0;
         bool allow_requantize = false;
+        bool dry_run = false;
         train_options t;
     };
     auto o = std::make_shared<options>();
@@ -80,6 +82,9 @@ command add_train(CLI::App & app) {
     sub->add_option("--gate-init", o->t.gate_init, "Start logit of the probe's allocation")->capture_default_str();
     sub->add_option("--journal-every", o->t.journal_every, "Steps between journals")->capture_default_str();
     sub->add_flag("--resume", o->t.resume, "Continue the run in --out from its journal");
+    sub->add_flag("--dry-run", o->dry_run,
+                  "Make nothing: print the menus, the candidates to build (and those in the cache), the feasible size "
+                  "range, the GPU memory and each stage's estimated time");
     sub->add_flag("--allow-requantize", o->allow_requantize,
                   "Accept an already quantized source (as llama-quantize): it is also the teacher");
     add_json_option(sub, o->json, "The result (recipe, bytes against the limit, the final selection's measurements)");
@@ -126,6 +131,22 @@ command add_train(CLI::App & app) {
             t.export_opts = imatrix_export_options(o->imatrix, o->imatrix, src, importance);
             t.menu.has_imatrix = true;
             t.imatrix_path = o->imatrix;
+        }
+        if (o->dry_run) {
+            dry_run_input in;
+            in.src = &src;
+            in.train = t;
+            in.goals = {t.goal};
+            in.imatrix = o->imatrix;
+            in.cache_dir = t.cache_dir.empty() ? (std::filesystem::path(o->out) / "candidates").string() : t.cache_dir;
+            in.ctx = data.train().ctx();
+            in.train_chunks = data.train().n_chunks();
+            const nlohmann::json plan = plan_dry_run(in);
+            write_json_to(o->json, plan);
+            if (o->json != "-") {
+                fmt::print("{}", dry_run_to_text(plan));
+            }
+            return 0;
         }
         t.should_stop = stop_on_sigint();
         const train_result r = train_gates(src, teacher ? *teacher : src, data.train(),

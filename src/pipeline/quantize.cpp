@@ -1,5 +1,6 @@
 #include "pipeline/quantize.h"
 #include "pipeline/hf_source.h"
+#include "pipeline/dry_run.h"
 
 #include "common/error.h"
 #include "common/file.h"
@@ -473,6 +474,58 @@ std::string write_model_card(const quantize_options & o, const gguf_file & src, 
 
 }  // namespace
 
+namespace {
+
+// The dry run's inputs from the quantize options, reading only what exists in WORK (a finished imatrix, stock
+// files already made) and making nothing.
+nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, const std::string & work) {
+    dry_run_input in;
+    in.src = &src;
+    in.train = o.train;
+    in.train.menu.has_imatrix = true;
+    in.train.threads = o.threads;
+    in.ggml_threads = o.ggml_threads;
+    in.cache_dir = (fs::path(work) / "candidates").string();
+    in.ctx = o.ctx;
+    for (const std::string & t : o.texts) {
+        in.text_bytes += static_cast<int64_t>(file_size(t));
+    }
+    const std::string made = (fs::path(work) / "imatrix.gguf").string();
+    in.imatrix = !o.imatrix.empty() ? o.imatrix : (fs::exists(made) ? made : "");
+    if (o.imatrix.empty() && in.imatrix.empty()) {
+        // About 4 bytes of English text per token; 10% goes to the validation split.
+        const int64_t chunks = std::max<int64_t>(1, in.text_bytes / 4 / std::max<int64_t>(1, o.ctx) * 9 / 10);
+        in.imatrix_chunks = o.imatrix_chunks < 0 ? chunks : std::min<int64_t>(o.imatrix_chunks, chunks);
+    }
+    if (o.like.empty()) {
+        in.goals = o.goals.empty() ? std::vector<target>{o.train.goal} : o.goals;
+    } else {
+        for (const std::string & name : comma_list(o.like)) {
+            const fs::path stock = fs::path(work) / "baselines" / fmt::format("{}-{}.gguf", fs::path(o.model).stem().string(), name);
+            in.like_sizes.emplace_back(name, fs::exists(stock) ? static_cast<double>(file_size(stock.string())) : 0.0);
+        }
+    }
+    if (o.eval_chunks != 0) {
+        // "nearest" compares each file with about three stock files.
+        const int64_t outs = static_cast<int64_t>(in.goals.size() + in.like_sizes.size());
+        int64_t stock = 0;
+        if (o.baselines == "nearest") {
+            stock = 3 * outs;
+        } else if (o.baselines == "all-that-fit") {
+            stock = static_cast<int64_t>(recipes_all_that_fit(true).size());
+        } else if (o.baselines != "none") {
+            stock = static_cast<int64_t>(comma_list(o.baselines).size());
+        }
+        in.eval_files = outs * (o.greedy_peer ? 2 : 1) + stock;
+        const std::string eval_text = o.eval_text.empty() ? o.texts.front() : o.eval_text;
+        const int64_t all = static_cast<int64_t>(file_size(eval_text)) / 4;
+        in.eval_tokens_per_file = o.eval_chunks < 0 ? all : std::min<int64_t>(all, static_cast<int64_t>(o.eval_chunks) * o.eval_ctx);
+    }
+    return plan_dry_run(in);
+}
+
+}  // namespace
+
 int ggml_threads_for(int64_t n_weights) {
     return n_weights < 8'000'000 ? 1 : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
@@ -655,6 +708,12 @@ quantize_result run_quantize(const quantize_options & opts) {
         }
     }
     const std::string work = o.work.empty() ? default_work_folder(o.model) : o.work;
+    if (o.dry_run) {
+        quantize_result res;
+        res.work = work;
+        res.plan = dry_run_of(o, src, work);
+        return res;
+    }
     const folder_lock lock(work);  // one job per work folder (creates it)
     stage_marks().clear();
     const std::string data_dir = (fs::path(work) / "data").string();

@@ -5,6 +5,8 @@
 #include "eval/eval.h"
 #include "train/trainer.h"
 
+#include <nlohmann/json.hpp>
+
 #include <string>
 #include <vector>
 
@@ -41,6 +43,7 @@ struct quantize_options {
     /// this process's libllama work (eval) loads models. (A crash first blamed on libllama sharing a process with
     /// CUDA was libtorch.so's own std::filesystem::remove_all: common/file.h, remove_tree.)
     std::string train_exe;
+    bool dry_run = false;                   // make nothing: plan_dry_run's report in quantize_result::plan
 };
 
 /// libllama's threads (and LibTorch's, training on the CPU) for a model of `n_weights` weights when --ggml-threads
@@ -59,6 +62,7 @@ struct quantize_result {
     std::string table;                      // the final comparison table (markdown)
     std::string card;                       // the model card written beside the files (README.md)
     std::string work;                       // the work folder it used
+    nlohmann::json plan;                    // a dry run's report (plan_dry_run); null otherwise
 };
 
 /// The source must be full precision (F32, F16, BF16 in every selectable tensor), since Voodoo's candidates and its
@@ -73,7 +77,8 @@ void check_full_precision_source(const gguf_file & src, bool allow_requantize);
 /// leaves at their source type. Throws voodoo::error naming the flag or file and what would work.
 void check_quantize_options(const quantize_options & opts, const gguf_file & src);
 
-/// Runs the chain. Each stage keeps a record of what made it (pipeline/stages.h): a re-run with other texts,
+/// Runs the chain (with opts.dry_run, only checks the options and returns the plan: pipeline/dry_run.h; nothing is
+/// made, save a Hugging Face folder's conversion, which reading the model needs). Each stage keeps a record of what made it (pipeline/stages.h): a re-run with other texts,
 /// --ctx, --seed, --imatrix-chunks, model, imatrix or training options re-does that stage and every stage after it,
 /// saying so in one line; a new target in the same work folder trains beside the earlier ones (WORK/run-<label>).
 /// A ladder (several targets) shares data, imatrix, candidates and the probe; its sizes train

@@ -155,7 +155,7 @@ double budget::in_target_unit(double bytes) const {
 }
 
 budget make_budget(const gguf_file & file, const std::vector<tensor_menu> & menus, const target & goal,
-                   const export_options & opts) {
+                   const export_options & opts, bool check_range) {
     budget b;
     b.goal = goal;
     b.n_weights = 0;
@@ -216,7 +216,7 @@ budget make_budget(const gguf_file & file, const std::vector<tensor_menu> & menu
             b.limit = std::floor(goal.value * b.q8_0_bytes);
             break;
     }
-    if (b.limit < b.min_total || b.limit > b.max_total) {
+    if (check_range && (b.limit < b.min_total || b.limit > b.max_total)) {
         const double w = static_cast<double>(b.n_weights);
         const std::string ratio = goal.kind == target_kind::ratio
                                       ? fmt::format(", {:.4g} to {:.4g} of the all-Q8_0 file", b.min_total / b.q8_0_bytes,

@@ -80,8 +80,9 @@ struct budget {
 
 /// Builds the budget. Throws voodoo::error before any work when the target is outside the feasible
 /// range, giving the range in the target's unit.
+/// With check_range = false the range is not checked (a dry run reports it instead).
 budget make_budget(const gguf_file & file, const std::vector<tensor_menu> & menus, const target & goal,
-                   const export_options & opts);
+                   const export_options & opts, bool check_range = true);
 
 /// The final choice: argmax of each tensor's probabilities, then an exact-budget repair. While the total
 /// exceeds the limit, take the downgrade with the least estimated loss increase per byte saved; then,

@@ -100,6 +100,12 @@ std::string candidate_cache::path_of(const std::string & key) const {
     return (std::filesystem::path(dir_) / key.substr(0, 2) / (key + ".bin")).string();
 }
 
+bool candidate_cache::holds(const std::string & dir, const std::string & key, size_t expected_bytes) {
+    std::error_code ec;
+    const auto path = std::filesystem::path(dir) / key.substr(0, 2) / (key + ".bin");
+    return std::filesystem::file_size(path, ec) == expected_bytes + sizeof(uint64_t) && !ec;
+}
+
 std::optional<std::vector<uint8_t>> candidate_cache::load(const std::string & key, size_t expected_bytes) const {
     const std::string path = path_of(key);
     std::error_code ec;

@@ -51,6 +51,9 @@ public:
     /// The cached bytes, or nullopt. An entry of the wrong size or whose checksum does not match its bytes (a
     /// damaged disk, a cache of an older Voodoo without checksums) is ignored, and rebuilt by the caller.
     std::optional<std::vector<uint8_t>> load(const std::string & key, size_t expected_bytes) const;
+    /// True when the cache in `dir` holds an entry for `key` of `expected_bytes` (its size checked, not its
+    /// checksum): what a dry run counts as built. Reads nothing else and makes no folder.
+    static bool holds(const std::string & dir, const std::string & key, size_t expected_bytes);
     /// Stores bytes atomically.
     void store(const std::string & key, std::span<const uint8_t> bytes) const;
 

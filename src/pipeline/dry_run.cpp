@@ -1,0 +1,398 @@
+#include "pipeline/dry_run.h"
+
+#include "common/error.h"
+#include "export/export.h"
+#include "ggml/quant.h"
+#include "ggml/types.h"
+#include "train/budget.h"
+#include "train/candidates.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <regex>
+#include <set>
+
+namespace voodoo {
+
+namespace {
+
+using dry_clock = std::chrono::steady_clock;
+
+double dry_elapsed(dry_clock::time_point t0) {
+    return std::chrono::duration<double>(dry_clock::now() - t0).count();
+}
+
+/// "blk.7.attn_q.weight" → "blk.*.attn_q.weight": the family a menu is reported for.
+std::string dry_family(const std::string & name) {
+    static const std::regex layer(R"(^blk\.\d+\.)");
+    return std::regex_replace(name, layer, "blk.*.");
+}
+
+/// Quantization rate of `type` on one core, weights per second: the first rows (≥ 64K weights) of tensor t
+/// quantized once, with unit importance where the type needs one (the rate hardly depends on its values).
+double dry_quantize_rate(const gguf_file & src, const gguf_tensor & t, ggml_type type) {
+    const int64_t ne0 = t.ne[0];
+    const int64_t rows = std::min<int64_t>(t.n_rows(), std::max<int64_t>(1, (65536 + ne0 - 1) / ne0));
+    const size_t row_bytes = tensor_bytes(t.type, std::array<int64_t, 2>{ne0, 1}, t.name);
+    const std::span<const uint8_t> bytes = src.data(t).subspan(0, row_bytes * static_cast<size_t>(rows));
+    const std::vector<float> x = dequantize(t.type, bytes, ne0, 1, t.name);
+    const std::vector<float> ones(static_cast<size_t>(ne0), 1.0f);
+    // One row first: the IQ1/IQ2/IQ3 types build their grids on first use (ggml_quantize_init), once per process.
+    quantize(type, std::span<const float>(x).subspan(0, static_cast<size_t>(ne0)), ne0, ones, 1, t.name);
+    const auto t0 = dry_clock::now();
+    const std::vector<uint8_t> q = quantize(type, x, ne0, ones, 1, t.name);
+    return static_cast<double>(x.size()) / std::max(dry_elapsed(t0), 1e-6);
+}
+
+/// f32 matrix-product rate of this machine's LibTorch on `threads` threads, FLOP/s: a [256, 1024] × [1024, 1024]
+/// product, best of five after one.
+double dry_cpu_flops(int threads) {
+    const int before = torch::get_num_threads();
+    torch::set_num_threads(std::max(1, resolve_threads(threads)));
+    const torch::Tensor a = torch::randn({256, 1024}), b = torch::randn({1024, 1024});
+    double best = 1e30;
+    for (int i = 0; i < 6; ++i) {  // the first wakes the thread pool
+        const auto t0 = dry_clock::now();
+        const torch::Tensor c = torch::mm(a, b);
+        best = std::min(best, dry_elapsed(t0));
+    }
+    torch::set_num_threads(before);
+    return 2.0 * 256 * 1024 * 1024 / std::max(best, 1e-7);
+}
+
+/// Seconds per element of an f32 a += α·b over 4M elements on `threads` threads, best of three: the memory-bound
+/// step that forming W_eff = Σ p_k deq(Q_k) and the gate gradients ⟨G, deq Q_k⟩ repeat for every candidate weight.
+double dry_axpy_seconds(int threads) {
+    const int before = torch::get_num_threads();
+    torch::set_num_threads(std::max(1, resolve_threads(threads)));
+    torch::Tensor a = torch::randn({1 << 22}), b = torch::randn({1 << 22});
+    double best = 1e30;
+    for (int i = 0; i < 3; ++i) {
+        const auto t0 = dry_clock::now();
+        a.add_(b, 0.5);
+        best = std::min(best, dry_elapsed(t0));
+    }
+    torch::set_num_threads(before);
+    return best / static_cast<double>(1 << 22);
+}
+
+std::string dry_bytes_text(double b) {
+    if (b >= 1024.0 * 1024 * 1024) {
+        return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
+    }
+    if (b >= 1024.0 * 1024) {
+        return fmt::format("{:.2f} MiB", b / (1024.0 * 1024));
+    }
+    return fmt::format("{:.1f} KiB", b / 1024.0);
+}
+
+std::string dry_seconds_text(double s) {
+    if (s < 1) {
+        return "< 1 s";
+    }
+    if (s < 120) {
+        return fmt::format("{:.0f} s", s);
+    }
+    if (s < 7200) {
+        return fmt::format("{:.1f} min", s / 60);
+    }
+    return fmt::format("{:.1f} h", s / 3600);
+}
+
+}  // namespace
+
+nlohmann::json plan_dry_run(const dry_run_input & in) {
+    const gguf_file & src = *in.src;
+    const bool gpu = in.train.device != "cpu";
+
+    // The importance: the imatrix when one exists; else the coverage llama-imatrix (and voodoo imatrix) will give
+    // (src/imatrix/collect.h): every blk.* matmul weight, output.weight, and token_embd.weight when it is the
+    // tied head. Only which tensors are covered matters to the menus.
+    importance_map importance;
+    export_options eo = in.train.export_opts;
+    const bool imatrix_known = !in.imatrix.empty();
+    if (imatrix_known) {
+        eo = imatrix_export_options(in.imatrix, in.imatrix, src, importance);
+    } else if (in.train.menu.has_imatrix) {
+        const bool tied = std::none_of(src.tensors().begin(), src.tensors().end(),
+                                       [](const gguf_tensor & t) { return t.name == "output.weight"; });
+        for (const gguf_tensor & t : src.tensors()) {
+            if (t.name.rfind("blk.", 0) == 0 || t.name == "output.weight" || (tied && t.name == "token_embd.weight")) {
+                importance[t.name] = {};
+            }
+        }
+    }
+    menu_options mo = in.train.menu;
+    mo.importance = mo.has_imatrix ? &importance : nullptr;
+    const std::vector<tensor_menu> menus = build_menus(src, mo);
+
+    nlohmann::json plan;
+    int64_t n_weights = 0, gated_weights = 0, io_per_token = 0;
+    for (const gguf_tensor & t : src.tensors()) {
+        n_weights += t.n_elements();
+    }
+    plan["model"] = {{"path", src.path()}, {"weights", n_weights}, {"tensors", src.tensors().size()}};
+    plan["device"] = in.train.device;
+
+    // Menus by family.
+    std::map<std::string, std::pair<int, std::vector<ggml_type>>> by_family;
+    std::vector<std::string> order;
+    for (const tensor_menu & m : menus) {
+        const std::string f = dry_family(m.tensor->name);
+        if (!by_family.count(f)) {
+            order.push_back(f);
+        }
+        auto & e = by_family[f];
+        e.first += 1;
+        if (e.second.empty() || e.second.size() > m.types.size()) {
+            e.second = m.types;  // the narrowest menu of the family (the layers normally all agree)
+        }
+        gated_weights += m.tensor->n_elements();
+        io_per_token += m.tensor->ne[0] + m.tensor->n_rows();
+    }
+    plan["menus"] = nlohmann::json::array();
+    for (const std::string & f : order) {
+        nlohmann::json types = nlohmann::json::array();
+        for (ggml_type t : by_family[f].second) {
+            types.push_back(type_name(t));
+        }
+        plan["menus"].push_back({{"tensors", f}, {"n", by_family[f].first}, {"types", types}});
+    }
+
+    // Candidates: every tensor × menu type (build_candidates); the cache holds the ones not of the source type.
+    int64_t count = 0, in_cache = 0, to_build = 0;
+    double bytes = 0, in_cache_bytes = 0, to_build_bytes = 0;
+    std::map<ggml_type, int64_t> build_weights;               // weights to quantize per type
+    std::map<ggml_type, const gguf_tensor *> sample_of;       // the largest tensor with the type in its menu
+    for (const tensor_menu & m : menus) {
+        const gguf_tensor & t = *m.tensor;
+        for (ggml_type type : m.types) {
+            const size_t n = tensor_bytes(type, t.shape(), t.name);
+            ++count;
+            bytes += static_cast<double>(n);
+            if (type == t.type) {
+                continue;  // the source bytes, copied
+            }
+            const bool hit = imatrix_known &&
+                             candidate_cache::holds(in.cache_dir, candidate_cache::key(src, t, type, importance_for(&importance, t)), n);
+            if (hit) {
+                ++in_cache;
+                in_cache_bytes += static_cast<double>(n + sizeof(uint64_t));
+            } else {
+                ++to_build;
+                to_build_bytes += static_cast<double>(n + sizeof(uint64_t));
+                build_weights[type] += t.n_elements();
+                if (!sample_of.count(type) || sample_of[type]->n_elements() < t.n_elements()) {
+                    sample_of[type] = &t;
+                }
+            }
+        }
+    }
+    plan["candidates"] = {{"count", count}, {"bytes", bytes}, {"in_cache", in_cache}, {"in_cache_bytes", in_cache_bytes},
+                          {"to_build", to_build}, {"to_build_bytes", to_build_bytes}, {"cache_dir", in.cache_dir},
+                          {"cache_known", imatrix_known}};
+
+    // Sizes: the range the menus reach and each target in it.
+    const budget range = make_budget(src, menus, {target_kind::size, 0.0}, eo, false);
+    nlohmann::json targets = nlohmann::json::array();
+    for (const target & g : in.goals) {
+        const budget b = make_budget(src, menus, g, eo, false);
+        const double lo = g.kind == target_kind::bpw ? b.min_total : range.min_total;
+        const double hi = g.kind == target_kind::bpw ? b.max_total : range.max_total;
+        targets.push_back({{"target", g.str()}, {"bytes", b.limit}, {"feasible", b.limit >= lo && b.limit <= hi}});
+    }
+    for (const auto & [name, like_bytes] : in.like_sizes) {
+        nlohmann::json j = {{"target", "like=" + name}};
+        if (like_bytes > 0) {
+            j["bytes"] = like_bytes;
+            j["feasible"] = like_bytes >= range.min_total && like_bytes <= range.max_total;
+        } else {
+            j["bytes"] = nullptr;
+            j["feasible"] = nullptr;  // the stock file is made by the run (llama_model_quantize) before training
+        }
+        targets.push_back(j);
+    }
+    const double w = static_cast<double>(n_weights);
+    plan["sizes"] = {{"min_bytes", range.min_total}, {"max_bytes", range.max_total}, {"min_bpw", 8 * range.min_total / w},
+                     {"max_bpw", 8 * range.max_total / w}, {"exact", imatrix_known}, {"targets", targets}};
+
+    // Rates measured here, and the assumed GPU rates.
+    const int threads = resolve_threads(in.train.threads);
+    const int ggml_threads = resolve_threads(in.ggml_threads);
+    std::map<ggml_type, double> qrate;
+    for (const auto & [type, t] : sample_of) {
+        qrate[type] = dry_quantize_rate(src, *t, type);
+    }
+    // A whole forward runs at a fraction of the product's peak. LibTorch's f32 forward with the vocabulary's
+    // softmax and KL: 0.21 on the 2-core machine, where mix30M's probe forward of 2 × 512 tokens takes 2.1 s at a
+    // measured 137 GFLOP/s peak; libllama's (imatrix, eval): 0.85, 1,800–2,000 tokens/s of mix30M there
+    // (docs/BENCHMARKS.md, "One size of mix30M on the CPU").
+    constexpr double torch_efficiency = 0.21, ggml_efficiency = 0.85;
+    const double cpu_peak = dry_cpu_flops(in.train.threads);
+    const double cpu = torch_efficiency * cpu_peak, cpu_ggml = ggml_efficiency * dry_cpu_flops(in.ggml_threads);
+    const double axpy = dry_axpy_seconds(in.train.threads);
+    // A whole H200 step of a small model is bound by launches, not FLOPs (docs/BENCHMARKS.md: 22.8% MFU at the
+    // Llama-3-8B slice); 100 TFLOP/s of bf16 and 30 of f32 are what the measured steps and probes reach.
+    const double gpu_bf16 = 100e12, gpu_f32 = 30e12;
+    nlohmann::json rates = {{"cpu_f32_product_flops", cpu_peak}, {"cpu_forward_flops", cpu},
+                            {"cpu_axpy_seconds_per_element", axpy}, {"threads", threads}, {"ggml_threads", ggml_threads},
+                            {"quantize_weights_per_s_per_core", nlohmann::json::object()}};
+    for (const auto & [type, r] : qrate) {
+        rates["quantize_weights_per_s_per_core"][type_name(type)] = r;
+    }
+    if (gpu) {
+        rates["gpu_bf16_flops_assumed"] = gpu_bf16;
+        rates["gpu_f32_flops_assumed"] = gpu_f32;
+    }
+    rates["method"] = "candidates: each type's measured single-core rate × threads; forwards: 2 FLOPs per weight "
+                      "per token at 0.21 (LibTorch) or 0.85 (libllama) of the measured f32 product rate (the fractions "
+                      "mix30M's forwards reach on the 2-core machine), or the assumed GPU rate; a training step: 8 "
+                      "FLOPs per weight per token (student forward and backward, teacher forward) and, on the CPU, "
+                      "3 axpy-equivalents per candidate weight (mixture, dequantization, gate gradient)";
+    plan["rates"] = rates;
+
+    // Stages.
+    const int64_t seq = in.train.seq > 0 ? in.train.seq : in.ctx;
+    const double fwd_flops_per_token = 2.0 * static_cast<double>(n_weights);
+    nlohmann::json stages = nlohmann::json::array();
+    auto add = [&](const std::string & stage, const std::string & work, double s) {
+        stages.push_back({{"stage", stage}, {"work", work}, {"seconds", s}});
+    };
+    if (in.text_bytes > 0) {
+        add("data", fmt::format("tokenize {} of text", dry_bytes_text(static_cast<double>(in.text_bytes))),
+            static_cast<double>(in.text_bytes) / 5e6);
+    }
+    if (in.imatrix_chunks > 0) {
+        const double tokens = static_cast<double>(in.imatrix_chunks * in.ctx);
+        add("imatrix", fmt::format("{} chunks × {} tokens ({})", in.imatrix_chunks, in.ctx, gpu ? "LibTorch on the GPU" : "libllama"),
+            tokens * fwd_flops_per_token / (gpu ? gpu_f32 : cpu_ggml));
+    }
+    {
+        double s = 0;
+        for (const auto & [type, n] : build_weights) {
+            s += static_cast<double>(n) / (qrate[type] * threads);
+        }
+        add("candidates", fmt::format("{} quantizations on {} cores ({} already in the cache)", to_build, threads, in_cache), s);
+    }
+    // The probe and the selection run whole --ctx chunks.
+    {
+        int64_t forwards = 1;
+        for (const tensor_menu & m : menus) {
+            const int64_t k = static_cast<int64_t>(m.types.size());
+            forwards += in.train.probe_anchors > 0 ? std::min<int64_t>(in.train.probe_anchors, k) : k;
+        }
+        const double tokens = static_cast<double>(forwards * in.train.probe_sequences * in.ctx);
+        add("probe", fmt::format("{} forwards of {} × {} tokens", forwards, in.train.probe_sequences, in.ctx),
+            tokens * fwd_flops_per_token / (gpu ? gpu_f32 : cpu));
+    }
+    {
+        const double tokens = static_cast<double>(in.train.steps) * in.train.batch * in.train.accum * static_cast<double>(seq);
+        // The mixture W_eff = Σ p_k · deq(Q_k) of every gated tensor and its gate gradients, once per micro-batch:
+        // memory-bound on the CPU; on the GPU the fused kernels' share of a step is small (docs/BENCHMARKS.md).
+        double candidate_weights = 0;
+        for (const tensor_menu & m : menus) {
+            candidate_weights += static_cast<double>(m.types.size() * m.tensor->n_elements());
+        }
+        const double mix_s = gpu ? 0.0 : 3.0 * candidate_weights * axpy * static_cast<double>(in.train.steps) * in.train.accum;
+        add("train", fmt::format("{} steps × {} × {} tokens", in.train.steps, in.train.batch * in.train.accum, seq),
+            4.0 * fwd_flops_per_token * tokens / (gpu ? gpu_bf16 : cpu) + mix_s);
+    }
+    {
+        // The trained recipe, the exact and the greedy knapsack, and the smaller sizes' recipes of a ladder.
+        const int64_t recipes = 3 + static_cast<int64_t>(in.train.prior_recipes.size());
+        const double tokens = static_cast<double>(recipes * in.train.select_sequences * in.ctx);
+        add("select", fmt::format("about {} recipes × {} × {} tokens", recipes, in.train.select_sequences, in.ctx),
+            tokens * fwd_flops_per_token / (gpu ? gpu_f32 : cpu));
+    }
+    add("export", fmt::format("{} file(s)", std::max<size_t>(1, in.goals.size() + in.like_sizes.size())),
+        range.max_total / 1e9 * static_cast<double>(std::max<size_t>(1, in.goals.size() + in.like_sizes.size())));
+    if (in.eval_files > 0) {
+        // Every file and the reference model.
+        const double tokens = static_cast<double>((in.eval_files + 1) * in.eval_tokens_per_file);
+        add("eval", fmt::format("{} files and the reference × {} tokens (libllama)", in.eval_files, in.eval_tokens_per_file),
+            tokens * fwd_flops_per_token / cpu_ggml);
+    }
+    plan["stages"] = stages;
+
+    if (gpu) {
+        // What the GPU holds while training: the candidates (the fused path keeps their bytes), the teacher's
+        // weights in bf16, and activations, ≈ 6 bytes × tokens of a micro-batch × Σ (inputs + outputs) of the gated
+        // matmuls (fitted to the measured Qwen3-0.6B step, docs/BENCHMARKS.md), plus the loss's logits chunk.
+        // The reference path holds every candidate dense in bf16 instead.
+        const bool reference = in.train.mixture == "reference";
+        double dense = 0;
+        int64_t n_vocab = 0;
+        for (const tensor_menu & m : menus) {
+            dense += 2.0 * static_cast<double>(m.types.size()) * static_cast<double>(m.tensor->n_elements());
+        }
+        for (const gguf_tensor & t : src.tensors()) {
+            if (t.name == "token_embd.weight") {
+                n_vocab = t.ne[1];
+            }
+        }
+        const double cand = reference ? dense : bytes;
+        const double teacher = 2.0 * static_cast<double>(n_weights);
+        // Logits, their gradient and the teacher's, f32, one loss chunk at a time (0: about 512 MB each).
+        const double logits = 3.0 * (in.train.loss_chunk > 0 ? static_cast<double>(in.train.loss_chunk * n_vocab) * 4 : 512e6);
+        const double act = 6.0 * static_cast<double>(in.train.batch * seq) * static_cast<double>(io_per_token) + logits;
+        plan["gpu_memory"] = {{"candidates_bytes", cand}, {"teacher_bytes", teacher}, {"activations_bytes_estimate", act},
+                              {"total_bytes_estimate", cand + teacher + act}, {"mixture", reference ? "reference" : "fused"}};
+    }
+    return plan;
+}
+
+std::string dry_run_to_text(const nlohmann::json & p) {
+    std::string s = fmt::format("dry run of {} ({} weights) on {}: nothing is made\n", p["model"]["path"].get<std::string>(),
+                                p["model"]["weights"].get<int64_t>(), p["device"].get<std::string>());
+    s += "menus:\n";
+    for (const auto & m : p["menus"]) {
+        std::string types;
+        for (const auto & t : m["types"]) {
+            types += (types.empty() ? "" : ",") + t.get<std::string>();
+        }
+        s += fmt::format("  {:<28} ×{:<4} {}\n", m["tensors"].get<std::string>(), m["n"].get<int>(), types);
+    }
+    const auto & c = p["candidates"];
+    s += fmt::format("candidates: {} ({}); to build: {} ({} in the cache {}); already there: {} ({})\n",
+                     c["count"].get<int64_t>(), dry_bytes_text(c["bytes"].get<double>()), c["to_build"].get<int64_t>(),
+                     dry_bytes_text(c["to_build_bytes"].get<double>()), c["cache_dir"].get<std::string>(),
+                     c["in_cache"].get<int64_t>(), dry_bytes_text(c["in_cache_bytes"].get<double>()));
+    if (!c["cache_known"].get<bool>()) {
+        s += "  (no imatrix yet: a candidate's cache key holds its importance, so none can be counted as built)\n";
+    }
+    const auto & z = p["sizes"];
+    s += fmt::format("feasible sizes: {:.0f} to {:.0f} bytes ({} to {}, {:.3f} to {:.3f} BPW){}\n", z["min_bytes"].get<double>(),
+                     z["max_bytes"].get<double>(), dry_bytes_text(z["min_bytes"].get<double>()), dry_bytes_text(z["max_bytes"].get<double>()),
+                     z["min_bpw"].get<double>(), z["max_bpw"].get<double>(),
+                     z["exact"].get<bool>() ? "" : " (without the imatrix's header keys: a few hundred bytes off)");
+    for (const auto & t : z["targets"]) {
+        if (t["bytes"].is_null()) {
+            s += fmt::format("  {}: the stock file's size, known once the run has made it\n", t["target"].get<std::string>());
+        } else {
+            s += fmt::format("  {}: {:.0f} bytes, {}\n", t["target"].get<std::string>(), t["bytes"].get<double>(),
+                             t["feasible"].get<bool>() ? "feasible" : "OUTSIDE the range");
+        }
+    }
+    if (p.contains("gpu_memory")) {
+        const auto & g = p["gpu_memory"];
+        s += fmt::format("GPU memory: candidates {} + teacher {} + activations ≈ {} = ≈ {}\n",
+                         dry_bytes_text(g["candidates_bytes"].get<double>()), dry_bytes_text(g["teacher_bytes"].get<double>()),
+                         dry_bytes_text(g["activations_bytes_estimate"].get<double>()), dry_bytes_text(g["total_bytes_estimate"].get<double>()));
+    }
+    s += "stages (estimated here; rates and method in --json):\n";
+    double total = 0;
+    for (const auto & st : p["stages"]) {
+        total += st["seconds"].get<double>();
+        s += fmt::format("  {:<11} {:<60} {}\n", st["stage"].get<std::string>(), st["work"].get<std::string>(),
+                         dry_seconds_text(st["seconds"].get<double>()));
+    }
+    s += fmt::format("  {:<11} {:<60} {}\n", "total", "", dry_seconds_text(total));
+    return s;
+}
+
+}  // namespace voodoo

@@ -1,0 +1,50 @@
+// `voodoo quantize --dry-run` and `voodoo train --dry-run` (issue #20): what a run would build and how long it
+// would take, without making anything: the menus, the candidates (count and bytes, and how many the cache already
+// holds), the feasible size range and each target in it, the GPU memory a --device cuda run needs, and an estimate
+// of each stage's time from rates measured here in a fraction of a second.
+#pragma once
+
+#include "ggml/gguf.h"
+#include "train/trainer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <string>
+#include <vector>
+
+namespace voodoo {
+
+struct dry_run_input {
+    const gguf_file * src = nullptr;
+    train_options train;                    // menus (menu.types/per_role), steps, batch, seq, probe, device, threads
+    std::vector<target> goals;              // the targets (bpw, size, ratio); --like ones are in like_sizes
+    std::vector<std::pair<std::string, double>> like_sizes;  // a --like recipe and its stock file's bytes (0: not
+                                                             // made yet, so unknown in a dry run)
+    std::string imatrix;                    // an imatrix that exists (given, or a finished run's), or "" (none yet:
+                                            // its coverage is predicted, and no candidate can be in the cache, since
+                                            // a candidate's key holds its importance)
+    std::string cache_dir;                  // the candidate cache a run would use
+    int64_t ctx = 512;                      // calibration chunk length
+    int64_t text_bytes = 0;                 // the calibration texts' bytes (quantize), 0 = data already made
+    int64_t train_chunks = 0;               // chunks the token data holds (train), 0 = estimated from text_bytes
+    int64_t imatrix_chunks = 0;             // chunks the imatrix stage would run (0 = no imatrix stage)
+    int64_t eval_files = 0;                 // files the eval would compare (0 = no eval stage)
+    int64_t eval_tokens_per_file = 0;       // tokens each eval file runs
+    int ggml_threads = 0;                   // libllama's threads (imatrix, eval)
+};
+
+/// The plan as JSON: {"model", "device", "menus": [{"tensors", "n", "types"}], "candidates": {"count", "bytes",
+/// "in_cache", "in_cache_bytes", "to_build", "to_build_bytes", "cache_dir", "cache_known"}, "sizes": {"min_bytes",
+/// "max_bytes", "min_bpw", "max_bpw", "exact", "targets": [{"target", "bytes", "feasible"}]}, "gpu_memory": {…}
+/// (cuda only), "stages": [{"stage", "work", "seconds"}], "rates": {…}}. Byte counts are exact: the candidates'
+/// are what build_candidates makes (every tensor × menu type, the source type included) and what the cache
+/// would hold (the others, each entry with its 8-byte checksum); the size range is make_budget's, exact once the
+/// imatrix exists ("exact": true) and otherwise without the imatrix's header keys (a few hundred bytes). Times are
+/// estimates (the method is in "rates"). Throws voodoo::error as check_quantize_options does for a menu type no
+/// tensor takes.
+nlohmann::json plan_dry_run(const dry_run_input & in);
+
+/// The plan as text for a terminal: a few lines per section.
+std::string dry_run_to_text(const nlohmann::json & plan);
+
+}  // namespace voodoo
