@@ -4,6 +4,7 @@
 #include "imatrix/imatrix.h"
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <memory>
