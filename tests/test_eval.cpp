@@ -57,6 +57,7 @@ protected:
         o.n_ctx = 128;
         o.n_chunks = n_chunks;
         o.n_threads = 1;  // the test machine is shared: spinning decode threads only slow it down
+        o.speed_reps = 0; // the speed columns have their own test
         return o;
     }
 
@@ -244,4 +245,34 @@ TEST(eval_report, gnuplot_is_found_on_path_and_missed_without_it) {
     EXPECT_FALSE(voodoo::gnuplot_available());
     setenv("PATH", saved.c_str(), 1);
     EXPECT_TRUE(voodoo::gnuplot_available());
+}
+
+TEST_F(eval_test, speed_columns_are_llama_bench_pp512_and_tg128_and_round_trip_through_json) {
+    auto o = options(1);
+    o.speed_reps = 3;
+    const voodoo::eval_result r = voodoo::run_eval(o, {q8_0_});
+    EXPECT_EQ(r.speed_reps, 3);
+    EXPECT_EQ(r.speed_threads, 1);
+    for (const voodoo::eval_file_result * f : {&r.ref, &r.files[0]}) {
+        // Tokens per second of a real decode: positive and finite; a sample sd over 3 runs, ≥ 0.
+        EXPECT_GT(f->pp512, 0.0) << f->name;
+        EXPECT_GT(f->tg128, 0.0) << f->name;
+        EXPECT_TRUE(std::isfinite(f->pp512) && std::isfinite(f->tg128)) << f->name;
+        EXPECT_GE(f->pp512_sd, 0.0);
+        EXPECT_GE(f->tg128_sd, 0.0);
+    }
+    const std::string md = voodoo::eval_to_markdown(r);
+    EXPECT_NE(md.find("| same top | pp512 t/s | tg128 t/s |"), std::string::npos) << md;
+    EXPECT_NE(md.find("mean ± sd of 3 runs on 1 threads"), std::string::npos) << md;
+    const voodoo::eval_result back = voodoo::eval_from_json(voodoo::eval_to_json(r), "test");
+    EXPECT_EQ(back.speed_reps, 3);
+    EXPECT_EQ(back.files[0].pp512, r.files[0].pp512);
+    EXPECT_EQ(back.files[0].tg128_sd, r.files[0].tg128_sd);
+    EXPECT_EQ(back.ref.tg128, r.ref.tg128);
+    // Without repetitions: no columns, nothing measured (the KLD numbers are the same either way).
+    o.speed_reps = 0;
+    const voodoo::eval_result none = voodoo::run_eval(o, {q8_0_});
+    EXPECT_EQ(none.files[0].pp512, 0.0);
+    EXPECT_EQ(voodoo::eval_to_markdown(none).find("pp512"), std::string::npos);
+    EXPECT_EQ(none.files[0].kld_mean, r.files[0].kld_mean);
 }

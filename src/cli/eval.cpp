@@ -35,6 +35,9 @@ command add_eval(CLI::App & app) {
         ->capture_default_str();
     sub->add_option("--chunks", o->eval.n_chunks, "Chunks to score (-1, the default: every whole chunk of the text)");
     sub->add_option("-t,--threads", o->eval.n_threads, "Threads (default: every core)")->check(non_negative());
+    sub->add_option("--speed-reps", o->eval.speed_reps,
+                    "Runs of llama-bench's pp512 and tg128 per file for the speed columns (0 = none)")
+        ->capture_default_str()->check(non_negative());
     add_json_option(sub, o->json, "The results (default with --out-dir: DIR/eval.json)");
     sub->add_option("--plot", o->plot, "Draw mean KLD against file size as PNG here (default with --out-dir: DIR/eval.png)");
     sub->add_option("--out-dir", o->out_dir, "Folder for eval.md, eval.json and eval.png");

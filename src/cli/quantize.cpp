@@ -58,6 +58,9 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--imatrix-chunks", o->q.imatrix_chunks, "Chunks the imatrix sees (-1 = all)")->capture_default_str();
     sub->add_option("--eval-ctx", o->q.eval_ctx, "Eval chunk length")->capture_default_str();
     sub->add_option("--eval-chunks", o->q.eval_chunks, "Eval chunks (-1 = all, 0 = no eval stage)")->capture_default_str();
+    sub->add_option("--speed-reps", o->q.speed_reps,
+                    "Runs of llama-bench's pp512 and tg128 per compared file for the speed columns (0 = none)")
+        ->capture_default_str()->check(non_negative());
     sub->add_option("--menu", o->menu, "Candidate types, comma-separated");
     sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES' (repeatable)");
     sub->add_option("--steps", o->q.train.steps, "Training steps")->capture_default_str();

@@ -11,6 +11,9 @@
 #include <llama.h>
 
 #include <algorithm>
+#include <chrono>
+#include <random>
+#include <tuple>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -283,6 +286,79 @@ const float * decode_chunk(llama_context * ctx, const llama_batch & batch, const
     return llama_get_logits(ctx);
 }
 
+/// llama-bench's pp512 and tg128 of one model (run_eval's comment says how). Fills r's speed fields.
+void measure_speed(llama_model * model, const std::string & path, int n_threads, int reps, eval_file_result & r) {
+    constexpr int n_prompt = 512, n_gen = 128;
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = n_prompt + n_gen;
+    cp.n_batch = 2048;
+    cp.n_ubatch = 512;
+    cp.n_seq_max = 1;
+    cp.n_threads = n_threads;
+    cp.n_threads_batch = n_threads;
+    cp.no_perf = true;
+    ggml_log_capture capture;
+    context_ptr ctx(llama_init_from_model(model, cp));
+    if (!ctx) {
+        fail("libllama cannot create the speed test's context for '{}': {}", path, capture.text());
+    }
+    const llama_vocab * vocab = llama_model_get_vocab(model);
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
+    const bool add_bos = llama_vocab_get_add_bos(vocab);
+    std::mt19937 rng(1234);
+    auto token = [&] { return static_cast<llama_token>(rng() % static_cast<uint32_t>(n_vocab)); };
+    auto decode = [&](llama_token * t, int n) {
+        if (llama_decode(ctx.get(), llama_batch_get_one(t, n)) != 0) {
+            fail("libllama failed to decode the speed test of '{}': {}", path, capture.text());
+        }
+    };
+    std::vector<llama_token> prompt(n_prompt);
+    auto run_prompt = [&] {
+        for (int i = 0; i < n_prompt; ++i) {
+            prompt[static_cast<size_t>(i)] = i == 0 && add_bos ? llama_vocab_bos(vocab) : token();
+        }
+        decode(prompt.data(), n_prompt);
+        llama_synchronize(ctx.get());
+    };
+    auto run_gen = [&](int n) {
+        llama_token t = add_bos ? llama_vocab_bos(vocab) : token();
+        for (int i = 0; i < n; ++i) {
+            decode(&t, 1);
+            llama_synchronize(ctx.get());
+            t = token();
+        }
+    };
+    using clock = std::chrono::steady_clock;
+    auto seconds = [](clock::time_point a) { return std::chrono::duration<double>(clock::now() - a).count(); };
+    run_prompt();  // warm-up, as llama-bench
+    llama_memory_clear(llama_get_memory(ctx.get()), false);
+    run_gen(1);
+    std::vector<double> pp, tg;
+    for (int i = 0; i < reps; ++i) {
+        llama_memory_clear(llama_get_memory(ctx.get()), false);
+        auto t0 = clock::now();
+        run_prompt();
+        pp.push_back(n_prompt / seconds(t0));
+        llama_memory_clear(llama_get_memory(ctx.get()), false);
+        t0 = clock::now();
+        run_gen(n_gen);
+        tg.push_back(n_gen / seconds(t0));
+    }
+    auto mean_sd = [](const std::vector<double> & v) {
+        const double n = static_cast<double>(v.size());
+        double m = 0, s2 = 0;
+        for (double x : v) {
+            m += x / n;
+        }
+        for (double x : v) {
+            s2 += (x - m) * (x - m);
+        }
+        return std::pair<double, double>{m, v.size() > 1 ? std::sqrt(s2 / (n - 1)) : 0.0};
+    };
+    std::tie(r.pp512, r.pp512_sd) = mean_sd(pp);
+    std::tie(r.tg128, r.tg128_sd) = mean_sd(tg);
+}
+
 }  // namespace
 
 eval_result run_eval(const eval_options & opt, const std::vector<std::string> & files) {
@@ -460,6 +536,21 @@ eval_result run_eval(const eval_options & opt, const std::vector<std::string> & 
         describe_file(r, *cand_files[f]);
         finish_file(r, accs[f]);
         result.files.push_back(std::move(r));
+    }
+    if (opt.speed_reps > 0) {
+        // One model at a time, the scoring contexts freed first.
+        ref_ctx.reset();
+        contexts.clear();
+        result.speed_reps = opt.speed_reps;
+        result.speed_threads = n_threads;
+        progress speed_bar("speed", static_cast<int64_t>(1 + files.size()), "file");
+        measure_speed(ref_model.get(), opt.reference, n_threads, opt.speed_reps, result.ref);
+        speed_bar.add(1, result.ref.name);
+        for (size_t f = 0; f < files.size(); ++f) {
+            measure_speed(models[f].get(), files[f], n_threads, opt.speed_reps, result.files[f]);
+            speed_bar.add(1, result.files[f].name);
+        }
+        speed_bar.finish();
     }
     return result;
 }

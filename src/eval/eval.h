@@ -15,6 +15,7 @@ struct eval_options {
     int n_ctx = 512;                // tokens per chunk (llama-perplexity's -c)
     int n_chunks = -1;              // chunks to score; -1 = every whole chunk of the text (its --chunks)
     int n_threads = 0;              // decode and statistics threads; 0 = every core
+    int speed_reps = 5;             // repetitions of llama-bench's pp512 and tg128 per file (0 = no speed columns)
 };
 
 /// One file's numbers. PPL and KLD are over the same scored tokens: the second half of every chunk.
@@ -40,6 +41,9 @@ struct eval_file_result {
     double kld_max = 0;
     double same_top = 1;            // fraction of scored tokens whose argmax agrees with the reference's
     double same_top_err = 0;        // binomial stderr
+    // Speed in libllama on this machine (measure_speed; 0 when not measured): tokens per second, mean ± sd.
+    double pp512 = 0, pp512_sd = 0; // prompt processing: 512 tokens in one batch
+    double tg128 = 0, tg128_sd = 0; // generation: 128 tokens one at a time
 };
 
 struct eval_result {
@@ -49,6 +53,8 @@ struct eval_result {
     int n_chunks = 0;
     int64_t n_text_tokens = 0;      // tokens of the whole text (BOS included when the vocab adds one)
     int64_t n_scored = 0;           // tokens scored per file: n_chunks · (n_ctx − 1 − n_ctx/2)
+    int speed_reps = 0;             // repetitions behind each speed figure (0: none measured)
+    int speed_threads = 0;          // libllama threads of the speed runs
     eval_file_result ref;           // the reference's own PPL; its KLD columns are zero
     std::vector<eval_file_result> files;    // in the order given
 };
@@ -62,6 +68,12 @@ struct eval_result {
 /// (log-softmax and KLD in double). Statistics follow its --kl-divergence report: mean ± stderr
 /// (stderr 0 for ≤ 10 tokens), median, linear-interpolated percentiles, same-top-token fraction,
 /// ln(PPL ratio) with the covariance of the two NLLs.
+///
+/// Then, with opt.speed_reps > 0, each file's speed and the reference's as llama-bench measures pp512 and tg128
+/// (tools/llama-bench/llama-bench.cpp, its defaults): a context of 512 + 128 tokens, n_batch 2048, n_ubatch 512,
+/// the same threads; random tokens (BOS first when the vocab adds one; fixed seed); one warm-up of the prompt and
+/// one generated token; then opt.speed_reps times, each from an empty KV cache, 512 tokens in one llama_decode
+/// (pp512) and 128 single-token decodes (tg128); tokens/s per repetition, mean and sample sd.
 ///
 /// Errors (voodoo::error, naming the file or flag): a file is not a readable GGUF; a file's
 /// architecture, vocabulary (token count, tokenizer model, data/vocab.h vocab_hash) or tensor names/shapes

@@ -42,6 +42,12 @@ nlohmann::json file_json(const eval_file_result & f, bool is_reference) {
         {"ppl", f.ppl},
         {"ppl_err", f.ppl_err},
     };
+    if (f.pp512 > 0) {
+        j["pp512_tps"] = f.pp512;
+        j["pp512_tps_sd"] = f.pp512_sd;
+        j["tg128_tps"] = f.tg128;
+        j["tg128_tps_sd"] = f.tg128_sd;
+    }
     if (!is_reference) {
         j["ln_ppl_ratio"] = f.ln_ppl_ratio;
         j["ln_ppl_ratio_err"] = f.ln_ppl_ratio_err;
@@ -100,23 +106,34 @@ std::string gp_quote(const std::string & s) {
 
 
 std::string eval_to_markdown(const eval_result & r) {
+    const bool speed = r.speed_reps > 0;
     std::string out;
-    out += "| file | size MiB | BPW | PPL | PPL ratio | mean KLD | median KLD | p99 KLD | p99.9 KLD | max KLD | same top |\n";
-    out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+    out += "| file | size MiB | BPW | PPL | PPL ratio | mean KLD | median KLD | p99 KLD | p99.9 KLD | max KLD | same top |";
+    out += speed ? " pp512 t/s | tg128 t/s |\n" : "\n";
+    out += "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|";
+    out += speed ? "---:|---:|\n" : "\n";
     const auto size_cols = [](const eval_file_result & f) {
         return fmt::format("{:.3f} | {:.3f}", static_cast<double>(f.file_bytes) / k_mib, f.bpw);
     };
-    out += fmt::format("| {} (reference) | {} | {:.4f} ± {:.4f} | 1 | | | | | | |\n", r.ref.name, size_cols(r.ref),
-                       r.ref.ppl, r.ref.ppl_err);
+    const auto speed_cols = [&](const eval_file_result & f) {
+        return speed ? fmt::format(" {:.0f} ± {:.0f} | {:.1f} ± {:.1f} |", f.pp512, f.pp512_sd, f.tg128, f.tg128_sd) : "";
+    };
+    out += fmt::format("| {} (reference) | {} | {:.4f} ± {:.4f} | 1 | | | | | | |{}\n", r.ref.name, size_cols(r.ref),
+                       r.ref.ppl, r.ref.ppl_err, speed_cols(r.ref));
     for (const eval_file_result & f : r.files) {
-        out += fmt::format("| {} | {} | {:.4f} ± {:.4f} | {:.4f} ± {:.4f} | {} ± {} | {} | {} | {} | {} | {:.2f}% ± {:.2f}% |\n",
+        out += fmt::format("| {} | {} | {:.4f} ± {:.4f} | {:.4f} ± {:.4f} | {} ± {} | {} | {} | {} | {} | {:.2f}% ± {:.2f}% |{}\n",
                            f.name, size_cols(f), f.ppl, f.ppl_err, f.ppl_ratio, f.ppl_ratio_err, num(f.kld_mean),
                            num(f.kld_err), num(f.kld_median), num(f.kld_p99), num(f.kld_p999), num(f.kld_max),
-                           100.0 * f.same_top, 100.0 * f.same_top_err);
+                           100.0 * f.same_top, 100.0 * f.same_top_err, speed_cols(f));
     }
     out += fmt::format("\n{} chunks of {} tokens of {} ({} tokens), {} tokens scored per file; KLD in nats per token "
                        "against {}.\n",
                        r.n_chunks, r.n_ctx, r.text, r.n_text_tokens, r.n_scored, r.ref.name);
+    if (speed) {
+        out += fmt::format("Speed in libllama on this machine, llama-bench's method: pp512 = 512 prompt tokens in one "
+                           "batch, tg128 = 128 tokens generated one by one; mean ± sd of {} runs on {} threads.\n",
+                           r.speed_reps, r.speed_threads);
+    }
     return out;
 }
 
@@ -132,6 +149,8 @@ nlohmann::json eval_to_json(const eval_result & r) {
         {"n_chunks", r.n_chunks},
         {"n_text_tokens", r.n_text_tokens},
         {"n_scored", r.n_scored},
+        {"speed_reps", r.speed_reps},
+        {"speed_threads", r.speed_threads},
         {"files", files},
     };
 }
@@ -160,6 +179,10 @@ eval_file_result file_from_json(const nlohmann::json & j) {
     f.kld_max = j.value("kld_max", 0.0);
     f.same_top = j.value("same_top", 1.0);
     f.same_top_err = j.value("same_top_err", 0.0);
+    f.pp512 = j.value("pp512_tps", 0.0);
+    f.pp512_sd = j.value("pp512_tps_sd", 0.0);
+    f.tg128 = j.value("tg128_tps", 0.0);
+    f.tg128_sd = j.value("tg128_tps_sd", 0.0);
     return f;
 }
 
@@ -175,6 +198,8 @@ eval_result eval_from_json(const nlohmann::json & j, const std::string & source)
         r.n_chunks = j.at("n_chunks").get<int>();
         r.n_text_tokens = j.at("n_text_tokens").get<int64_t>();
         r.n_scored = j.at("n_scored").get<int64_t>();
+        r.speed_reps = j.value("speed_reps", 0);
+        r.speed_threads = j.value("speed_threads", 0);
         for (const auto & f : j.at("files")) {
             r.files.push_back(file_from_json(f));
         }

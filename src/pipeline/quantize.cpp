@@ -874,6 +874,7 @@ quantize_result run_quantize(const quantize_options & opts) {
     ev.n_ctx = o.eval_ctx;
     ev.n_chunks = o.eval_chunks;
     ev.n_threads = o.ggml_threads;
+    ev.speed_reps = o.speed_reps;
     std::vector<std::string> files = res.outs;
     files.insert(files.end(), peers.begin(), peers.end());
     files.insert(files.end(), baselines.begin(), baselines.end());
