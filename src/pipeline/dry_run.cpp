@@ -277,7 +277,7 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
         for (const auto & [type, n] : build_weights) {
             s += static_cast<double>(n) / (qrate[type] * threads);
         }
-        add("candidates", fmt::format("{} quantizations on {} cores ({} already in the cache)", to_build, threads, in_cache), s);
+        add("candidates", fmt::format("{} quantizations on {} core{} ({} already in the cache)", to_build, threads, threads == 1 ? "" : "s", in_cache), s);
     }
     // The probe and the selection run whole --ctx chunks.
     {
