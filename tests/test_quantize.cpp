@@ -414,7 +414,9 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
         stages.push_back(s["stage"]);
         EXPECT_GE(s["seconds"].get<double>(), 0.0);
     }
-    EXPECT_EQ(stages, (std::vector<std::string>{"data", "imatrix", "candidates", "probe", "train", "select", "export"}));
+    // No eval stage (--eval-chunks 0): the one stock file is the --like target.
+    EXPECT_EQ(stages, (std::vector<std::string>{"data", "imatrix", "candidates", "probe", "train", "select", "export", "baselines"}));
+    EXPECT_NE(before["stages"][7]["work"].get<std::string>().find("1 stock files"), std::string::npos) << before["stages"][7];
 
     // The real run: its cache holds exactly the candidates the dry run said it would build.
     r = test::run_voodoo(args);

@@ -311,6 +311,17 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
     }
     add("export", fmt::format("{} file(s)", std::max<size_t>(1, in.goals.size() + in.like_sizes.size())),
         range.max_total / 1e9 * static_cast<double>(std::max<size_t>(1, in.goals.size() + in.like_sizes.size())));
+    if (in.stock_files > 0) {
+        // llama_model_quantize of the whole model per stock file, at the median measured type rate.
+        std::vector<double> r;
+        for (const auto & [type, v] : qrate) {
+            r.push_back(v);
+        }
+        std::sort(r.begin(), r.end());
+        const double median = r.empty() ? 1e7 : r[r.size() / 2];
+        add("baselines", fmt::format("{} stock files (llama_model_quantize)", in.stock_files),
+            static_cast<double>(in.stock_files) * static_cast<double>(n_weights) / (median * threads));
+    }
     if (in.eval_files > 0) {
         // Every file and the reference model.
         const double tokens = static_cast<double>((in.eval_files + 1) * in.eval_tokens_per_file);

@@ -28,6 +28,7 @@ struct dry_run_input {
     int64_t text_bytes = 0;                 // the calibration texts' bytes (quantize), 0 = data already made
     int64_t train_chunks = 0;               // chunks the token data holds (train), 0 = estimated from text_bytes
     int64_t imatrix_chunks = 0;             // chunks the imatrix stage would run (0 = no imatrix stage)
+    int64_t stock_files = 0;                // stock files the run would make with llama_model_quantize
     int64_t eval_files = 0;                 // files the eval would compare (0 = no eval stage)
     int64_t eval_tokens_per_file = 0;       // tokens each eval file runs
     int ggml_threads = 0;                   // libllama's threads (imatrix, eval)
