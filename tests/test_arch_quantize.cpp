@@ -82,6 +82,7 @@ quantized run_chain(const test::temp_dir & dir, const std::string & arch) {
     o.imatrix_chunks = 4;
     o.eval_ctx = 64;
     o.eval_chunks = 2;
+    o.speed_reps = 0;  // speed has its own test (test_eval.cpp); the fixtures' large heads make it slow here
     o.train.steps = 3;
     o.train.batch = 1;
     o.train.seq = 32;

@@ -231,7 +231,7 @@ TEST(cli, quantize_train_export_and_baseline_report_as_json_to_a_file_or_alone_o
 
     const auto q = voodoo::test::run_voodoo_stdout(
         "quantize " + model + " --text " + text + " --target-size 400000 --ctx 64 --menu Q4_0,Q8_0 --steps 1 --probe-sequences 1 "
-        "--select-sequences 1 --eval-chunks 1 --baselines Q4_0 -t 1 --work " + dir.file("work") + " --json -");
+        "--select-sequences 1 --eval-chunks 1 --speed-reps 0 --baselines Q4_0 -t 1 --work " + dir.file("work") + " --json -");
     ASSERT_EQ(q.exit_code, 0) << q.output;
     const auto jq = nlohmann::json::parse(q.output);  // throws (and fails) on any other output
     ASSERT_EQ(jq["files"].size(), 1u);

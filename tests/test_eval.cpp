@@ -218,7 +218,7 @@ TEST(eval_cli, writes_the_table_json_and_plot_and_fails_in_one_line) {
     const std::string text = write_short_text(dir);
     const std::string out = dir.file("out");
     const auto r = voodoo::test::run_voodoo("eval --reference " + stories260k() + " --text " + text +
-                                            " --ctx 64 --chunks 2 --threads 1 --out-dir " + out + " " + stories260k());
+                                            " --ctx 64 --chunks 2 --threads 1 --speed-reps 0 --out-dir " + out + " " + stories260k());
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("| stories260K.gguf | 1.130 | 32.000 |"), std::string::npos) << r.output;
     const auto j = nlohmann::json::parse(voodoo::test::read_file(out + "/eval.json"));

@@ -126,7 +126,7 @@ TEST(hf, a_transformers_checkpoint_converts_once_and_quantizes_end_to_end) {
         const std::string work = tmp.file("work");
         const run_result q = run_voodoo(fmt::format(
             "quantize {} --text {} --like Q4_K_M --ctx 128 --eval-ctx 128 --eval-chunks 4 --steps 4 --batch 2 "
-            "--probe-sequences 2 --select-sequences 2 --work {} --json {}", dir, text, work, tmp.file("q.json")));
+            "--probe-sequences 2 --select-sequences 2 --speed-reps 0 --work {} --json {}", dir, text, work, tmp.file("q.json")));
         ASSERT_EQ(q.exit_code, 0) << q.output;
         EXPECT_NE(q.output.find("converting the Hugging Face checkpoint to BF16 GGUF"), std::string::npos) << q.output;
         // The converted file: in the work folder, named after the checkpoint.

@@ -1,6 +1,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "eval/baseline.h"
+#include "eval/speed_table.h"
 #include "export/recipe.h"
 #include "ggml/gguf.h"
 #include "pipeline/quantize.h"
@@ -35,6 +36,7 @@ quantize_options small_job(const std::string & work) {
     q.imatrix_chunks = 8;
     q.eval_ctx = 64;
     q.eval_chunks = 4;
+    q.speed_reps = 0;  // speed has its own test (test_eval.cpp)
     q.train.steps = 3;
     q.train.batch = 1;
     q.train.seq = 32;
@@ -467,4 +469,62 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     EXPECT_EQ(train_plan["sizes"]["min_bytes"], after["sizes"]["min_bytes"]);
     EXPECT_TRUE(train_plan["sizes"]["targets"][0]["feasible"].get<bool>());
     EXPECT_FALSE(std::filesystem::exists(tmp.file("run"))) << "a dry run makes nothing";
+}
+
+TEST(quantize, max_slowdown_keeps_the_predicted_generation_time_within_the_stock_recipes) {
+    test::temp_dir tmp;
+    const std::string work = tmp.file("work");
+    const std::string cache = tmp.file("cache");  // the speed table goes to $XDG_CACHE_HOME/voodoo
+    const std::string base = fmt::format("quantize {} --text {} --like Q5_0 --ctx 64 --imatrix-chunks 8 --steps 3 "
+                                         "--batch 1 --seq 32 --probe-sequences 2 --eval-chunks 0 --work {}",
+                                         test::stories260k(), test::shared_data() + "/text/tinystories/tinystories_val.txt", work);
+    // Only with --like: the stock recipe of the same size is what the time is compared with.
+    test::run_result r = test::run_voodoo(fmt::format("quantize {} --text {} --target-size 300000 --max-slowdown 0.1",
+                                                      test::stories260k(), test::shared_data() + "/text/tinystories/tinystories_val.txt"));
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.output.find("--max-slowdown compares each file with the stock recipe of its size: give the target as --like"),
+              std::string::npos) << r.output;
+
+    const std::string cmd = fmt::format("XDG_CACHE_HOME={} {} {} --max-slowdown 0.02 2>&1", cache, VOODOO_BIN, base);
+    FILE * p = popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) {
+        out.append(buf, n);
+    }
+    ASSERT_EQ(WEXITSTATUS(pclose(p)), 0) << out;
+    EXPECT_NE(out.find("== speed: stock Q5_0 predicted at"), std::string::npos) << out;
+    EXPECT_NE(out.find("select: --max-slowdown: at most"), std::string::npos) << out;
+
+    // The table was measured once and kept; the file's recipe, predicted with it, is within 1.02 × stock Q5_0.
+    const std::string table_path = cache + "/voodoo/type-speed-t1.json";
+    ASSERT_TRUE(std::filesystem::exists(table_path)) << out;
+    const gguf_file src(test::stories260k());
+    const gguf_file stock(work + "/baselines/stories260K-Q5_0.gguf");
+    std::map<std::string, ggml_type> stock_types, voodoo_types;
+    std::vector<ggml_type> types;
+    for (const gguf_tensor & t : stock.tensors()) {
+        stock_types[t.name] = t.type;
+    }
+    for (const recipe_tensor & t : recipe_load(work + "/run-Q5_0/recipe.json").tensors) {
+        voodoo_types[t.name] = t.type;
+        types.push_back(t.type);
+    }
+    const type_speed_table table = load_or_measure_type_speeds(types, 1, table_path);
+    for (const auto & [type, spw] : table.seconds_per_weight) {
+        EXPECT_GT(spw, 0.0) << type_name(type);
+        EXPECT_LT(spw, 1e-6) << type_name(type) << ": a mat-vec runs at more than a million weights per second";
+    }
+    const double stock_s = predicted_token_seconds(src, stock_types, table);
+    const double voodoo_s = predicted_token_seconds(src, voodoo_types, table);
+    EXPECT_LE(voodoo_s, 1.02 * stock_s * (1 + 1e-12)) << voodoo_s << " vs stock " << stock_s;
+    // stories260K's head is untied: its token embedding is read one row per token, not counted.
+    const gguf_tensor * embd = nullptr;
+    for (const gguf_tensor & t : src.tensors()) {
+        if (t.name == "token_embd.weight") {
+            embd = &t;
+        }
+    }
+    ASSERT_NE(embd, nullptr);
+    EXPECT_FALSE(read_per_token(src, *embd));
 }

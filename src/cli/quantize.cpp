@@ -61,6 +61,10 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--speed-reps", o->q.speed_reps,
                     "Runs of llama-bench's pp512 and tg128 per compared file for the speed columns (0 = none)")
         ->capture_default_str()->check(non_negative());
+    sub->add_option("--max-slowdown", o->q.max_slowdown,
+                    "Each file generates at most this much slower than the stock recipe of its size (0.1 = 10%), as "
+                    "predicted by a per-type speed table measured once on this machine; needs --like")
+        ->check(CLI::NonNegativeNumber);
     sub->add_option("--menu", o->menu, "Candidate types, comma-separated");
     sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES' (repeatable)");
     sub->add_option("--steps", o->q.train.steps, "Training steps")->capture_default_str();
@@ -170,6 +174,10 @@ command add_quantize(CLI::App & app) {
         }
         if (!q.goals.empty()) {
             q.train.goal = q.goals.front();
+        }
+        if (q.max_slowdown >= 0 && !like->count()) {
+            fail("--max-slowdown compares each file with the stock recipe of its size: give the target as --like "
+                 "(e.g. --like Q4_K_M)");
         }
         if (!o->menu.empty()) {
             q.train.menu.types = parse_menu(o->menu, "--menu");

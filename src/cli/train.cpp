@@ -2,6 +2,7 @@
 #include "common/error.h"
 #include "data/dataset.h"
 #include "export/export.h"
+#include "eval/speed_table.h"
 #include "pipeline/dry_run.h"
 #include "pipeline/quantize.h"
 #include "train/trainer.h"
@@ -82,6 +83,11 @@ command add_train(CLI::App & app) {
     sub->add_option("--gate-init", o->t.gate_init, "Start logit of the probe's allocation")->capture_default_str();
     sub->add_option("--journal-every", o->t.journal_every, "Steps between journals")->capture_default_str();
     sub->add_flag("--resume", o->t.resume, "Continue the run in --out from its journal");
+    sub->add_option("--max-token-seconds", o->t.max_token_seconds,
+                    "Limit on the recipe's predicted seconds per generated token (quantize --max-slowdown sets it)")
+        ->check(CLI::NonNegativeNumber);
+    sub->add_option("--speed-table", o->t.speed_table,
+                    "The type speed table for --max-token-seconds (default: measured once, in ~/.cache/voodoo)");
     sub->add_flag("--dry-run", o->dry_run,
                   "Make nothing: print the menus, the candidates to build (and those in the cache), the feasible size "
                   "range, the GPU memory and each stage's estimated time");
@@ -147,6 +153,9 @@ command add_train(CLI::App & app) {
                 fmt::print("{}", dry_run_to_text(plan));
             }
             return 0;
+        }
+        if (t.max_token_seconds > 0 && t.speed_table.empty()) {
+            t.speed_table = default_speed_table_path(t.threads);
         }
         t.should_stop = stop_on_sigint();
         const train_result r = train_gates(src, teacher ? *teacher : src, data.train(),

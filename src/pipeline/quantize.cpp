@@ -1,6 +1,7 @@
 #include "pipeline/quantize.h"
 #include "pipeline/hf_source.h"
 #include "pipeline/dry_run.h"
+#include "eval/speed_table.h"
 
 #include "common/error.h"
 #include "common/file.h"
@@ -190,6 +191,9 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     num("--seed", t.seed);
     num("--threads", t.threads);
     num("--loss-chunk", t.loss_chunk);
+    if (t.max_token_seconds > 0) {
+        args.insert(args.end(), {"--max-token-seconds", fmt::format("{:.17g}", t.max_token_seconds), "--speed-table", t.speed_table});
+    }
     args.insert(args.end(), {"--device", t.device});
     if (!t.mixture.empty()) {
         args.insert(args.end(), {"--mixture", t.mixture});
@@ -365,7 +369,7 @@ nlohmann::json run_inputs(const train_options & t, const std::string & model, co
     for (const std::string & p : t.prior_recipes) {
         priors.push_back(recipe_hash(recipe_load(p)));
     }
-    return {{"model", model}, {"data", data}, {"imatrix", imatrix}, {"target", t.goal.str()}, {"menus", menus},
+    nlohmann::json in = {{"model", model}, {"data", data}, {"imatrix", imatrix}, {"target", t.goal.str()}, {"menus", menus},
             {"steps", t.steps}, {"batch", t.batch}, {"accum", t.accum}, {"seq", t.seq}, {"lr", t.lr},
             {"lr_final", t.lr_final}, {"weight_decay", t.weight_decay}, {"tau0", t.tau0}, {"tau1", t.tau1},
             {"lambda_kl", t.lambda_kl}, {"lambda_ce", t.lambda_ce}, {"lambda_size", t.lambda_size},
@@ -373,6 +377,10 @@ nlohmann::json run_inputs(const train_options & t, const std::string & model, co
             {"probe_sequences", t.probe_sequences}, {"probe_anchors", t.probe_anchors},
             {"probe_compute", t.probe_compute}, {"compute", t.compute}, {"select_sequences", t.select_sequences},
             {"seed", t.seed}, {"smaller_sizes", priors}};
+    if (t.max_token_seconds > 0) {
+        in["max_token_seconds"] = t.max_token_seconds;  // only when set: earlier work folders stay valid
+    }
+    return in;
 }
 
 // The train and export stages of one target; returns the exported file. `label`: the rung's name (its run
@@ -848,6 +856,32 @@ quantize_result run_quantize(const quantize_options & opts) {
     for (const rung & g : rungs) {
         t.goal = g.goal;
         t.run_dir = (fs::path(work) / ("run-" + g.label)).string();
+        if (o.max_slowdown >= 0) {
+            // The stock file of this size and its predicted generation time, in the table of this machine.
+            const gguf_file stock((fs::path(base_dir) / fmt::format("{}-{}.gguf", fs::path(o.model).stem().string(), g.label)).string());
+            std::vector<ggml_type> types;
+            for (const gguf_tensor & x : stock.tensors()) {
+                types.push_back(x.type);
+            }
+            menu_options m = t.menu;
+            m.importance = &importance;
+            for (const tensor_menu & tm : build_menus(src, m)) {
+                types.insert(types.end(), tm.types.begin(), tm.types.end());
+            }
+            std::sort(types.begin(), types.end());
+            types.erase(std::unique(types.begin(), types.end()), types.end());
+            t.speed_table = default_speed_table_path(o.threads);
+            const type_speed_table table = load_or_measure_type_speeds(types, o.threads, t.speed_table);
+            std::map<std::string, ggml_type> stock_types;
+            for (const gguf_tensor & x : stock.tensors()) {
+                stock_types[x.name] = x.type;
+            }
+            const double stock_s = predicted_token_seconds(src, stock_types, table);
+            t.max_token_seconds = (1.0 + o.max_slowdown) * stock_s;
+            stage("speed", fmt::format("stock {} predicted at {:.1f} µs per generated token; this file at most {:.1f} "
+                                       "(--max-slowdown {}; table {})", g.label, 1e6 * stock_s, 1e6 * t.max_token_seconds,
+                                       o.max_slowdown, t.speed_table));
+        }
         const std::string out = train_and_export(o, t, src, data, importance, imatrix_path, work, g.label, ladder,
                                                  run_inputs(t, model_id, data_id, imatrix_id));
         t.prior_recipes.push_back((fs::path(t.run_dir) / "recipe.json").string());

@@ -33,6 +33,8 @@ struct quantize_options {
     int eval_ctx = 512;
     int eval_chunks = 40;                   // -1 = every chunk of the eval text; 40 × 256 scored tokens give a
                                             // mean KLD within ~1% (its stderr), and the eval is libllama on the CPU
+    double max_slowdown = -1;               // ≥ 0: each file's predicted generation time per token at most (1 + this) ×
+                                            // that of the stock recipe of its size (--like; speed_table.h); < 0: off
     int speed_reps = 5;                     // llama-bench pp512/tg128 runs per compared file (eval_options::speed_reps)
     int threads = 0;                        // LibTorch and quantization threads; 0 = every core (on the cpu device: by model size, ggml_threads_for)
     int ggml_threads = 0;                   // libllama threads (imatrix, eval); 0 = by model size (ggml_threads_for)

@@ -1,5 +1,7 @@
 #include "train/trainer.h"
 
+#include "eval/speed_table.h"
+
 #include "common/error.h"
 #include "model/replaced_weight.h"
 #include "common/file.h"
@@ -220,12 +222,103 @@ std::vector<int> greedy_choice(const budget & b, const std::vector<std::vector<d
     return finalize_choice(b, dearest, sens);
 }
 
+// --max-slowdown: drops the candidate recipes whose predicted generation time per token exceeds
+// o.max_token_seconds, and adds "probe-exact-speed", the exact knapsack on sens + μ · (seconds per token) for the
+// least μ ≥ 0 whose recipe is within the limit (a Lagrangian relaxation of the second constraint; bisection on
+// log μ; a larger μ only trades estimated loss for speed). Throws voodoo::error when even the fastest recipe the
+// budget allows is over the limit.
+void apply_speed_limit(std::vector<std::pair<std::string, std::vector<int>>> & cands, const gguf_file & src,
+                       const std::vector<tensor_menu> & menus, const budget & b,
+                       const std::vector<std::vector<double>> & sens, const train_options & o) {
+    std::vector<ggml_type> types;
+    for (const tensor_menu & m : menus) {
+        types.insert(types.end(), m.types.begin(), m.types.end());
+    }
+    for (const gguf_tensor & t : src.tensors()) {
+        types.push_back(t.type);
+    }
+    std::sort(types.begin(), types.end());
+    types.erase(std::unique(types.begin(), types.end()), types.end());
+    const type_speed_table table = load_or_measure_type_speeds(types, o.threads, o.speed_table);
+    std::map<std::string, ggml_type> base;  // every tensor at its source type: the fixed part
+    double fixed = predicted_token_seconds(src, base, table);
+    std::vector<std::vector<double>> cost(menus.size());
+    for (size_t t = 0; t < menus.size(); ++t) {
+        const gguf_tensor & g = *menus[t].tensor;
+        const bool read = read_per_token(src, g);
+        if (read) {
+            fixed -= static_cast<double>(g.n_elements()) * table.seconds_per_weight.at(g.type);
+        }
+        for (ggml_type type : menus[t].types) {
+            cost[t].push_back(read ? static_cast<double>(g.n_elements()) * table.seconds_per_weight.at(type) : 0.0);
+        }
+    }
+    auto seconds = [&](const std::vector<int> & choice) {
+        double s = fixed;
+        for (size_t t = 0; t < choice.size(); ++t) {
+            s += cost[t][static_cast<size_t>(choice[t])];
+        }
+        return s;
+    };
+    const size_t before = cands.size();
+    std::string dropped;
+    std::erase_if(cands, [&](const auto & c) {
+        if (seconds(c.second) > o.max_token_seconds) {
+            dropped += fmt::format("{}{} ({:.1f} µs)", dropped.empty() ? "" : ", ", c.first, 1e6 * seconds(c.second));
+            return true;
+        }
+        return false;
+    });
+    auto knapsack = [&](double mu) {
+        std::vector<std::vector<double>> loss = sens;
+        for (size_t t = 0; t < loss.size(); ++t) {
+            for (size_t k = 0; k < loss[t].size(); ++k) {
+                loss[t][k] += mu * cost[t][k];
+            }
+        }
+        return allocate_exact(b, loss);
+    };
+    // μ's scale: estimated loss per second of the whole model.
+    double loss_span = 0, time_span = 0;
+    for (size_t t = 0; t < sens.size(); ++t) {
+        loss_span += *std::max_element(sens[t].begin(), sens[t].end()) - *std::min_element(sens[t].begin(), sens[t].end());
+        time_span += *std::max_element(cost[t].begin(), cost[t].end()) - *std::min_element(cost[t].begin(), cost[t].end());
+    }
+    const double scale = time_span > 0 ? std::max(loss_span, 1e-12) / time_span : 1.0;
+    std::vector<int> fastest = knapsack(scale * 1e9);
+    if (seconds(fastest) > o.max_token_seconds) {
+        fail("--max-slowdown: no recipe within the size budget is fast enough: the fastest one the menus allow is predicted "
+             "at {:.1f} µs per generated token against the limit of {:.1f} µs (the speed table: {}); allow more slowdown, "
+             "or give a menu of faster types", 1e6 * seconds(fastest), 1e6 * o.max_token_seconds, o.speed_table);
+    }
+    std::vector<int> best = knapsack(0.0);
+    if (seconds(best) > o.max_token_seconds) {
+        double lo = std::log(scale * 1e-9), hi = std::log(scale * 1e9);
+        best = fastest;
+        for (int i = 0; i < 40; ++i) {
+            const double mid = 0.5 * (lo + hi);
+            std::vector<int> c = knapsack(std::exp(mid));
+            if (seconds(c) <= o.max_token_seconds) {
+                hi = mid;
+                best = std::move(c);
+            } else {
+                lo = mid;
+            }
+        }
+    }
+    cands.emplace_back("probe-exact-speed", std::move(best));
+    fmt::print(stderr, "select: --max-slowdown: at most {:.1f} µs per generated token (predicted from {}); {} of {} "
+                       "recipes over it left out{}{}\n", 1e6 * o.max_token_seconds, o.speed_table, before - cands.size() + 1,
+               before, dropped.empty() ? "" : ": ", dropped);
+}
+
 // The final choice: candidate recipes measured in f32 on chunks held apart from training; the least KL wins.
 //   trained      the gates' argmax, repaired to the exact budget by the probe (finalize_choice)
 //   probe-exact  the least total probe ΔKL under the budget (allocate_exact)
 //   probe-greedy the greedy knapsack on the same ΔKL (greedy_choice)
 //   prior recipes of smaller budgets (a ladder) that fit this one: a larger budget never measures worse
-std::vector<int> select_recipe(train_result & res, causal_lm & model, weight_source & dense, weight_source & teacher,
+std::vector<int> select_recipe(train_result & res, const gguf_file & src, causal_lm & model, weight_source & dense,
+                               weight_source & teacher,
                                const std::vector<gated_tensor> & gated, const std::vector<tensor_menu> & menus,
                                const budget & b, const std::vector<std::vector<double>> & probs,
                                const std::vector<std::vector<double>> & sens, const torch::Tensor & tokens,
@@ -254,6 +347,9 @@ std::vector<int> select_recipe(train_result & res, causal_lm & model, weight_sou
             continue;
         }
         cands.emplace_back(path, std::move(choice));
+    }
+    if (o.max_token_seconds > 0) {
+        apply_speed_limit(cands, src, menus, b, sens, o);
     }
     progress bar("select", static_cast<int64_t>(cands.size()), "recipes");
     std::vector<train_result::selection_entry> entries;
@@ -611,7 +707,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
     const torch::Tensor sel_tokens = res.select_held_apart ? tokens_of(*val, sel_chunks, train.ctx()) : probe_tokens;
     res.select_tokens_shape = {sel_tokens.size(0), sel_tokens.size(1)};
-    const std::vector<int> choice = select_recipe(res, *model, dense, teacher_weights, gated, menus, b, probs, sens,
+    const std::vector<int> choice = select_recipe(res, src, *model, dense, teacher_weights, gated, menus, b, probs, sens,
                                                   sel_tokens, device, loss_chunk, o);
     res.final_recipe = recipe_from_choice(src, menus, choice, probs, o.goal);
     res.final_recipe.imatrix = o.imatrix_path;

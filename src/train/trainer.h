@@ -61,6 +61,10 @@ struct train_options {
     std::string device = "cpu";         // "cpu", "cuda" or "cuda:N" (CUDA builds): where the student trains
     std::string mixture;                // "fused", "reference" or "cpu" ("" = fused on CUDA, cpu on the CPU)
     int64_t loss_chunk = 0;             // positions per chunk of the CE/KL over the vocabulary (0 = ~512 MB of logits)
+    double max_token_seconds = 0;       // > 0: the final recipe's predicted generation time per token (speed_table.h)
+                                        // may not exceed this; recipes over it are left out of the final selection
+                                        // and the speed-constrained exact knapsack is added (quantize --max-slowdown)
+    std::string speed_table;            // the type speed table's file (load_or_measure_type_speeds) with it
     /// Asked after every step; true stops the run after writing a journal (Ctrl-C uses it too).
     std::function<bool(int step)> should_stop;
 };
