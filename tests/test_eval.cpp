@@ -263,7 +263,7 @@ TEST_F(eval_test, speed_columns_are_llama_bench_pp512_and_tg128_and_round_trip_t
     }
     const std::string md = voodoo::eval_to_markdown(r);
     EXPECT_NE(md.find("| same top | pp512 t/s | tg128 t/s |"), std::string::npos) << md;
-    EXPECT_NE(md.find("mean ± sd of 3 runs on 1 threads"), std::string::npos) << md;
+    EXPECT_NE(md.find("mean ± sd of 3 runs on 1 thread."), std::string::npos) << md;
     const voodoo::eval_result back = voodoo::eval_from_json(voodoo::eval_to_json(r), "test");
     EXPECT_EQ(back.speed_reps, 3);
     EXPECT_EQ(back.files[0].pp512, r.files[0].pp512);

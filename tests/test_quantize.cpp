@@ -458,6 +458,26 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     const double made_bytes = static_cast<double>(file_size(made));
     EXPECT_GE(made_bytes, after["sizes"]["min_bytes"].get<double>());
     EXPECT_LE(made_bytes, after["sizes"]["max_bytes"].get<double>());
+    // The edge of the range (found by a new user's trial: it was 32 bytes off, the target's text being in the
+    // header): the printed minimum for a --target-size is a target the real run accepts, one byte less is not.
+    for (const double edge : {0.0, -1.0}) {
+        r = test::run_voodoo_stdout(fmt::format("quantize {} --text {} --target-size 270000 --ctx 64 --eval-chunks 0 "
+                                                "--baselines none --work {} --dry-run --json -", test::stories260k(),
+                                                test::shared_data() + "/text/tinystories/tinystories_val.txt", work));
+        ASSERT_EQ(r.exit_code, 0) << r.output;
+        const double min_bytes = nlohmann::json::parse(r.output)["sizes"]["targets"][0]["min_bytes"].get<double>();
+        r = test::run_voodoo_stdout(fmt::format("quantize {} --text {} --target-size {:.0f} --ctx 64 --eval-chunks 0 "
+                                                "--baselines none --work {} --dry-run --json -", test::stories260k(),
+                                                test::shared_data() + "/text/tinystories/tinystories_val.txt",
+                                                min_bytes + edge, work));
+        ASSERT_EQ(r.exit_code, 0) << r.output;
+        EXPECT_EQ(nlohmann::json::parse(r.output)["sizes"]["targets"][0]["feasible"].get<bool>(), edge == 0.0) << edge;
+        const test::run_result real = test::run_voodoo(fmt::format(
+            "quantize {} --text {} --target-size {:.0f} --ctx 64 --imatrix-chunks 8 --steps 1 --batch 1 --seq 32 "
+            "--probe-sequences 1 --select-sequences 1 --eval-chunks 0 --baselines none --work {}", test::stories260k(),
+            test::shared_data() + "/text/tinystories/tinystories_val.txt", min_bytes + edge, work));
+        EXPECT_EQ(real.exit_code, edge == 0.0 ? 0 : 1) << real.output;
+    }
     // `voodoo train --dry-run` on the same data, imatrix and cache says the same.
     r = test::run_voodoo_stdout(fmt::format("train --model {} --data {}/data --imatrix {}/imatrix.gguf --target-size {:.0f} "
                                             "--out {} --cache {}/candidates --dry-run --json -",

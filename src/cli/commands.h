@@ -45,6 +45,24 @@ inline CLI::Validator non_negative() {
         "INT>=0");
 }
 
+/// A number ≥ 0 (a fraction such as --max-slowdown): "-0.1" or "abc" is refused as "expected a number >= 0, got …"
+/// instead of CLI11's range message with its 300-digit bound.
+inline CLI::Validator non_negative_number() {
+    return CLI::Validator(
+        [](std::string & v) -> std::string {
+            try {
+                size_t used = 0;
+                const double x = std::stod(v, &used);
+                if (used == v.size() && x >= 0 && x < 1e300) {
+                    return {};
+                }
+            } catch (const std::exception &) {
+            }
+            return "expected a number >= 0, got '" + v + "'";
+        },
+        "NUMBER>=0");
+}
+
 /// `--json FILE` on a subcommand: the report as JSON in FILE, `-` for stdout (instead of the text summary), the
 /// convention of every command that reports something (issue #21). dest stays "" when the flag is absent.
 CLI::Option * add_json_option(CLI::App * sub, std::string & dest, const std::string & what);

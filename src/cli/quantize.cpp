@@ -64,7 +64,7 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--max-slowdown", o->q.max_slowdown,
                     "Each file generates at most this much slower than the stock recipe of its size (0.1 = 10%), as "
                     "predicted by a per-type speed table measured once on this machine; needs --like")
-        ->check(CLI::NonNegativeNumber);
+        ->check(non_negative_number());
     sub->add_option("--menu", o->menu, "Candidate types, comma-separated");
     sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES' (repeatable)");
     sub->add_option("--steps", o->q.train.steps, "Training steps")->capture_default_str();

@@ -85,7 +85,7 @@ command add_train(CLI::App & app) {
     sub->add_flag("--resume", o->t.resume, "Continue the run in --out from its journal");
     sub->add_option("--max-token-seconds", o->t.max_token_seconds,
                     "Limit on the recipe's predicted seconds per generated token (quantize --max-slowdown sets it)")
-        ->check(CLI::NonNegativeNumber);
+        ->check(non_negative_number());
     sub->add_option("--speed-table", o->t.speed_table,
                     "The type speed table for --max-token-seconds (default: measured once, in ~/.cache/voodoo)");
     sub->add_flag("--dry-run", o->dry_run,

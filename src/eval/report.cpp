@@ -131,8 +131,9 @@ std::string eval_to_markdown(const eval_result & r) {
                        r.n_chunks, r.n_ctx, r.text, r.n_text_tokens, r.n_scored, r.ref.name);
     if (speed) {
         out += fmt::format("Speed in libllama on this machine, llama-bench's method: pp512 = 512 prompt tokens in one "
-                           "batch, tg128 = 128 tokens generated one by one; mean ± sd of {} runs on {} threads.\n",
-                           r.speed_reps, r.speed_threads);
+                           "batch, tg128 = 128 tokens generated one by one; mean ± sd of {} run{} on {} thread{}{}.\n",
+                           r.speed_reps, r.speed_reps == 1 ? "" : "s", r.speed_threads, r.speed_threads == 1 ? "" : "s",
+                           r.speed_reps == 1 ? " (one run: no spread measured)" : "");
     }
     return out;
 }

@@ -1,6 +1,7 @@
 #include "pipeline/dry_run.h"
 
 #include "common/error.h"
+#include "common/file.h"
 #include "export/export.h"
 #include "ggml/quant.h"
 #include "ggml/types.h"
@@ -198,19 +199,35 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
                           {"cache_known", imatrix_known}};
 
     // Sizes: the range the menus reach and each target in it.
-    const budget range = make_budget(src, menus, {target_kind::size, 0.0}, eo, false);
+    // Each target's range is make_budget's for that very target: the header holds the target's text
+    // (voodoo.target = "size=304352"), so the file's fixed bytes depend on it by a few bytes and its padding.
+    auto budget_of = [&](const target & g) {
+        export_options e = eo;
+        e.target = g.str();  // as run_quantize checks each target, and as export writes it
+        return make_budget(src, menus, g, e, false);
+    };
+    target ref{target_kind::size, static_cast<double>(file_size(src.path()))};  // a like target not made yet: about
+                                                                                  // as many digits as its size
+    if (!in.goals.empty()) {
+        ref = in.goals.front();
+    } else if (!in.like_sizes.empty() && in.like_sizes.front().second > 0) {
+        ref = {target_kind::size, in.like_sizes.front().second};
+    }
+    const budget range = budget_of(ref);
     nlohmann::json targets = nlohmann::json::array();
     for (const target & g : in.goals) {
-        const budget b = make_budget(src, menus, g, eo, false);
-        const double lo = g.kind == target_kind::bpw ? b.min_total : range.min_total;
-        const double hi = g.kind == target_kind::bpw ? b.max_total : range.max_total;
-        targets.push_back({{"target", g.str()}, {"bytes", b.limit}, {"feasible", b.limit >= lo && b.limit <= hi}});
+        const budget b = budget_of(g);
+        targets.push_back({{"target", g.str()}, {"bytes", b.limit}, {"feasible", b.limit >= b.min_total && b.limit <= b.max_total},
+                           {"min_bytes", b.min_total}, {"max_bytes", b.max_total}});
     }
     for (const auto & [name, like_bytes] : in.like_sizes) {
         nlohmann::json j = {{"target", "like=" + name}};
         if (like_bytes > 0) {
+            const budget b = budget_of({target_kind::size, like_bytes});
             j["bytes"] = like_bytes;
-            j["feasible"] = like_bytes >= range.min_total && like_bytes <= range.max_total;
+            j["feasible"] = like_bytes >= b.min_total && like_bytes <= b.max_total;
+            j["min_bytes"] = b.min_total;
+            j["max_bytes"] = b.max_total;
         } else {
             j["bytes"] = nullptr;
             j["feasible"] = nullptr;  // the stock file is made by the run (llama_model_quantize) before training
@@ -219,7 +236,8 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
     }
     const double w = static_cast<double>(n_weights);
     plan["sizes"] = {{"min_bytes", range.min_total}, {"max_bytes", range.max_total}, {"min_bpw", 8 * range.min_total / w},
-                     {"max_bpw", 8 * range.max_total / w}, {"exact", imatrix_known}, {"targets", targets}};
+                     {"max_bpw", 8 * range.max_total / w}, {"of", ref.kind == target_kind::bpw ? "tensor data" : "file"},
+                     {"exact", imatrix_known}, {"targets", targets}};
 
     // Rates measured here, and the assumed GPU rates.
     const int threads = resolve_threads(in.train.threads);
@@ -377,8 +395,8 @@ std::string dry_run_to_text(const nlohmann::json & p) {
         s += "  (no imatrix yet: a candidate's cache key holds its importance, so none can be counted as built)\n";
     }
     const auto & z = p["sizes"];
-    s += fmt::format("feasible sizes: {:.0f} to {:.0f} bytes ({} to {}, {:.3f} to {:.3f} BPW){}\n", z["min_bytes"].get<double>(),
-                     z["max_bytes"].get<double>(), dry_bytes_text(z["min_bytes"].get<double>()), dry_bytes_text(z["max_bytes"].get<double>()),
+    s += fmt::format("feasible sizes: {:.0f} to {:.0f} bytes of {} ({} to {}, {:.3f} to {:.3f} BPW){}\n", z["min_bytes"].get<double>(),
+                     z["max_bytes"].get<double>(), z["of"].get<std::string>(), dry_bytes_text(z["min_bytes"].get<double>()), dry_bytes_text(z["max_bytes"].get<double>()),
                      z["min_bpw"].get<double>(), z["max_bpw"].get<double>(),
                      z["exact"].get<bool>() ? "" : " (without the imatrix's header keys: a few hundred bytes off)");
     for (const auto & t : z["targets"]) {

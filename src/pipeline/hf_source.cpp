@@ -242,8 +242,9 @@ std::string gguf_of_source(const std::string & path, const std::string & cache_d
                  path, python, std::strerror(err), install, by_hand);
         }
         if (rc != 0) {
-            fail("{}: '{}' did not run ({}): {}; set VOODOO_PYTHON to a working Python 3, or convert it yourself: {}",
-                 path, python, rc, tail_lines(said, 3), by_hand);
+            const std::string why = tail_lines(said, 3);
+            fail("{}: '{}' did not run (exit {}){}{}; set VOODOO_PYTHON to a working Python 3, or convert it yourself: {}",
+                 path, python, rc, why.empty() ? "" : ": ", why, by_hand);
         }
         missing = said.substr(0, said.find_last_not_of(" \n\r") + 1);
         if (!missing.empty()) {

@@ -307,9 +307,13 @@ void apply_speed_limit(std::vector<std::pair<std::string, std::vector<int>>> & c
         }
     }
     cands.emplace_back("probe-exact-speed", std::move(best));
+    std::string kept;
+    for (const auto & c : cands) {
+        kept += fmt::format("{}{} ({:.1f} µs)", kept.empty() ? "" : ", ", c.first, 1e6 * seconds(c.second));
+    }
     fmt::print(stderr, "select: --max-slowdown: at most {:.1f} µs per generated token (predicted from {}); {} of {} "
-                       "recipes over it left out{}{}\n", 1e6 * o.max_token_seconds, o.speed_table, before - cands.size() + 1,
-               before, dropped.empty() ? "" : ": ", dropped);
+                       "recipes over it left out{}{}; measured next: {}\n", 1e6 * o.max_token_seconds, o.speed_table,
+               before - cands.size() + 1, before, dropped.empty() ? "" : ": ", dropped, kept);
 }
 
 // The final choice: candidate recipes measured in f32 on chunks held apart from training; the least KL wins.
