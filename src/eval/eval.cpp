@@ -256,11 +256,14 @@ model_ptr load_model(const std::string & path) {
     return m;
 }
 
-context_ptr new_context(llama_model * model, const std::string & path, int n_ctx, int n_threads) {
+/// A context of n_ctx tokens; one llama_decode takes up to n_batch tokens (default n_ctx: a whole chunk), computed
+/// n_ubatch at a time (default min(n_ctx, 512), llama.cpp's default).
+context_ptr new_context(llama_model * model, const std::string & path, int n_ctx, int n_threads, int n_batch = 0,
+                        int n_ubatch = 0) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = static_cast<uint32_t>(n_ctx);
-    cp.n_batch = static_cast<uint32_t>(n_ctx);
-    cp.n_ubatch = static_cast<uint32_t>(std::min(n_ctx, 512));
+    cp.n_batch = static_cast<uint32_t>(n_batch > 0 ? n_batch : n_ctx);
+    cp.n_ubatch = static_cast<uint32_t>(n_ubatch > 0 ? n_ubatch : std::min(n_ctx, 512));
     cp.n_seq_max = 1;
     cp.n_threads = n_threads;
     cp.n_threads_batch = n_threads;
@@ -289,19 +292,8 @@ const float * decode_chunk(llama_context * ctx, const llama_batch & batch, const
 /// llama-bench's pp512 and tg128 of one model (run_eval's comment says how). Fills r's speed fields.
 void measure_speed(llama_model * model, const std::string & path, int n_threads, int reps, eval_file_result & r) {
     constexpr int n_prompt = 512, n_gen = 128;
-    llama_context_params cp = llama_context_default_params();
-    cp.n_ctx = n_prompt + n_gen;
-    cp.n_batch = 2048;
-    cp.n_ubatch = 512;
-    cp.n_seq_max = 1;
-    cp.n_threads = n_threads;
-    cp.n_threads_batch = n_threads;
-    cp.no_perf = true;
+    const context_ptr ctx = new_context(model, path, n_prompt + n_gen, n_threads, 2048, 512);  // llama-bench's -b, -ub
     ggml_log_capture capture;
-    context_ptr ctx(llama_init_from_model(model, cp));
-    if (!ctx) {
-        fail("libllama cannot create the speed test's context for '{}': {}", path, capture.text());
-    }
     const llama_vocab * vocab = llama_model_get_vocab(model);
     const int32_t n_vocab = llama_vocab_n_tokens(vocab);
     const bool add_bos = llama_vocab_get_add_bos(vocab);
