@@ -1,7 +1,9 @@
 #include "pipeline/dry_run.h"
 
 #include "common/error.h"
+#include "common/units.h"
 #include "common/file.h"
+#include "eval/speed_table.h"
 #include "export/export.h"
 #include "ggml/quant.h"
 #include "ggml/types.h"
@@ -86,8 +88,8 @@ std::string dry_bytes_text(double b) {
     if (b >= 1024.0 * 1024 * 1024) {
         return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
     }
-    if (b >= 1024.0 * 1024) {
-        return fmt::format("{:.2f} MiB", b / (1024.0 * 1024));
+    if (b >= k_mib) {
+        return fmt::format("{:.2f} MiB", b / k_mib);
     }
     return fmt::format("{:.1f} KiB", b / 1024.0);
 }
@@ -113,17 +115,16 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
 
     // The importance: the imatrix when one exists; else the coverage llama-imatrix (and voodoo imatrix) will give
     // (src/imatrix/collect.h): every blk.* matmul weight, output.weight, and token_embd.weight when it is the
-    // tied head. Only which tensors are covered matters to the menus.
+    // tied head — the tensors a token reads whole (read_per_token). Only which tensors are covered matters to
+    // the menus.
     importance_map importance;
     export_options eo = in.train.export_opts;
     const bool imatrix_known = !in.imatrix.empty();
     if (imatrix_known) {
         eo = imatrix_export_options(in.imatrix, in.imatrix, src, importance);
     } else if (in.train.menu.has_imatrix) {
-        const bool tied = std::none_of(src.tensors().begin(), src.tensors().end(),
-                                       [](const gguf_tensor & t) { return t.name == "output.weight"; });
         for (const gguf_tensor & t : src.tensors()) {
-            if (t.name.rfind("blk.", 0) == 0 || t.name == "output.weight" || (tied && t.name == "token_embd.weight")) {
+            if (read_per_token(src, t)) {
                 importance[t.name] = {};
             }
         }

@@ -836,10 +836,10 @@ quantize_result run_quantize(const quantize_options & opts) {
     t.export_opts = imatrix_export_options(imatrix_path, imatrix_path, src, importance);
 
     // Every target is checked against what the menus can reach before any training.
+    menu_options menu_opts = t.menu;
+    menu_opts.importance = &importance;
+    const std::vector<tensor_menu> menus = build_menus(src, menu_opts);
     {
-        menu_options m = t.menu;
-        m.importance = &importance;
-        const std::vector<tensor_menu> menus = build_menus(src, m);
         export_options eo = t.export_opts;
         eo.importance = &importance;
         for (const rung & g : rungs) {
@@ -860,22 +860,18 @@ quantize_result run_quantize(const quantize_options & opts) {
             // The stock file of this size and its predicted generation time, in the table of this machine.
             const gguf_file stock((fs::path(base_dir) / fmt::format("{}-{}.gguf", fs::path(o.model).stem().string(), g.label)).string());
             std::vector<ggml_type> types;
+            std::map<std::string, ggml_type> stock_types;
             for (const gguf_tensor & x : stock.tensors()) {
                 types.push_back(x.type);
+                stock_types[x.name] = x.type;
             }
-            menu_options m = t.menu;
-            m.importance = &importance;
-            for (const tensor_menu & tm : build_menus(src, m)) {
+            for (const tensor_menu & tm : menus) {
                 types.insert(types.end(), tm.types.begin(), tm.types.end());
             }
             std::sort(types.begin(), types.end());
             types.erase(std::unique(types.begin(), types.end()), types.end());
             t.speed_table = default_speed_table_path(o.threads);
             const type_speed_table table = load_or_measure_type_speeds(types, o.threads, t.speed_table);
-            std::map<std::string, ggml_type> stock_types;
-            for (const gguf_tensor & x : stock.tensors()) {
-                stock_types[x.name] = x.type;
-            }
             const double stock_s = predicted_token_seconds(src, stock_types, table);
             t.max_token_seconds = (1.0 + o.max_slowdown) * stock_s;
             stage("speed", fmt::format("stock {} predicted at {:.1f} µs per generated token; this file at most {:.1f} "
