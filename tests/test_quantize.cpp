@@ -504,6 +504,13 @@ TEST(quantize, max_slowdown_keeps_the_predicted_generation_time_within_the_stock
     EXPECT_EQ(r.exit_code, 1);
     EXPECT_NE(r.output.find("--max-slowdown compares each file with the stock recipe of its size: give the target as --like"),
               std::string::npos) << r.output;
+    for (const char * bad : {"-0.1", "abc"}) {
+        r = test::run_voodoo(fmt::format("quantize {} --text {} --like Q5_0 --max-slowdown {}", test::stories260k(),
+                                         test::shared_data() + "/text/tinystories/tinystories_val.txt", bad));
+        EXPECT_NE(r.exit_code, 0);
+        EXPECT_NE(r.output.find(fmt::format("--max-slowdown: expected a number >= 0, got '{}'", bad)), std::string::npos)
+            << r.output;
+    }
 
     const std::string cmd = fmt::format("XDG_CACHE_HOME={} {} {} --max-slowdown 0.02 2>&1", cache, VOODOO_BIN, base);
     FILE * p = popen(cmd.c_str(), "r");
