@@ -618,3 +618,128 @@ TEST(arch_bad_input, qwen35_conv_kernel_disagreeing_with_the_key_names_both) {
     expect_contains(e, "blk.0.ssm_conv1d.weight");
     expect_contains(e, "qwen35.ssm.conv_kernel = 3");
 }
+
+// ---- qwen3moe ----
+
+namespace {
+
+/// qwen3moe's parity fixture: the qwen3 shape (heads of 64 here) with 8 experts of FFN 256 per layer, 2 per token,
+/// as Qwen3-30B-A3B routes 8 of 128; its own vocabulary (qwen2's, as Qwen3's).
+fixture_spec qwen3moe_spec() {
+    fixture_spec s;
+    s.arch = "qwen3moe";
+    s.seed = 11;
+    s.vocab_path = vocab("qwen2");
+    s.tied_output = true;
+    s.rope_freq_base = 1000000.0f;
+    s.rms_eps = 1e-6f;
+    s.n_expert = 8;
+    s.n_expert_used = 2;
+    s.n_ff_exp = 256;
+    return s;
+}
+
+const std::string & qwen3moe_fixture() {
+    static test::temp_dir dir;
+    static const std::string path = [] {
+        const std::string p = dir.file("qwen3moe.gguf");
+        write_fixture(qwen3moe_spec(), p);
+        return p;
+    }();
+    return path;
+}
+
+std::string qwen3moe_build_error(const std::function<void(gguf_context *)> & edit, const std::string & skip = {}) {
+    test::temp_dir dir;
+    const std::string path = dir.file("bad.gguf");
+    test::rewrite_gguf(qwen3moe_fixture(), path, edit, skip);
+    return test::error_of([&] {
+        const gguf_file file(path);
+        build_model(file);
+    });
+}
+
+}  // namespace
+
+TEST(arch_parity, qwen3moe_f32_routed_experts_match_libllama_within_1e_3_and_every_expert_is_used) {
+    const parity_report r = parity_of(qwen3moe_fixture(), 128);
+    EXPECT_EQ(r.arch, "qwen3moe");
+    expect_f32_parity(r);
+    // The same 128 tokens spread over the experts: every layer routes tokens to every one of its 8 experts, so the
+    // bound covers each expert's matrices and the routing, not one expert's.
+    const gguf_file file(qwen3moe_fixture());
+    auto model = build_model(file);
+    EXPECT_EQ(model->hparams().n_expert, 8);
+    EXPECT_EQ(model->hparams().n_expert_used, 2);
+    EXPECT_EQ(model->hparams().n_ff_exp, 256);
+    std::map<std::string, std::map<int64_t, int64_t>> routed;  // tensor → expert → tokens
+    model->set_observer([&](const std::string & name, const torch::Tensor & x, int64_t expert) {
+        if (expert >= 0) {
+            routed[name][expert] += x.size(0);
+        }
+    });
+    gguf_weights w(file);
+    const std::vector<int32_t> ids = fixed_ids(128, model->hparams().n_vocab);
+    torch::NoGradGuard no_grad;
+    model->hidden(torch::tensor(std::vector<int64_t>(ids.begin(), ids.end())).view({1, -1}), w);
+    ASSERT_EQ(routed.size(), 6u);  // 2 layers × gate, up, down
+    for (const auto & [name, per_expert] : routed) {
+        EXPECT_EQ(per_expert.size(), 8u) << name;
+        int64_t total = 0;
+        for (const auto & [e, n] : per_expert) {
+            total += n;
+        }
+        EXPECT_EQ(total, 128 * 2) << name;  // every token to exactly 2 experts
+    }
+}
+
+TEST(arch_parity, qwen3moe_batch_of_three_sequences_matches_libllama_sequence_by_sequence) {
+    const double rel = batch_rel_diff_against_libllama(qwen3moe_fixture(), 3, 128);
+    testing::Test::RecordProperty("rel_diff", fmt::format("{:.2g}", rel));
+    EXPECT_LE(rel, 1e-3);
+}
+
+TEST(arch_parity, qwen3moe_with_the_router_rows_swapped_is_outside_the_bound) {
+    // Experts 0 and 1 of every router exchanged: tokens go to other experts, and the bound must see it.
+    const gguf_file file(qwen3moe_fixture());
+    edited_weights swapped(file, [](const std::string & n, torch::Tensor t) {
+        if (!n.ends_with("ffn_gate_inp.weight")) {
+            return t;
+        }
+        torch::Tensor e = t.clone();
+        e[0].copy_(t[1]);
+        e[1].copy_(t[0]);
+        return e;
+    });
+    EXPECT_GT(rel_diff_against_libllama(qwen3moe_fixture(), swapped, 64), 1e-3);
+}
+
+TEST(arch_parity, qwen3moe_without_renormalised_expert_weights_is_outside_the_bound) {
+    // Scaling the down experts by 1/2 has the effect of weights that sum to 1/2 instead of 1: outside the bound.
+    const gguf_file file(qwen3moe_fixture());
+    edited_weights halved(file, [](const std::string & n, torch::Tensor t) {
+        return n.ends_with("ffn_down_exps.weight") ? t * 0.5f : t;
+    });
+    EXPECT_GT(rel_diff_against_libllama(qwen3moe_fixture(), halved, 64), 1e-3);
+}
+
+TEST(arch_bad_input, qwen3moe_missing_expert_used_count_is_named) {
+    const std::string e = qwen3moe_build_error([](gguf_context * c) { gguf_remove_key(c, "qwen3moe.expert_used_count"); });
+    expect_contains(e, "missing metadata key 'qwen3moe.expert_used_count'");
+}
+
+TEST(arch_bad_input, qwen3moe_more_experts_per_token_than_experts_is_named) {
+    const std::string e = qwen3moe_build_error([](gguf_context * c) { gguf_set_val_u32(c, "qwen3moe.expert_used_count", 9); });
+    expect_contains(e, "'qwen3moe.expert_used_count' = 9 must be in [1, 'qwen3moe.expert_count' = 8]");
+}
+
+TEST(arch_bad_input, qwen3moe_expert_count_disagreeing_with_the_router_names_the_tensor_and_the_key) {
+    const std::string e = qwen3moe_build_error([](gguf_context * c) { gguf_set_val_u32(c, "qwen3moe.expert_count", 4); });
+    expect_contains(e, "blk.0.ffn_gate_inp.weight");
+    expect_contains(e, "qwen3moe.expert_count = 4");
+}
+
+TEST(arch_bad_input, qwen3moe_grouped_expert_routing_is_refused_naming_the_key) {
+    const std::string e = qwen3moe_build_error([](gguf_context * c) { gguf_set_val_u32(c, "qwen3moe.expert_group_count", 2); });
+    expect_contains(e, "'qwen3moe.expert_group_count' = 2");
+}

@@ -120,7 +120,7 @@ TEST(model_forward, observer_sees_every_weight_matmul_and_the_head) {
     auto model = build_model(file);
     gguf_weights w(file);
     std::map<std::string, int64_t> seen;
-    model->set_observer([&](const std::string & name, const torch::Tensor & x) { seen[name] = x.size(-1); });
+    model->set_observer([&](const std::string & name, const torch::Tensor & x, int64_t) { seen[name] = x.size(-1); });
     torch::NoGradGuard no_grad;
     model->forward(torch::zeros({1, 4}, torch::kLong), w);
     EXPECT_EQ(seen.size(), 5u * 7u + 1u);  // q k v o gate up down per layer, and the head

@@ -265,19 +265,22 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
     gguf_weights w(file, device, o.n_threads);
     torch::NoGradGuard no_grad;
 
-    // Σx² per input column (f64, on the device) and activation rows, by weight name.
+    // Σx² per input column (f64, on the device, [n_mat, ne0]) and activation rows per matrix, by weight name. A
+    // 2-D weight has one matrix; an expert tensor one per expert, and only its routed tokens count (MUL_MAT_ID).
     std::map<std::string, torch::Tensor> sums;
-    std::map<std::string, int64_t> rows_seen;
-    model->set_observer([&](const std::string & name, const torch::Tensor & x) {
+    std::map<std::string, std::vector<int64_t>> rows_seen;
+    model->set_observer([&](const std::string & name, const torch::Tensor & x, int64_t expert) {
         const torch::Tensor rows = x.reshape({-1, x.size(-1)});
         const torch::Tensor s = rows.to(torch::kDouble).square().sum(0);
         auto it = sums.find(name);
         if (it == sums.end()) {
-            sums.emplace(name, s);
-        } else {
-            it->second.add_(s);
+            const int64_t n_mat = expert < 0 ? 1 : file.tensor(name).ne[2];
+            it = sums.emplace(name, torch::zeros({n_mat, s.size(0)}, s.options())).first;
+            rows_seen[name].assign(static_cast<size_t>(n_mat), 0);
         }
-        rows_seen[name] += rows.size(0);
+        const int64_t mat = std::max<int64_t>(expert, 0);
+        it->second[mat].add_(s);
+        rows_seen[name][static_cast<size_t>(mat)] += rows.size(0);
     });
 
     const auto start = std::chrono::steady_clock::now();
@@ -314,7 +317,7 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
         }
         imatrix_entry & e = im.entries[name];
         e.in_sum2.assign(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
-        e.counts = {rows_seen[name]};
+        e.counts = rows_seen[name];
     }
     im.chunk_size = ctx;
     im.chunk_count = n_chunks;

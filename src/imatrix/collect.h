@@ -37,7 +37,8 @@ imatrix collect_imatrix(const imatrix_options & options);
 /// `blk.*` matmul, the output head under its own name or token_embd.weight when tied), the same counts; compute in
 /// f32, each chunk's Σx² summed in f64 on the device and rounded to f32 once. Against libllama's it differs by
 /// the two forwards' parity (tests/test_imatrix_torch.cpp bounds it). Chunks run `batch_tokens / ctx` at a time
-/// (at least one). MoE weights (MUL_MAT_ID) are not in the runtime: such a model is refused by build_model.
+/// (at least one). Expert tensors (qwen3moe, qwen35moe) count as llama.cpp's MUL_MAT_ID does: per expert, the Σx²
+/// and the number of the tokens routed to it (moe_ffn's observer calls).
 /// Throws voodoo::error as collect_imatrix does, and naming the tensor when a column sum is not finite.
 imatrix collect_imatrix_torch(const imatrix_options & options, torch::Device device, int64_t batch_tokens = 8192);
 

@@ -20,7 +20,7 @@ torch::Tensor token_embeddings(forward_context & ctx, const torch::Tensor & toke
 
 torch::Tensor linear(forward_context & ctx, const std::string & name, const torch::Tensor & x) {
     if (ctx.observer && *ctx.observer) {
-        (*ctx.observer)(name, x);
+        (*ctx.observer)(name, x, -1);
     }
     torch::Tensor y = ctx.w.product(name, x, ctx.dtype);
     const std::string stem = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
@@ -163,6 +163,56 @@ qkv_heads attention_qkv(forward_context & ctx, const std::string & prefix, const
     }
     return {q.reshape({B, T, hp.n_head, hp.n_embd_head_k}), k.reshape({B, T, hp.n_head_kv, hp.n_embd_head_k}),
             v.reshape({B, T, hp.n_head_kv, hp.n_embd_head_v})};
+}
+
+torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const torch::Tensor & x,
+                      const model_hparams & hp) {
+    const int64_t n_embd = x.size(-1);
+    const torch::Tensor xf = x.reshape({-1, n_embd});  // [N, n_embd], compute dtype
+    const std::string router = prefix + ".ffn_gate_inp.weight";
+    if (ctx.observer && *ctx.observer) {
+        (*ctx.observer)(router, xf, -1);
+    }
+    const torch::Tensor logits = ctx.w.product(router, xf.to(torch::kFloat), torch::kFloat);  // [N, E]
+    const torch::Tensor probs = torch::softmax(logits, -1);
+    auto [top_p, top_e] = torch::topk(probs, hp.n_expert_used, -1);  // [N, k] each, largest first
+    const torch::Tensor weights = top_p / top_p.sum(-1, true).clamp_min(6.103515625e-5f);  // f32
+
+    const torch::Tensor w_gate = ctx.w.get(prefix + ".ffn_gate_exps.weight").to(x.device(), ctx.dtype);
+    const torch::Tensor w_up = ctx.w.get(prefix + ".ffn_up_exps.weight").to(x.device(), ctx.dtype);
+    const torch::Tensor w_down = ctx.w.get(prefix + ".ffn_down_exps.weight").to(x.device(), ctx.dtype);
+    const auto observe = [&](const char * name, const torch::Tensor & in, int64_t e) {
+        if (ctx.observer && *ctx.observer) {
+            (*ctx.observer)(prefix + name, in, e);
+        }
+    };
+    // Tokens of each expert: sort the (token, slot) pairs by expert once, then one product per expert.
+    const torch::Tensor flat_e = top_e.reshape({-1}).to(torch::kCPU);
+    const torch::Tensor order = flat_e.argsort();
+    const torch::Tensor counts = torch::bincount(flat_e, {}, hp.n_expert);
+    const int64_t * cnt = counts.data_ptr<int64_t>();
+    const torch::Tensor order_dev = order.to(x.device());
+    const torch::Tensor tokens = torch::div(order_dev, hp.n_expert_used, "floor");  // [N·k] token of each pair
+    const torch::Tensor pair_w = weights.reshape({-1}).index_select(0, order_dev);  // [N·k]
+    torch::Tensor out = torch::zeros(xf.sizes(), xf.options().dtype(torch::kFloat));  // summed in f32, as ggml_add
+    int64_t start = 0;
+    for (int64_t e = 0; e < hp.n_expert; ++e) {
+        const int64_t n = cnt[e];
+        if (n == 0) {
+            continue;
+        }
+        const torch::Tensor rows = tokens.narrow(0, start, n);
+        const torch::Tensor xe = xf.index_select(0, rows);
+        observe(".ffn_gate_exps.weight", xe, e);
+        observe(".ffn_up_exps.weight", xe, e);
+        const torch::Tensor h = torch::silu(torch::matmul(xe, w_gate[e].t())) * torch::matmul(xe, w_up[e].t());
+        observe(".ffn_down_exps.weight", h, e);
+        const torch::Tensor y =
+            torch::matmul(h, w_down[e].t()).to(torch::kFloat) * pair_w.narrow(0, start, n).unsqueeze(1);
+        out = out.index_add(0, rows, y);
+        start += n;
+    }
+    return out.to(ctx.dtype).view_as(x);
 }
 
 torch::Tensor fused_swiglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x) {

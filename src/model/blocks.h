@@ -12,9 +12,12 @@
 
 namespace voodoo {
 
-/// Called before every matmul with a weight, the output head included, with the weight's GGUF name and
-/// the matmul's input [..., ne0] in the compute dtype (e.g. the imatrix cross-check sums x² per column).
-using matmul_observer = std::function<void(const std::string & weight_name, const torch::Tensor & input)>;
+/// Called before every matmul with a weight, the output head included, with the weight's GGUF name, the
+/// matmul's input [..., ne0] in the compute dtype (e.g. the imatrix cross-check sums x² per column) and the
+/// expert: −1 for a 2-D weight; for a 3-D expert tensor (MoE) the expert whose matrix multiplies `input`, which
+/// then holds only the rows (tokens) routed to that expert, one row per token, as llama.cpp's MUL_MAT_ID.
+using matmul_observer =
+    std::function<void(const std::string & weight_name, const torch::Tensor & input, int64_t expert)>;
 
 /// What the blocks of one forward share.
 struct forward_context {
@@ -85,6 +88,18 @@ qkv_heads attention_qkv(forward_context & ctx, const std::string & prefix, const
 /// SwiGLU MLP (llama.cpp's LLM_FFN_SILU + LLM_FFN_PAR): down(silu(gate(x)) · up(x)) with the tensors
 /// "<prefix>.ffn_gate.weight", "<prefix>.ffn_up.weight", "<prefix>.ffn_down.weight".
 torch::Tensor swiglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x);
+
+/// The mixture-of-experts FFN of qwen3moe and qwen35moe: llama.cpp's build_moe_ffn (src/llama-graph.cpp) with
+/// softmax gating, LLM_FFN_SILU, norm_w and separate gate/up experts. x [B, T, n_embd] →
+///   logits = x · ffn_gate_inpᵀ (the router, [n_embd, n_expert], computed in f32 as on llama.cpp's CPU, where the
+///   router is F32), p = softmax(logits), the top hp.n_expert_used experts of p per token (ggml_argsort_top_k),
+///   their weights w = p / max(Σ p, 6.1e-5) (the F16 floor llama.cpp clamps the sum to), and
+///   out = Σ_slots w · down_e(silu(gate_e(x)) · up_e(x)) with the 3-D tensors "<prefix>.ffn_{gate,up,down}_exps.weight"
+///   ([E, n_ff_exp, n_embd], [E, n_embd, n_ff_exp] in PyTorch layout) → [B, T, n_embd] in the compute dtype.
+/// Only routed tokens are multiplied, expert by expert (one matrix product per expert and tensor). The routing is a
+/// discrete choice: gradients flow through w and the experts' weights, not through which experts were chosen.
+torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const torch::Tensor & x,
+                      const model_hparams & hp);
 
 /// SwiGLU MLP with gate and up fused in one tensor (phi3; llama.cpp's LLM_FFN_SWIGLU + LLM_FFN_SEQ, ggml_swiglu):
 /// "<prefix>.ffn_up.weight" [n_embd, 2·n_ff] gives [gate | up] (gate = the first n_ff outputs), then

@@ -106,7 +106,7 @@ std::vector<float> tensor_values(const planned_tensor & t, uint64_t key) {
 
 }  // namespace
 
-std::vector<std::string> fixture_architectures() { return {"gemma3", "lfm2", "llama", "phi3", "qwen2", "qwen3", "qwen35"}; }
+std::vector<std::string> fixture_architectures() { return {"gemma3", "lfm2", "llama", "phi3", "qwen2", "qwen3", "qwen35", "qwen3moe"}; }
 
 void write_fixture(const fixture_spec & s, const std::string & out_path) {
     const std::vector<std::string> archs = fixture_architectures();
@@ -122,6 +122,11 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
         if (value <= 0) {
             fail("fixture: {} must be positive, got {}", field, value);
         }
+    }
+    const bool moe = s.arch == "qwen3moe";
+    const int64_t n_ff_exp = s.n_ff_exp > 0 ? s.n_ff_exp : s.n_ff;
+    if (moe && (s.n_expert < 1 || s.n_expert_used < 1 || s.n_expert_used > s.n_expert)) {
+        fail("fixture: {} needs 1 <= n_expert_used <= n_expert, got {} and {}", s.arch, s.n_expert_used, s.n_expert);
     }
     if (s.n_head % s.n_head_kv != 0) {
         fail("fixture: n_head {} is not a multiple of n_head_kv {}", s.n_head, s.n_head_kv);
@@ -227,6 +232,11 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
         const std::vector<int32_t> sections = {t, t, pairs - 2 * t, 0};
         gguf_set_arr_data(ctx, key("rope.dimension_sections").c_str(), GGUF_TYPE_INT32, sections.data(), sections.size());
     }
+    if (moe) {
+        gguf_set_val_u32(ctx, key("expert_count").c_str(), static_cast<uint32_t>(s.n_expert));
+        gguf_set_val_u32(ctx, key("expert_used_count").c_str(), static_cast<uint32_t>(s.n_expert_used));
+        gguf_set_val_u32(ctx, key("expert_feed_forward_length").c_str(), static_cast<uint32_t>(n_ff_exp));
+    }
     if (s.sliding_window > 0) {
         gguf_set_val_u32(ctx, key("attention.sliding_window").c_str(), static_cast<uint32_t>(s.sliding_window));
         if (s.sliding_window_pattern > 0) {
@@ -272,7 +282,7 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     const int64_t n_q = s.n_head * s.head_dim, n_kv = s.n_head_kv * s.head_dim;
     const bool fused = s.arch == "phi3";                        // phi3: attn_qkv, and gate+up in ffn_up
     const bool qkv_bias = s.arch == "qwen2";
-    const bool qk_norm = s.arch == "qwen3" || s.arch == "gemma3" || s.arch == "lfm2" || s.arch == "qwen35";
+    const bool qk_norm = s.arch == "qwen3" || s.arch == "gemma3" || s.arch == "lfm2" || s.arch == "qwen35" || moe;
     const bool post_norms = s.arch == "gemma3";
     plan.push_back({"token_embd.weight", {s.n_embd, n_vocab}, wt, tensor_kind_weight});
     // lfm2's final norm is stored under the name llama.cpp gives LLM_TENSOR_OUTPUT_NORM_LFM2.
@@ -335,13 +345,21 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
         if (s.arch != "qwen35") {  // qwen35's FFN reads post_attention_norm
             plan.push_back({blk("ffn_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
         }
-        if (fused) {
+        if (moe) {
+            // The router stays F32 (convert_hf_to_gguf.py keeps ffn_gate_inp in F32 whatever --outtype).
+            plan.push_back({blk("ffn_gate_inp.weight"), {s.n_embd, s.n_expert}, f32, tensor_kind_weight});
+            plan.push_back({blk("ffn_gate_exps.weight"), {s.n_embd, n_ff_exp, s.n_expert}, wt, tensor_kind_weight});
+            plan.push_back({blk("ffn_up_exps.weight"), {s.n_embd, n_ff_exp, s.n_expert}, wt, tensor_kind_weight});
+            plan.push_back({blk("ffn_down_exps.weight"), {n_ff_exp, s.n_embd, s.n_expert}, wt, tensor_kind_weight});
+        } else if (fused) {
             plan.push_back({blk("ffn_up.weight"), {s.n_embd, 2 * s.n_ff}, wt, tensor_kind_weight});
         } else {
             plan.push_back({blk("ffn_gate.weight"), {s.n_embd, s.n_ff}, wt, tensor_kind_weight});
             plan.push_back({blk("ffn_up.weight"), {s.n_embd, s.n_ff}, wt, tensor_kind_weight});
         }
-        plan.push_back({blk("ffn_down.weight"), {s.n_ff, s.n_embd}, wt, tensor_kind_weight});
+        if (!moe) {
+            plan.push_back({blk("ffn_down.weight"), {s.n_ff, s.n_embd}, wt, tensor_kind_weight});
+        }
         if (post_norms) {
             plan.push_back({blk("post_ffw_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
         }

@@ -42,6 +42,12 @@ struct fixture_spec {
     int64_t ssm_n_group = 2;        // ssm.group_count: key heads
     int64_t ssm_dt_rank = 4;        // ssm.time_step_rank: value heads (a multiple of the key heads)
     int64_t ssm_d_conv = 4;         // ssm.conv_kernel (Qwen3.5's is 4)
+    // qwen3moe, qwen35moe: the mixture of experts of every layer (expert_count, expert_used_count,
+    // expert_feed_forward_length; qwen35moe also expert_shared_feed_forward_length)
+    int64_t n_expert = 8;
+    int64_t n_expert_used = 2;
+    int64_t n_ff_exp = 0;           // 0 = n_ff
+    int64_t n_ff_shexp = 0;         // qwen35moe's shared expert, 0 = n_ff
 };
 
 /// The architectures write_fixture can write.
@@ -58,7 +64,9 @@ std::vector<std::string> fixture_architectures();
 /// attn_gate, ssm_conv1d in F32, ssm_dt.bias, ssm_a = −0.02·(1 + |N(0, 1)|) (slow decays: the state matters over
 /// many tokens), ssm_beta, ssm_alpha, ssm_norm, ssm_out) between gated attention layers (attn_q of 2·n_head·head_dim
 /// rows: query and gate per head), post_attention_norm, a partial rotary (n_rot, default head_dim / 4) and M-RoPE
-/// sections in Qwen3.5's proportions.
+/// sections in Qwen3.5's proportions; qwen3moe is qwen3 with, in every layer, an F32 router ffn_gate_inp
+/// [n_embd, n_expert] and the experts ffn_gate_exps / ffn_up_exps [n_embd, n_ff_exp, n_expert] and ffn_down_exps
+/// [n_ff_exp, n_embd, n_expert] instead of the dense FFN.
 /// Values depend only on (seed, tensor name, index), so a spec always gives the same bytes. Metadata:
 /// every `<arch>.*` key libllama reads, general.file_type, and every `tokenizer.*` key of the vocab file
 /// (n_vocab = its token count). Throws voodoo::error naming the field when the spec is invalid (unknown

@@ -168,7 +168,7 @@ int64_t read_hybrid_head_count_kv(const metadata_reader & md, model_hparams & hp
 
 }  // namespace
 
-model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope, bool hybrid_head_count_kv) {
+model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope, bool hybrid_head_count_kv, bool experts) {
     model_hparams hp;
     hp.arch = file.architecture();
     const metadata_reader md(file, hp.arch);
@@ -178,7 +178,8 @@ model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope, bo
     hp.n_ctx_orig = md.optional_positive("rope.scaling.original_context_length", hp.n_ctx_train);
     hp.n_embd = md.required_positive("embedding_length", "the model width n_embd");
     hp.n_layer = md.required_positive("block_count", "the number of layers");
-    hp.n_ff = md.required_positive("feed_forward_length", "the FFN width n_ff");
+    hp.n_ff = experts ? md.optional_positive("feed_forward_length", 0)
+                      : md.required_positive("feed_forward_length", "the FFN width n_ff");
     hp.n_head = md.required_positive("attention.head_count", "the number of attention heads");
     hp.n_head_kv = hybrid_head_count_kv ? read_hybrid_head_count_kv(md, hp) : md.optional_positive("attention.head_count_kv", hp.n_head);
     if (hp.n_head % hp.n_head_kv != 0) {
@@ -201,9 +202,9 @@ model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope, bo
     }
     hp.norm_rms_eps = md.required_positive_float("attention.layer_norm_rms_epsilon", "the RMSNorm epsilon");
 
-    if (const std::optional<int64_t> n_expert = file.get_int(md.key("expert_count")); n_expert && *n_expert > 0) {
-        fail("'{}': '{}' = {}: mixture-of-experts models are not supported yet (dense models only)", file.path(),
-             md.key("expert_count"), *n_expert);
+    if (const std::optional<int64_t> n_expert = file.get_int(md.key("expert_count")); !experts && n_expert && *n_expert > 0) {
+        fail("'{}': '{}' = {}: a mixture of experts is not a {} model; Voodoo runs the qwen3moe and qwen35moe "
+             "mixtures (their own architectures)", file.path(), md.key("expert_count"), *n_expert, hp.arch);
     }
 
     // Rope: llama.cpp's defaults (freq_base 10000, scaling "linear" with factor 1).
@@ -256,6 +257,43 @@ model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope, bo
     }
     hp.tied_output = file.find_tensor("output.weight") == nullptr;
     return hp;
+}
+
+void read_expert_hparams(const gguf_file & file, model_hparams & hp) {
+    const metadata_reader md(file, hp.arch);
+    hp.n_expert = md.required_positive("expert_count", "the number of experts");
+    constexpr int64_t k_max_experts = 1024;  // llama.cpp's LLAMA_MAX_EXPERTS
+    if (hp.n_expert > k_max_experts) {
+        fail("'{}': '{}' = {} is more than llama.cpp's {} experts", file.path(), md.key("expert_count"), hp.n_expert,
+             k_max_experts);
+    }
+    const std::optional<std::vector<int64_t>> used = md.per_layer("expert_used_count", hp.n_layer);
+    if (!used) {
+        fail("'{}': missing metadata key '{}' (experts per token); a {} GGUF from convert_hf_to_gguf.py has it",
+             file.path(), md.key("expert_used_count"), hp.arch);
+    }
+    hp.n_expert_used = used->front();
+    for (const int64_t v : *used) {
+        if (v != hp.n_expert_used) {
+            fail("'{}': metadata key '{}' gives layers {} and {} experts per token; a per-layer count is not "
+                 "supported", file.path(), md.key("expert_used_count"), hp.n_expert_used, v);
+        }
+    }
+    if (hp.n_expert_used < 1 || hp.n_expert_used > hp.n_expert) {
+        fail("'{}': metadata key '{}' = {} must be in [1, '{}' = {}]", file.path(), md.key("expert_used_count"),
+             hp.n_expert_used, md.key("expert_count"), hp.n_expert);
+    }
+    if (const std::optional<int64_t> groups = file.get_int(md.key("expert_group_count")); groups && *groups > 1) {
+        fail("'{}': '{}' = {}: grouped expert routing is not supported", file.path(), md.key("expert_group_count"),
+             *groups);
+    }
+    const int64_t fallback = hp.n_ff / hp.n_expert_used;
+    hp.n_ff_exp = md.optional_positive("expert_feed_forward_length", fallback);
+    if (hp.n_ff_exp <= 0) {
+        fail("'{}': missing metadata key '{}' (and no '{}' to derive it from)", file.path(),
+             md.key("expert_feed_forward_length"), md.key("feed_forward_length"));
+    }
+    hp.n_ff_shexp = md.optional_positive("expert_shared_feed_forward_length", hp.n_ff);
 }
 
 }  // namespace voodoo

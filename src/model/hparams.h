@@ -66,6 +66,13 @@ struct model_hparams {
     int64_t ssm_d_inner = 0;  // ssm.inner_size: value heads × value head size
     std::vector<int64_t> rope_sections;  // rope.dimension_sections (qwen35's M-RoPE): 4 counts of rotated pairs
 
+    // Mixture of experts (qwen3moe, qwen35moe): llama.cpp's build_moe_ffn with softmax gating, the top
+    // n_expert_used experts of each token, their weights renormalised to sum 1 (norm_w, as both graphs pass it).
+    int64_t n_expert = 0;        // <arch>.expert_count; 0 = a dense model
+    int64_t n_expert_used = 0;   // <arch>.expert_used_count: experts per token
+    int64_t n_ff_exp = 0;        // <arch>.expert_feed_forward_length (default n_ff / n_expert_used)
+    int64_t n_ff_shexp = 0;      // <arch>.expert_shared_feed_forward_length (qwen35moe; default n_ff)
+
     bool is_swa(int64_t il) const { return n_swa > 0 && il < static_cast<int64_t>(swa_layers.size()) && swa_layers[il]; }
     bool is_recurrent(int64_t il) const { return il < static_cast<int64_t>(recurrent_layers.size()) && recurrent_layers[il]; }
 
@@ -112,7 +119,17 @@ private:
 /// With `hybrid_head_count_kv` (lfm2), `<arch>.attention.head_count_kv` may be a per-layer array as
 /// llama_model_lfm2::load_arch_hparams reads it: 0 marks a recurrent layer (hp.recurrent_layers), every other
 /// entry must be the same KV head count (n_head_kv); an error names the key when they differ or none attends.
-model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope, bool hybrid_head_count_kv = false);
+/// With `experts` (a mixture-of-experts architecture), expert_count is allowed (read_expert_hparams reads it) and
+/// feed_forward_length may be absent (n_ff = 0); otherwise a file with expert_count > 0 is refused naming the key.
+model_hparams read_llama_like_hparams(const gguf_file & file, rope_type rope, bool hybrid_head_count_kv = false,
+                                     bool experts = false);
+
+/// The expert keys of a mixture-of-experts architecture (llama.cpp's llama_model_base::load_hparams and the
+/// architecture's load_arch_hparams): expert_count (1 to 1024, LLAMA_MAX_EXPERTS), expert_used_count (1 to
+/// expert_count; one value for every layer), expert_feed_forward_length (default feed_forward_length /
+/// expert_used_count), expert_shared_feed_forward_length (default feed_forward_length). Expert groups
+/// (expert_group_count > 1, DeepSeek's group routing) are refused. Throws voodoo::error naming the key.
+void read_expert_hparams(const gguf_file & file, model_hparams & hp);
 
 /// The tensors a model reads, checked one by one against the shapes its metadata implies, then the whole
 /// file against that list: llama.cpp refuses a file with a tensor its architecture does not load, and so

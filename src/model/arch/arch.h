@@ -18,6 +18,9 @@ std::unique_ptr<causal_lm> build_qwen2(const gguf_file & file);
 /// llama.cpp's LLM_ARCH_QWEN3: Qwen3 dense (RMSNorm on each head of Q and K).
 std::unique_ptr<causal_lm> build_qwen3(const gguf_file & file);
 
+/// llama.cpp's LLM_ARCH_QWEN3MOE: Qwen3 mixture-of-experts models (Qwen3-30B-A3B, Qwen3-235B-A22B).
+std::unique_ptr<causal_lm> build_qwen3moe(const gguf_file & file);
+
 /// llama.cpp's LLM_ARCH_GEMMA3: Gemma 3 text models (interleaved sliding-window and global attention).
 std::unique_ptr<causal_lm> build_gemma3(const gguf_file & file);
 

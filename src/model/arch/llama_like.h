@@ -26,6 +26,11 @@ void check_llama_like_tensors(tensor_checklist & tensors, const model_hparams & 
 /// biases), and attn_output [n_head · value_length, n_embd]. Throws voodoo::error naming the tensor and the keys.
 void check_attention_tensors(tensor_checklist & tensors, const model_hparams & hp, int64_t il);
 
+/// One layer's mixture-of-experts FFN tensors as llama.cpp's qwen3moe/qwen35moe loaders create them: the router
+/// ffn_gate_inp [n_embd, n_expert] and the experts ffn_gate_exps / ffn_up_exps [n_embd, n_ff_exp, n_expert] and
+/// ffn_down_exps [n_ff_exp, n_embd, n_expert]. Throws voodoo::error naming the tensor and the keys.
+void check_expert_tensors(tensor_checklist & tensors, const model_hparams & hp, int64_t il);
+
 /// The graph builders of qwen2/qwen3 assert n_embd_head_k == n_embd_head_v == n_rot: throws voodoo::error naming
 /// the key that breaks it (`<arch>.rope.dimension_count` or `<arch>.attention.value_length`).
 void require_rope_over_whole_head(const gguf_file & file, const model_hparams & hp);
