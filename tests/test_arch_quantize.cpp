@@ -14,6 +14,7 @@
 #include "test_util.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstring>
@@ -57,6 +58,11 @@ fixture_spec tiny(const std::string & arch) {
     if (arch == "qwen35") {
         s.full_attention_interval = 2;  // layer 0 a gated delta net, layer 1 gated attention
         s.ssm_d_state = 16;             // 2 key heads and 4 value heads of 16
+    }
+    if (arch == "qwen3moe") {
+        s.n_expert = 8;  // 2 per token, experts of FFN 64
+        s.n_expert_used = 2;
+        s.n_ff_exp = 64;
     }
     return s;
 }
@@ -231,8 +237,32 @@ TEST(arch_quantize, qwen35_export_loads_in_libllama_and_copies_the_conv_kernel_a
     EXPECT_EQ(q.final_recipe.tensors.size(), 1u + 8u + 7u);
 }
 
-TEST(arch_export, equals_llama_model_quantize_with_overrides_for_lfm2_and_qwen35) {
-    for (const char * arch : {"lfm2", "qwen35"}) {
+TEST(arch_quantize, qwen3moe_experts_are_one_gated_tensor_each_and_the_router_is_copied_exactly) {
+    test::temp_dir dir;
+    const quantized q = run_chain(dir, "qwen3moe");
+    expect_a_good_export(q);
+    std::set<std::string> names;
+    for (const recipe_tensor & t : q.final_recipe.tensors) {
+        names.insert(t.name);
+    }
+    // One gate per 3-D expert tensor (all its experts share one type: llama.cpp PR #4927); the router never.
+    for (const char * name : {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight"}) {
+        EXPECT_TRUE(names.count(name)) << name;
+    }
+    EXPECT_FALSE(names.count("blk.0.ffn_gate_inp.weight"));
+    const gguf_file out(q.result.out);
+    EXPECT_EQ(out.tensor("blk.0.ffn_gate_inp.weight").type, GGML_TYPE_F32);
+    EXPECT_EQ(out.tensor("blk.1.ffn_up_exps.weight").ne[2], 8);
+    // token_embd (tied); q, k, v, output and the three expert tensors per layer
+    EXPECT_EQ(q.final_recipe.tensors.size(), 1u + 2u * 7u);
+    // The work folder says which experts the calibration reached (4 chunks of 64 tokens reach all 8 here).
+    const nlohmann::json experts = nlohmann::json::parse(test::read_file(dir.file("work/experts.json")));
+    ASSERT_EQ(experts["experts"].size(), 6u);
+    EXPECT_EQ(experts["experts"][0]["n_experts"], 8);
+}
+
+TEST(arch_export, equals_llama_model_quantize_with_overrides_for_lfm2_qwen35_and_qwen3moe) {
+    for (const char * arch : {"lfm2", "qwen35", "qwen3moe"}) {
         SCOPED_TRACE(arch);
         expect_export_equals_llama_model_quantize(arch);
     }

@@ -28,16 +28,29 @@ nlohmann::json summary_json(const imatrix & im) {
         }
         entries.push_back({{"name", name}, {"ne0", e.ne0()}, {"n_mat", e.n_mat()}, {"count", max_count}});
     }
+    nlohmann::json experts = nlohmann::json::array();
+    for (const expert_coverage & c : imatrix_expert_coverage(im)) {
+        experts.push_back({{"name", c.name}, {"n_experts", c.n_experts}, {"n_reached", c.n_reached},
+                           {"min_tokens", c.min_tokens}, {"max_tokens", c.max_tokens}, {"unreached", c.unreached}});
+    }
     return {{"format", im.legacy ? "dat" : "gguf"}, {"datasets", im.datasets}, {"chunk_count", im.chunk_count},
-            {"chunk_size", im.chunk_size},          {"n_entries", im.entries.size()}, {"entries", entries}};
+            {"chunk_size", im.chunk_size},          {"n_entries", im.entries.size()}, {"entries", entries},
+            {"experts", experts}};
 }
 
 void print_summary(const imatrix & im) {
     fmt::print("{} entries, {} chunks of {} tokens, datasets: {}\n", im.entries.size(), im.chunk_count, im.chunk_size,
                fmt::join(im.datasets, ", "));
     for (const auto & [name, e] : im.entries) {
-        fmt::print("  {:<28} {:>6} columns × {} matrices, {} tokens\n", name, e.ne0(), e.n_mat(),
-                   e.counts.empty() ? 0 : e.counts[0]);
+        int64_t tokens = 0;
+        for (const int64_t c : e.counts) {
+            tokens = std::max(tokens, c);
+        }
+        fmt::print("  {:<28} {:>6} columns × {} matrices, {} tokens{}\n", name, e.ne0(), e.n_mat(), tokens,
+                   e.n_mat() > 1 ? " (the most of one expert)" : "");
+    }
+    if (const std::string experts = expert_coverage_text(imatrix_expert_coverage(im)); !experts.empty()) {
+        fmt::print("experts the calibration reached:\n{}", experts);
     }
 }
 

@@ -6,7 +6,12 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace voodoo {
 
@@ -240,6 +245,56 @@ importance_map imatrix_importance(const imatrix & im) {
         out[name] = imatrix_column_importance(im, name);
     }
     return out;
+}
+
+std::vector<expert_coverage> imatrix_expert_coverage(const imatrix & im) {
+    std::vector<expert_coverage> out;
+    if (im.legacy) {
+        return out;
+    }
+    for (const auto & [name, e] : im.entries) {
+        if (e.n_mat() <= 1) {
+            continue;
+        }
+        expert_coverage c;
+        c.name = name;
+        c.n_experts = e.n_mat();
+        for (int64_t x = 0; x < e.n_mat(); ++x) {
+            const int64_t n = e.counts[static_cast<size_t>(x)];
+            if (n > 0) {
+                c.min_tokens = c.n_reached == 0 ? n : std::min(c.min_tokens, n);
+                c.max_tokens = std::max(c.max_tokens, n);
+                ++c.n_reached;
+            } else {
+                c.unreached.push_back(x);
+            }
+        }
+        out.push_back(std::move(c));
+    }
+    return out;
+}
+
+std::string expert_coverage_text(const std::vector<expert_coverage> & coverage) {
+    // One line per layer, from the first expert tensor of that layer ("blk.<il>." prefix), in layer order.
+    std::map<int64_t, const expert_coverage *> by_layer;
+    for (const expert_coverage & c : coverage) {
+        int64_t il = -1;
+        if (std::sscanf(c.name.c_str(), "blk.%" SCNd64 ".", &il) == 1 && !by_layer.count(il)) {
+            by_layer[il] = &c;
+        }
+    }
+    std::string text;
+    for (const auto & [il, c] : by_layer) {
+        text += fmt::format("blk.{}: {} of {} experts reached", il, c->n_reached, c->n_experts);
+        if (c->n_reached > 0) {
+            text += fmt::format(" ({}–{} tokens each)", c->min_tokens, c->max_tokens);
+        }
+        if (!c->unreached.empty()) {
+            text += fmt::format("; never: {}", fmt::join(c->unreached, ", "));
+        }
+        text += "\n";
+    }
+    return text;
 }
 
 }  // namespace voodoo

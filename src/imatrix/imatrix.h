@@ -58,6 +58,24 @@ using importance_map = std::unordered_map<std::string, std::vector<float>>;
 /// imatrix_column_importance of every entry.
 importance_map imatrix_importance(const imatrix & im);
 
+/// How many experts of one expert tensor (an entry with n_mat > 1: a MUL_MAT_ID weight) the calibration reached.
+struct expert_coverage {
+    std::string name;                   // the tensor, e.g. "blk.0.ffn_up_exps.weight"
+    int64_t n_experts = 0;              // n_mat
+    int64_t n_reached = 0;              // experts with count > 0
+    int64_t min_tokens = 0;             // fewest tokens routed to a reached expert (0 when none is reached)
+    int64_t max_tokens = 0;             // most tokens routed to one expert
+    std::vector<int64_t> unreached;     // the experts with count 0: llama-quantize gives them importance 1
+};
+
+/// The coverage of every expert entry of `im`, in name order (empty for a dense model's imatrix). Legacy `.dat`
+/// entries have no per-expert counts and are left out.
+std::vector<expert_coverage> imatrix_expert_coverage(const imatrix & im);
+
+/// One line per layer: "blk.3: 46 of 48 experts reached (1–37 tokens each); never: 5, 17", taken from the layer's
+/// first expert tensor (a layer's gate, up and down experts see the same routed tokens). Empty for no experts.
+std::string expert_coverage_text(const std::vector<expert_coverage> & coverage);
+
 /// Checks that every entry names a weight of `model` whose shape it fits: ne0 input columns and
 /// ne2·ne3 matrices. Throws voodoo::error naming the imatrix (`what`), the tensor and both sizes otherwise —
 /// an imatrix made for another model.

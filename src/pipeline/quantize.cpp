@@ -214,6 +214,38 @@ void imatrix_in_child(const std::string & exe, const imatrix_options & io, const
               "the imatrix stage was stopped; run the same command again");
 }
 
+// A mixture of experts: which experts the calibration reached, per layer, on stderr and in `json_path` (issue #18:
+// users ask). An expert never routed to is quantized with importance 1, by llama-quantize and by us alike; more
+// calibration text reaches more. Nothing for a dense model.
+void report_expert_coverage(const std::string & imatrix_path, const std::string & json_path) {
+    const std::vector<expert_coverage> coverage = imatrix_expert_coverage(read_imatrix(imatrix_path));
+    if (coverage.empty()) {
+        return;
+    }
+    int64_t n_experts = 0, n_reached = 0;
+    nlohmann::json j = nlohmann::json::array();
+    for (const expert_coverage & c : coverage) {
+        n_experts += c.n_experts;
+        n_reached += c.n_reached;
+        j.push_back({{"name", c.name}, {"n_experts", c.n_experts}, {"n_reached", c.n_reached},
+                     {"min_tokens", c.min_tokens}, {"max_tokens", c.max_tokens}, {"unreached", c.unreached}});
+    }
+    fmt::print(stderr, "  experts the calibration reached ({} of {} expert matrices; {}):\n", n_reached, n_experts,
+               json_path);
+    const std::string text = expert_coverage_text(coverage);
+    for (size_t a = 0; a < text.size();) {
+        const size_t e = text.find('\n', a);
+        fmt::print(stderr, "    {}\n", text.substr(a, e - a));
+        a = e + 1;
+    }
+    if (n_reached < n_experts) {
+        fmt::print(stderr, "  {} expert matrices were never routed to: they are quantized without importance (weight 1), "
+                           "as llama-quantize does; more calibration text (--text, --imatrix-chunks) reaches more\n",
+                   n_experts - n_reached);
+    }
+    write_file_atomic(json_path, nlohmann::json{{"imatrix", imatrix_path}, {"experts", j}}.dump(2) + "\n");
+}
+
 // Stock recipes to compare with: every recipe llama.cpp makes for the model (duplicates by tensor types
 // dropped), then the ones nearest in size to ours unless all are asked for.
 std::vector<std::string> pick_baselines(const quantize_options & o, const baseline_options & bo,
@@ -801,6 +833,7 @@ quantize_result run_quantize(const quantize_options & opts) {
         }
     }
     const std::string imatrix_id = file_digest(imatrix_path);
+    report_expert_coverage(imatrix_path, (fs::path(work) / "experts.json").string());
 
     // the stock files: made with the model and the imatrix
     baseline_options bo;

@@ -1,0 +1,222 @@
+// Mixture-of-experts models (issue #18) on a qwen3moe fixture whose calibration cannot reach every expert: 48 experts,
+// 2 per token, and an imatrix of one chunk of 16 tokens, so at most 32 experts of each layer are routed to and at
+// least 16 never are. The imatrix's per-expert counts (libllama's MUL_MAT_ID and our LibTorch forward agree), every
+// expert's candidate bytes against ggml_quantize_chunk of its own slice with its own importance, and the export
+// against llama_model_quantize with the same overrides and imatrix.
+#include "data/dataset.h"
+#include "export/export.h"
+#include "export/recipe.h"
+#include "ggml/gguf.h"
+#include "ggml/quant.h"
+#include "ggml/types.h"
+#include "imatrix/collect.h"
+#include "imatrix/imatrix.h"
+#include "model/fixture.h"
+#include "model/parity.h"
+#include "train/candidates.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <set>
+
+using namespace voodoo;
+
+namespace {
+
+constexpr int64_t k_experts = 48;
+constexpr int64_t k_used = 2;
+constexpr int64_t k_tokens = 16;  // one imatrix chunk: k_tokens · k_used = 32 < 48 routed (token, expert) pairs
+
+/// 256 wide (every block type fits the gate and up experts), FFN 128 per expert (down's rows of 128 take only
+/// 32-block types: llama.cpp's fallbacks apply), one layer of 48 experts, llama's SentencePiece vocabulary.
+fixture_spec moe_spec() {
+    fixture_spec s;
+    s.arch = "qwen3moe";
+    s.n_embd = 256;
+    s.n_layer = 1;
+    s.n_head = 4;
+    s.n_head_kv = 2;
+    s.head_dim = 64;
+    s.n_ff = 512;
+    s.n_expert = k_experts;
+    s.n_expert_used = k_used;
+    s.n_ff_exp = 128;
+    s.seed = 3;
+    s.tied_output = true;
+    s.weight_type = GGML_TYPE_F32;  // libllama's CPU matmuls then round nothing (BF16 weights round the activations)
+    s.vocab_path = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf";
+    return s;
+}
+
+struct moe_case {
+    test::temp_dir dir;
+    std::string model = dir.file("moe.gguf");
+    std::string data = dir.file("data");
+    imatrix im;          // libllama's
+    imatrix im_torch;    // our LibTorch forward's
+    moe_case() {
+        write_fixture(moe_spec(), model);
+        std::ifstream in(test::shared_data() + "/text/tinystories/tinystories_val.txt", std::ios::binary);
+        std::string text(4000, '\0');
+        in.read(text.data(), static_cast<std::streamsize>(text.size()));
+        test::write_file(dir.file("text.txt"), text);
+        data_options d;
+        d.model = model;
+        d.texts = {dir.file("text.txt")};
+        d.ctx = k_tokens;
+        d.val_fraction = 0.0;
+        d.out_dir = data;
+        prepare_data(d);
+        imatrix_options o;
+        o.model = model;
+        o.data_dir = data;
+        o.max_chunks = 1;
+        o.n_threads = 1;
+        im = collect_imatrix(o);
+        im_torch = collect_imatrix_torch(o, torch::kCPU);
+    }
+};
+
+const moe_case & the_case() {
+    static const moe_case c;
+    return c;
+}
+
+}  // namespace
+
+TEST(moe, the_imatrix_counts_each_experts_routed_tokens_and_reports_the_experts_never_reached) {
+    const moe_case & c = the_case();
+    const std::vector<expert_coverage> coverage = imatrix_expert_coverage(c.im);
+    ASSERT_EQ(coverage.size(), 3u);  // gate, up and down experts of the one layer
+    for (const expert_coverage & e : coverage) {
+        SCOPED_TRACE(e.name);
+        EXPECT_EQ(e.n_experts, k_experts);
+        const imatrix_entry & entry = c.im.entries.at(e.name);
+        int64_t routed = 0;
+        for (const int64_t n : entry.counts) {
+            routed += n;
+        }
+        EXPECT_EQ(routed, k_tokens * k_used);  // every token to exactly 2 experts, counted once per expert
+        EXPECT_LE(e.n_reached, k_tokens * k_used);
+        EXPECT_GE(static_cast<int64_t>(e.unreached.size()), k_experts - k_tokens * k_used);
+        EXPECT_EQ(e.n_reached + static_cast<int64_t>(e.unreached.size()), k_experts);
+        // An unreached expert's importance is 1 in every column, as llama-quantize's load_imatrix makes it.
+        const std::vector<float> importance = imatrix_column_importance(c.im, e.name);
+        for (const int64_t x : e.unreached) {
+            for (int64_t j = 0; j < entry.ne0(); ++j) {
+                ASSERT_EQ(importance[static_cast<size_t>(x * entry.ne0() + j)], 1.0f);
+            }
+        }
+        // Our LibTorch forward routes every token to the same experts as libllama: the same counts, expert by expert.
+        // Σx² agrees normwise per expert (the largest difference over the expert's columns, relative to its largest
+        // column: a column where a few tokens' activations are near 0 has no relative precision of its own) within the
+        // bound of tests/test_imatrix_torch.cpp: libllama sums ≤ 16 squares in f32 (γ_17), ours in f64 rounded once
+        // (2⁻²⁴), of activations from two forwards within the F32 parity bound ε_p (squares: 2ε_p + ε_p²).
+        const imatrix_entry & ours = c.im_torch.entries.at(e.name);
+        EXPECT_EQ(ours.counts, entry.counts);
+        ASSERT_EQ(ours.in_sum2.size(), entry.in_sum2.size());
+        const double eps_p = parity_bound("F32");
+        const double bound = test::gamma_n(k_tokens + 1) + std::ldexp(1.0, -24) + 2 * eps_p + eps_p * eps_p;
+        const int64_t ne0 = entry.ne0();
+        double worst = 0;
+        for (int64_t x = 0; x < k_experts; ++x) {
+            double largest = 0, diff = 0;
+            for (int64_t j = 0; j < ne0; ++j) {
+                const size_t i = static_cast<size_t>(x * ne0 + j);
+                largest = std::max(largest, double(entry.in_sum2[i]));
+                diff = std::max(diff, std::abs(double(ours.in_sum2[i]) - entry.in_sum2[i]));
+            }
+            if (largest > 0) {
+                worst = std::max(worst, diff / largest);
+            } else {
+                EXPECT_EQ(diff, 0.0) << "expert " << x << ": never routed to, nothing summed in either";
+            }
+        }
+        EXPECT_LE(worst, bound);
+        testing::Test::RecordProperty("worst_rel_" + e.name, fmt::format("{:.3g}", worst));
+        testing::Test::RecordProperty("worst_rel_" + e.name, fmt::format("{:.3g}", worst));
+    }
+    const std::string text = expert_coverage_text(coverage);
+    EXPECT_EQ(text.rfind(fmt::format("blk.0: {} of {} experts reached", coverage[0].n_reached, k_experts), 0), 0u) << text;
+    EXPECT_NE(text.find(fmt::format("never: {}", coverage[0].unreached[0])), std::string::npos) << text;
+}
+
+TEST(moe, every_experts_candidate_is_ggml_quantize_chunk_of_its_own_slice_with_its_own_importance) {
+    const moe_case & c = the_case();
+    const gguf_file file(c.model);
+    const importance_map importance = imatrix_importance(c.im);
+    for (const char * name : {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_down_exps.weight"}) {
+        const gguf_tensor & t = file.tensor(name);
+        ASSERT_EQ(t.ne[2], k_experts);
+        const std::vector<float> w = tensor_to_f32(file, t);
+        const std::span<const float> imp = importance_for(&importance, t);
+        ASSERT_EQ(imp.size(), static_cast<size_t>(t.ne[0] * k_experts));
+        for (const ggml_type type : {GGML_TYPE_IQ2_XS, GGML_TYPE_Q4_K, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0}) {
+            if (!type_fits(type, t.ne[0])) {
+                continue;
+            }
+            SCOPED_TRACE(fmt::format("{} as {}", name, type_name(type)));
+            const std::vector<uint8_t> bytes = quantize_tensor(file, t, type, imp, {}, 1);
+            const size_t row = ggml_row_size(type, t.ne[0]);
+            const size_t per_expert = row * static_cast<size_t>(t.ne[1]);
+            ASSERT_EQ(bytes.size(), per_expert * k_experts);
+            int n_importance_mattered = 0;
+            for (int64_t e = 0; e < k_experts; ++e) {
+                // The call llama_tensor_quantize_impl makes for expert e: its rows, its ne0 importance values.
+                std::vector<uint8_t> theirs(per_expert);
+                const float * src = w.data() + e * t.ne[0] * t.ne[1];
+                ggml_quantize_chunk(type, src, theirs.data(), 0, t.ne[1], t.ne[0], imp.data() + e * t.ne[0]);
+                ASSERT_EQ(std::memcmp(theirs.data(), bytes.data() + e * per_expert, per_expert), 0) << "expert " << e;
+                if (!type_info_of(type).requires_imatrix) {
+                    std::vector<uint8_t> plain(per_expert);
+                    ggml_quantize_chunk(type, src, plain.data(), 0, t.ne[1], t.ne[0], nullptr);
+                    n_importance_mattered += plain != theirs;
+                }
+            }
+            if (!type_info_of(type).requires_imatrix && type != GGML_TYPE_Q5_0) {
+                // The importance really is per expert: it changed the bytes of the reached experts.
+                EXPECT_GT(n_importance_mattered, 0);
+            }
+        }
+    }
+}
+
+TEST(moe, export_equals_llama_model_quantize_with_the_overrides_and_an_imatrix_that_missed_experts) {
+    const moe_case & c = the_case();
+    const gguf_file src(c.model);
+    const importance_map importance = imatrix_importance(c.im);
+    recipe r = recipe_from_model(src);
+    const std::vector<ggml_type> cycle = {GGML_TYPE_IQ2_XS, GGML_TYPE_Q4_K, GGML_TYPE_IQ3_S, GGML_TYPE_Q5_1,
+                                          GGML_TYPE_IQ4_NL, GGML_TYPE_Q6_K, GGML_TYPE_Q8_0};
+    std::set<std::string> expert_types;
+    size_t i = 0;
+    for (recipe_tensor & t : r.tensors) {
+        for (size_t k = 0; k < cycle.size(); ++k) {
+            const ggml_type type = cycle[(i + k) % cycle.size()];
+            if (type_fits(type, t.shape[0])) {
+                t.type = type;
+                break;
+            }
+        }
+        t.bytes = tensor_bytes(t.type, t.shape, t.name);
+        if (t.name.find("_exps.") != std::string::npos) {
+            expert_types.insert(type_name(t.type));
+        }
+        ++i;
+    }
+    EXPECT_EQ(expert_types.size(), 3u);
+    export_options opts;
+    opts.importance = &importance;
+    opts.imatrix_file = "imatrix.gguf";
+    export_gguf(src, r, c.dir.file("ours.gguf"), opts);
+    ASSERT_TRUE(test::llama_quantize_with_recipe(c.model, c.dir.file("theirs.gguf"), r, &importance));
+    test::expect_same_tensor_data(c.dir.file("ours.gguf"), c.dir.file("theirs.gguf"));
+    // The router is never quantized: F32 in both files, the source's bytes.
+    const gguf_file ours(c.dir.file("ours.gguf"));
+    EXPECT_EQ(ours.tensor("blk.0.ffn_gate_inp.weight").type, GGML_TYPE_F32);
+    EXPECT_EQ(ours.tensor("blk.0.ffn_up_exps.weight").n_dims, 3);
+}
