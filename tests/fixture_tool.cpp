@@ -17,7 +17,7 @@ int main(int argc, char ** argv) {
     std::string type = "f32";
     app.add_option("-o,--output", out, "Output GGUF")->required();
     app.add_option("--vocab", s.vocab_path, "Vocab GGUF whose tokenizer.* keys are copied (ggml-vocab-*.gguf)")->required();
-    app.add_option("--arch", s.arch, "Architecture: llama, qwen2, qwen3, gemma3, phi3, lfm2, qwen35 or qwen3moe")->capture_default_str();
+    app.add_option("--arch", s.arch, "Architecture: llama, qwen2, qwen3, gemma3, phi3, lfm2, qwen35, qwen3moe or qwen35moe")->capture_default_str();
     app.add_option("--n-embd", s.n_embd, "Model width")->capture_default_str();
     app.add_option("--n-layer", s.n_layer, "Layers")->capture_default_str();
     app.add_option("--n-head", s.n_head, "Attention heads")->capture_default_str();
@@ -42,9 +42,10 @@ int main(int argc, char ** argv) {
     app.add_option("--ssm-n-group", s.ssm_n_group, "qwen35: ssm.group_count (key heads)")->capture_default_str();
     app.add_option("--ssm-dt-rank", s.ssm_dt_rank, "qwen35: ssm.time_step_rank (value heads)")->capture_default_str();
     app.add_option("--ssm-d-conv", s.ssm_d_conv, "qwen35: ssm.conv_kernel")->capture_default_str();
-    app.add_option("--n-expert", s.n_expert, "qwen3moe: expert_count")->capture_default_str();
-    app.add_option("--n-expert-used", s.n_expert_used, "qwen3moe: expert_used_count (experts per token)")->capture_default_str();
-    app.add_option("--n-ff-exp", s.n_ff_exp, "qwen3moe: expert_feed_forward_length (0 = --n-ff)")->capture_default_str();
+    app.add_option("--n-expert", s.n_expert, "qwen3moe, qwen35moe: expert_count")->capture_default_str();
+    app.add_option("--n-expert-used", s.n_expert_used, "qwen3moe, qwen35moe: expert_used_count (experts per token)")->capture_default_str();
+    app.add_option("--n-ff-shexp", s.n_ff_shexp, "qwen35moe: expert_shared_feed_forward_length (0 = --n-ff)")->capture_default_str();
+    app.add_option("--n-ff-exp", s.n_ff_exp, "qwen3moe, qwen35moe: expert_feed_forward_length (0 = --n-ff)")->capture_default_str();
     CLI11_PARSE(app, argc, argv);
     try {
         s.weight_type = voodoo::parse_type(type, "--type");

@@ -743,3 +743,58 @@ TEST(arch_bad_input, qwen3moe_grouped_expert_routing_is_refused_naming_the_key) 
     const std::string e = qwen3moe_build_error([](gguf_context * c) { gguf_set_val_u32(c, "qwen3moe.expert_group_count", 2); });
     expect_contains(e, "'qwen3moe.expert_group_count' = 2");
 }
+
+// ---- qwen35moe ----
+
+namespace {
+
+/// qwen35moe's parity fixture: qwen35's (delta net, attention, delta net) with 8 experts of FFN 256 per layer, 2 per
+/// token, and a shared expert of FFN 384 gated per token, as Qwen3.5's MoE models have.
+const std::string & qwen35moe_fixture() {
+    static test::temp_dir dir;
+    static const std::string path = [] {
+        fixture_spec s = qwen35_spec();
+        s.arch = "qwen35moe";
+        s.n_expert = 8;
+        s.n_expert_used = 2;
+        s.n_ff_exp = 256;
+        s.n_ff_shexp = 384;
+        const std::string p = dir.file("qwen35moe.gguf");
+        write_fixture(s, p);
+        return p;
+    }();
+    return path;
+}
+
+}  // namespace
+
+TEST(arch_parity, qwen35moe_f32_delta_nets_experts_and_shared_expert_match_libllama_within_1e_3) {
+    const parity_report r = parity_of(qwen35moe_fixture(), 256);
+    EXPECT_EQ(r.arch, "qwen35moe");
+    const gguf_file file(qwen35moe_fixture());
+    const model_hparams hp = build_model(file)->hparams();
+    EXPECT_EQ(hp.recurrent_layers, (std::vector<bool>{true, false, true}));
+    EXPECT_EQ(hp.n_expert, 8);
+    EXPECT_EQ(hp.n_ff_shexp, 384);
+    expect_f32_parity(r);
+}
+
+TEST(arch_parity, qwen35moe_without_the_shared_experts_gate_is_outside_the_bound) {
+    // The shared expert's sigmoid gate zeroed (sigmoid → 1/2 for every token): the bound must see it.
+    const gguf_file file(qwen35moe_fixture());
+    edited_weights ungated(file, [](const std::string & n, torch::Tensor t) {
+        return n.ends_with("ffn_gate_inp_shexp.weight") ? torch::zeros_like(t) : t;
+    });
+    EXPECT_GT(rel_diff_against_libllama(qwen35moe_fixture(), ungated, 64), 1e-3);
+}
+
+TEST(arch_bad_input, qwen35moe_missing_shared_expert_is_named) {
+    test::temp_dir dir;
+    const std::string path = dir.file("bad.gguf");
+    test::rewrite_gguf(qwen35moe_fixture(), path, [](gguf_context *) {}, "blk.1.ffn_up_shexp.weight");
+    const std::string e = test::error_of([&] {
+        const gguf_file f(path);
+        build_model(f);
+    });
+    expect_contains(e, "blk.1.ffn_up_shexp.weight");
+}

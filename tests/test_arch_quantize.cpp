@@ -14,6 +14,8 @@
 #include "test_util.h"
 
 #include <gtest/gtest.h>
+#include <llama.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
@@ -42,7 +44,7 @@ fixture_spec tiny(const std::string & arch) {
     s.vocab_path = models + (arch == "gemma3" ? "/ggml-vocab-llama-spm.gguf"
                              : arch == "phi3" ? "/ggml-vocab-phi-3.gguf"
                              : arch == "lfm2" ? "/ggml-vocab-llama-bpe.gguf"
-                             : arch == "qwen35" ? "/ggml-vocab-qwen35.gguf"
+                             : arch == "qwen35" || arch == "qwen35moe" ? "/ggml-vocab-qwen35.gguf"
                                               : "/ggml-vocab-qwen2.gguf");
     if (arch == "gemma3") {
         s.sliding_window = 8;
@@ -59,7 +61,11 @@ fixture_spec tiny(const std::string & arch) {
         s.full_attention_interval = 2;  // layer 0 a gated delta net, layer 1 gated attention
         s.ssm_d_state = 16;             // 2 key heads and 4 value heads of 16
     }
-    if (arch == "qwen3moe") {
+    if (arch == "qwen35moe") {
+        s.full_attention_interval = 2;
+        s.ssm_d_state = 16;
+    }
+    if (arch == "qwen3moe" || arch == "qwen35moe") {
         s.n_expert = 8;  // 2 per token, experts of FFN 64
         s.n_expert_used = 2;
         s.n_ff_exp = 64;
@@ -118,8 +124,11 @@ void expect_export_equals_llama_model_quantize(const std::string & arch) {
     test::expect_same_tensor_data(dir.file("ours.gguf"), dir.file("theirs.gguf"));
 }
 
-/// What every architecture's run must show.
-void expect_a_good_export(const quantized & q) {
+/// What every architecture's run must show. `dequantized_parity`: instead of the export itself against the loose
+/// bound for quantized weights, the export dequantized to F32 by llama.cpp (llama_model_quantize to ALL_F32 with
+/// allow_requantize: llama_tensor_dequantize_impl, ggml's to_float) must match libllama within the F32 bound: the
+/// same weights and graph, without libllama's Q8 rounding of the activations, which some fixtures amplify.
+void expect_a_good_export(const quantized & q, bool dequantized_parity = false) {
     const gguf_file src(q.source);
     const gguf_file out(q.result.out);
     ASSERT_EQ(src.tensors().size(), out.tensors().size());
@@ -155,7 +164,21 @@ void expect_a_good_export(const quantized & q) {
     parity_options po;
     po.n_tokens = 48;
     const parity_report r = check_parity(q.result.out, po);
-    EXPECT_TRUE(r.within) << parity_to_text(r);
+    if (!dequantized_parity) {
+        EXPECT_TRUE(r.within) << parity_to_text(r);
+        return;
+    }
+    const std::string f32 = (std::filesystem::path(q.result.out).parent_path() / "export-f32.gguf").string();
+    llama_model_quantize_params params = llama_model_quantize_default_params();
+    params.ftype = LLAMA_FTYPE_ALL_F32;
+    params.allow_requantize = true;
+    params.nthread = 1;
+    ASSERT_EQ(llama_model_quantize(q.result.out.c_str(), f32.c_str(), &params), 0u);
+    const parity_report d = check_parity(f32, po);
+    EXPECT_EQ(d.weight_types, "F32");
+    EXPECT_TRUE(d.within) << parity_to_text(d);
+    EXPECT_EQ(d.routing_agree, d.routing_decisions) << parity_to_text(d);
+    testing::Test::RecordProperty("rel_diff", fmt::format("{:.3g} (quantized: {:.3g})", d.rel_diff, r.rel_diff));
 }
 
 }  // namespace
@@ -261,8 +284,30 @@ TEST(arch_quantize, qwen3moe_experts_are_one_gated_tensor_each_and_the_router_is
     EXPECT_EQ(experts["experts"][0]["n_experts"], 8);
 }
 
-TEST(arch_export, equals_llama_model_quantize_with_overrides_for_lfm2_qwen35_and_qwen3moe) {
-    for (const char * arch : {"lfm2", "qwen35", "qwen3moe"}) {
+TEST(arch_quantize, qwen35moe_routed_and_shared_experts_are_chosen_for_and_their_gates_copied_exactly) {
+    test::temp_dir dir;
+    const quantized q = run_chain(dir, "qwen35moe");
+    // This 64-wide fixture's logits move far under llama.cpp's Q8 rounding of the activations (its delta nets decay
+    // slowly and carry the rounding along): llama.cpp's own Q4_0 file of it reads at 0.05–0.16 of the max logit
+    // against libllama, depending on the recipe and the tokens, and the export at 0.10. So the export is checked
+    // dequantized, within the F32 bound (see expect_a_good_export).
+    expect_a_good_export(q, /*dequantized_parity=*/true);
+    std::set<std::string> names;
+    for (const recipe_tensor & t : q.final_recipe.tensors) {
+        names.insert(t.name);
+    }
+    for (const char * name : {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_down_exps.weight", "blk.0.ffn_up_shexp.weight",
+                              "blk.1.ffn_down_shexp.weight", "blk.0.attn_qkv.weight", "blk.1.attn_q.weight"}) {
+        EXPECT_TRUE(names.count(name)) << name;
+    }
+    EXPECT_FALSE(names.count("blk.0.ffn_gate_inp.weight"));
+    EXPECT_FALSE(names.count("blk.0.ffn_gate_inp_shexp.weight"));
+    // token_embd (tied); layer 0: qkv, gate, alpha, beta, out, 3 experts, 3 shared; layer 1: q, k, v, output, 3 + 3
+    EXPECT_EQ(q.final_recipe.tensors.size(), 1u + 11u + 10u);
+}
+
+TEST(arch_export, equals_llama_model_quantize_with_overrides_for_lfm2_qwen35_and_the_moe_architectures) {
+    for (const char * arch : {"lfm2", "qwen35", "qwen3moe", "qwen35moe"}) {
         SCOPED_TRACE(arch);
         expect_export_equals_llama_model_quantize(arch);
     }

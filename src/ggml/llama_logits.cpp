@@ -5,6 +5,7 @@
 #include "ggml/quant.h"
 #include "ggml/runtime.h"
 
+#include <ggml-backend.h>
 #include <llama.h>
 
 #include <cstring>
@@ -50,7 +51,46 @@ std::vector<int32_t> llama_reference::tokenize(const std::string & text, bool ad
     return {out.begin(), out.end()};
 }
 
-std::vector<float> llama_reference::logits(std::span<const int32_t> tokens) const {
+namespace {
+
+// The eval callback that copies every `ffn_moe_topk-<il>` node ([n_expert_used, n_tokens] i32, possibly a strided
+// view of the argsort) out of the graph, in the order the graph computes them.
+struct topk_capture {
+    std::vector<std::vector<int32_t>> * experts;
+    std::vector<uint8_t> buf;
+};
+
+bool capture_topk(ggml_tensor * t, bool ask, void * user_data) {
+    const bool wanted = std::strncmp(t->name, "ffn_moe_topk-", 13) == 0 && t->type == GGML_TYPE_I32;
+    if (ask || !wanted) {
+        return wanted;
+    }
+    auto * c = static_cast<topk_capture *>(user_data);
+    c->buf.resize(ggml_nbytes(t));
+    ggml_backend_tensor_get(t, c->buf.data(), 0, c->buf.size());
+    std::vector<int32_t> ids(static_cast<size_t>(t->ne[0] * t->ne[1]));
+    for (int64_t tok = 0; tok < t->ne[1]; ++tok) {
+        for (int64_t k = 0; k < t->ne[0]; ++k) {
+            std::memcpy(&ids[static_cast<size_t>(tok * t->ne[0] + k)], c->buf.data() + tok * t->nb[1] + k * t->nb[0],
+                        sizeof(int32_t));
+        }
+    }
+    c->experts->push_back(std::move(ids));
+    return true;
+}
+
+}  // namespace
+
+std::vector<float> llama_reference::logits(std::span<const int32_t> tokens) const { return run(tokens, nullptr); }
+
+std::vector<float> llama_reference::logits(std::span<const int32_t> tokens,
+                                           std::vector<std::vector<int32_t>> & experts) const {
+    experts.clear();
+    return run(tokens, &experts);
+}
+
+std::vector<float> llama_reference::run(std::span<const int32_t> tokens,
+                                        std::vector<std::vector<int32_t>> * experts) const {
     const int32_t n_tokens = static_cast<int32_t>(tokens.size());
     const int32_t vocab = n_vocab();
     if (n_tokens == 0) {
@@ -72,6 +112,11 @@ std::vector<float> llama_reference::logits(std::span<const int32_t> tokens) cons
     cp.type_v = GGML_TYPE_F32;
     cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     cp.no_perf = true;
+    topk_capture topk{experts, {}};
+    if (experts) {
+        cp.cb_eval = capture_topk;
+        cp.cb_eval_user_data = &topk;
+    }
     ggml_log_capture capture;
     std::unique_ptr<llama_context, decltype(&llama_free)> ctx(llama_init_from_model(model_, cp), &llama_free);
     if (!ctx) {

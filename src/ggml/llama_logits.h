@@ -33,7 +33,14 @@ public:
     /// Throws voodoo::error when tokens is empty, an id is out of range, or llama_decode fails.
     std::vector<float> logits(std::span<const int32_t> tokens) const;
 
+    /// logits(tokens), and the experts a mixture-of-experts model routed each token to: per MoE layer in graph order,
+    /// [tokens.size() · n_expert_used] int32 token-major (row t = the ids of its experts, largest weight first), as
+    /// build_moe_ffn's `ffn_moe_topk-<il>` node holds them (captured with the eval callback). Empty for a dense model.
+    std::vector<float> logits(std::span<const int32_t> tokens, std::vector<std::vector<int32_t>> & experts) const;
+
 private:
+    std::vector<float> run(std::span<const int32_t> tokens, std::vector<std::vector<int32_t>> * experts) const;
+
     std::string path_;
     int n_threads_;
     llama_model * model_ = nullptr;

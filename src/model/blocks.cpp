@@ -1,5 +1,7 @@
 #include "model/blocks.h"
 
+#include "common/error.h"
+
 #include <torch/version.h>
 
 #include <fmt/format.h>
@@ -176,10 +178,35 @@ torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const t
     const torch::Tensor logits = ctx.w.product(router, xf.to(torch::kFloat), torch::kFloat);  // [N, E]
     const torch::Tensor probs = torch::softmax(logits, -1);
     auto [top_p, top_e] = torch::topk(probs, hp.n_expert_used, -1);  // [N, k] each, largest first
+    const int64_t layer = ctx.moe_layer++;
+    if (ctx.forced_experts) {
+        if (layer >= static_cast<int64_t>(ctx.forced_experts->size()) ||
+            (*ctx.forced_experts)[static_cast<size_t>(layer)].sizes() != top_e.sizes()) {
+            fail("{}: the forced experts hold {} layers; MoE layer {} needs [{}, {}]", prefix,
+                 ctx.forced_experts->size(), layer, top_e.size(0), top_e.size(1));
+        }
+        top_e = (*ctx.forced_experts)[static_cast<size_t>(layer)].to(probs.device(), torch::kLong);
+        top_p = probs.gather(1, top_e);
+    }
+    if (ctx.routing) {
+        ctx.routing->experts.push_back(top_e.detach().to(torch::kCPU));
+        ctx.routing->probs.push_back(probs.detach().to(torch::kCPU));
+    }
     const torch::Tensor weights = top_p / top_p.sum(-1, true).clamp_min(6.103515625e-5f);  // f32
 
-    const torch::Tensor w_gate = ctx.w.get(prefix + ".ffn_gate_exps.weight").to(x.device(), ctx.dtype);
-    const torch::Tensor w_up = ctx.w.get(prefix + ".ffn_up_exps.weight").to(x.device(), ctx.dtype);
+    // Gate and up as two 3-D tensors, or fused in one (ffn_gate_up_exps: per expert the n_ff_exp gate rows first, as
+    // build_moe_ffn's views of gate_up take them).
+    const std::string fused = prefix + ".ffn_gate_up_exps.weight";
+    const bool is_fused = ctx.w.has(fused);
+    torch::Tensor w_gate, w_up;
+    if (is_fused) {
+        const std::vector<torch::Tensor> parts = ctx.w.get(fused).to(x.device(), ctx.dtype).chunk(2, 1);
+        w_gate = parts[0];
+        w_up = parts[1];
+    } else {
+        w_gate = ctx.w.get(prefix + ".ffn_gate_exps.weight").to(x.device(), ctx.dtype);
+        w_up = ctx.w.get(prefix + ".ffn_up_exps.weight").to(x.device(), ctx.dtype);
+    }
     const torch::Tensor w_down = ctx.w.get(prefix + ".ffn_down_exps.weight").to(x.device(), ctx.dtype);
     const auto observe = [&](const char * name, const torch::Tensor & in, int64_t e) {
         if (ctx.observer && *ctx.observer) {
@@ -203,8 +230,12 @@ torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const t
         }
         const torch::Tensor rows = tokens.narrow(0, start, n);
         const torch::Tensor xe = xf.index_select(0, rows);
-        observe(".ffn_gate_exps.weight", xe, e);
-        observe(".ffn_up_exps.weight", xe, e);
+        if (is_fused) {
+            observe(".ffn_gate_up_exps.weight", xe, e);
+        } else {
+            observe(".ffn_gate_exps.weight", xe, e);
+            observe(".ffn_up_exps.weight", xe, e);
+        }
         const torch::Tensor h = torch::silu(torch::matmul(xe, w_gate[e].t())) * torch::matmul(xe, w_up[e].t());
         observe(".ffn_down_exps.weight", h, e);
         const torch::Tensor y =

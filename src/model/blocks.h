@@ -19,11 +19,22 @@ namespace voodoo {
 using matmul_observer =
     std::function<void(const std::string & weight_name, const torch::Tensor & input, int64_t expert)>;
 
+/// The routing of a mixture-of-experts forward, per MoE layer in the order the forward runs them.
+struct expert_routing {
+    std::vector<torch::Tensor> experts;  // [N, n_expert_used] int64 per layer (N = B·T tokens), largest weight first
+    std::vector<torch::Tensor> probs;    // [N, n_expert] f32 per layer: the router's softmax
+};
+
 /// What the blocks of one forward share.
 struct forward_context {
     weight_source & w;
     torch::ScalarType dtype;            // compute dtype: kFloat or kBFloat16
     const matmul_observer * observer;   // nullptr: nobody watches
+    /// MoE layers take these experts ([N, n_expert_used] int64 per MoE layer, in order) instead of their own top-k:
+    /// the parity check runs libllama's routing. nullptr: each layer routes itself.
+    const std::vector<torch::Tensor> * forced_experts = nullptr;
+    expert_routing * routing = nullptr;  // when given, each MoE layer appends what it chose
+    int64_t moe_layer = 0;               // MoE layers run so far in this forward
 };
 
 /// "blk.<il>.<name>": the GGUF name of a layer's tensor.
@@ -95,9 +106,13 @@ torch::Tensor swiglu_mlp(forward_context & ctx, const std::string & prefix, cons
 ///   router is F32), p = softmax(logits), the top hp.n_expert_used experts of p per token (ggml_argsort_top_k),
 ///   their weights w = p / max(Σ p, 6.1e-5) (the F16 floor llama.cpp clamps the sum to), and
 ///   out = Σ_slots w · down_e(silu(gate_e(x)) · up_e(x)) with the 3-D tensors "<prefix>.ffn_{gate,up,down}_exps.weight"
-///   ([E, n_ff_exp, n_embd], [E, n_embd, n_ff_exp] in PyTorch layout) → [B, T, n_embd] in the compute dtype.
+///   ([E, n_ff_exp, n_embd], [E, n_embd, n_ff_exp] in PyTorch layout), or gate and up fused in
+///   "<prefix>.ffn_gate_up_exps.weight" ([E, 2·n_ff_exp, n_embd], gate rows first) → [B, T, n_embd] in the compute
+///   dtype.
 /// Only routed tokens are multiplied, expert by expert (one matrix product per expert and tensor). The routing is a
 /// discrete choice: gradients flow through w and the experts' weights, not through which experts were chosen.
+/// With ctx.forced_experts the layer takes the given experts (their weights renormalised from its own p) instead.
+/// Throws voodoo::error when forced experts are given for fewer layers or of another shape.
 torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const torch::Tensor & x,
                       const model_hparams & hp);
 

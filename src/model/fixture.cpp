@@ -106,9 +106,10 @@ std::vector<float> tensor_values(const planned_tensor & t, uint64_t key) {
 
 }  // namespace
 
-std::vector<std::string> fixture_architectures() { return {"gemma3", "lfm2", "llama", "phi3", "qwen2", "qwen3", "qwen35", "qwen3moe"}; }
+std::vector<std::string> fixture_architectures() { return {"gemma3", "lfm2", "llama", "phi3", "qwen2", "qwen3", "qwen35", "qwen35moe", "qwen3moe"}; }
 
 void write_fixture(const fixture_spec & s, const std::string & out_path) {
+    const bool q35 = s.arch == "qwen35" || s.arch == "qwen35moe";  // qwen35's layers, dense or with experts
     const std::vector<std::string> archs = fixture_architectures();
     if (std::find(archs.begin(), archs.end(), s.arch) == archs.end()) {
         fail("fixture: architecture '{}' cannot be written; supported: {}", s.arch, fmt::join(archs, ", "));
@@ -123,7 +124,8 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
             fail("fixture: {} must be positive, got {}", field, value);
         }
     }
-    const bool moe = s.arch == "qwen3moe";
+    const bool moe = s.arch == "qwen3moe" || s.arch == "qwen35moe";
+    const int64_t n_ff_shexp = s.n_ff_shexp > 0 ? s.n_ff_shexp : s.n_ff;
     const int64_t n_ff_exp = s.n_ff_exp > 0 ? s.n_ff_exp : s.n_ff;
     if (moe && (s.n_expert < 1 || s.n_expert_used < 1 || s.n_expert_used > s.n_expert)) {
         fail("fixture: {} needs 1 <= n_expert_used <= n_expert, got {} and {}", s.arch, s.n_expert_used, s.n_expert);
@@ -135,11 +137,11 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
         fail("fixture: head_dim {} must be even (rope rotates pairs)", s.head_dim);
     }
     // qwen35: a quarter of the head rotates, as Qwen3.5's partial_rotary_factor 0.25
-    const int64_t n_rot = s.n_rot > 0 ? s.n_rot : s.arch == "qwen35" ? s.head_dim / 4 : s.head_dim;
+    const int64_t n_rot = s.n_rot > 0 ? s.n_rot : q35 ? s.head_dim / 4 : s.head_dim;
     if (n_rot % 2 != 0 || n_rot > s.head_dim) {
         fail("fixture: n_rot {} must be even and at most head_dim {}", n_rot, s.head_dim);
     }
-    if (n_rot != s.head_dim && s.arch != "phi3" && s.arch != "qwen35") {
+    if (n_rot != s.head_dim && s.arch != "phi3" && !q35) {
         fail("fixture: n_rot {} ≠ head_dim {}: only phi3 and qwen35 rotate part of the head", n_rot, s.head_dim);
     }
     if ((s.arch == "qwen2" || s.arch == "phi3" || s.arch == "lfm2") && s.n_head * s.head_dim != s.n_embd) {
@@ -153,12 +155,12 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     }
     // lfm2, qwen35: which layers attend (the others are short convolutions / gated delta nets)
     std::vector<bool> recurrent;
-    if (s.arch == "qwen35" && (s.ssm_d_state <= 0 || s.ssm_n_group <= 0 || s.ssm_dt_rank % s.ssm_n_group != 0 ||
+    if (q35 && (s.ssm_d_state <= 0 || s.ssm_n_group <= 0 || s.ssm_dt_rank % s.ssm_n_group != 0 ||
                                s.ssm_dt_rank <= 0 || s.ssm_d_conv < 2)) {
         fail("fixture: qwen35 needs ssm_d_state, ssm_n_group > 0, ssm_dt_rank a multiple of ssm_n_group and ssm_d_conv "
              ">= 2, got {}, {}, {}, {}", s.ssm_d_state, s.ssm_n_group, s.ssm_dt_rank, s.ssm_d_conv);
     }
-    if (s.arch == "lfm2" || s.arch == "qwen35") {
+    if (s.arch == "lfm2" || q35) {
         if (s.full_attention_interval < 1 || s.full_attention_interval > s.n_layer) {
             fail("fixture: full_attention_interval {} must be in [1, n_layer {}] so that some layer attends",
                  s.full_attention_interval, s.n_layer);
@@ -219,7 +221,7 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     gguf_set_val_f32(ctx, key("rope.freq_base").c_str(), s.rope_freq_base);
     gguf_set_val_f32(ctx, key("attention.layer_norm_rms_epsilon").c_str(), s.rms_eps);
     gguf_set_val_u32(ctx, key("vocab_size").c_str(), static_cast<uint32_t>(n_vocab));
-    if (s.arch == "qwen35") {
+    if (q35) {
         // As convert_hf_to_gguf.py writes Qwen3.5 (Qwen3NextModel, _Qwen35MRopeMixin).
         gguf_set_val_u32(ctx, key("ssm.conv_kernel").c_str(), static_cast<uint32_t>(s.ssm_d_conv));
         gguf_set_val_u32(ctx, key("ssm.state_size").c_str(), static_cast<uint32_t>(s.ssm_d_state));
@@ -236,6 +238,9 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
         gguf_set_val_u32(ctx, key("expert_count").c_str(), static_cast<uint32_t>(s.n_expert));
         gguf_set_val_u32(ctx, key("expert_used_count").c_str(), static_cast<uint32_t>(s.n_expert_used));
         gguf_set_val_u32(ctx, key("expert_feed_forward_length").c_str(), static_cast<uint32_t>(n_ff_exp));
+        if (q35) {
+            gguf_set_val_u32(ctx, key("expert_shared_feed_forward_length").c_str(), static_cast<uint32_t>(n_ff_shexp));
+        }
     }
     if (s.sliding_window > 0) {
         gguf_set_val_u32(ctx, key("attention.sliding_window").c_str(), static_cast<uint32_t>(s.sliding_window));
@@ -282,7 +287,7 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     const int64_t n_q = s.n_head * s.head_dim, n_kv = s.n_head_kv * s.head_dim;
     const bool fused = s.arch == "phi3";                        // phi3: attn_qkv, and gate+up in ffn_up
     const bool qkv_bias = s.arch == "qwen2";
-    const bool qk_norm = s.arch == "qwen3" || s.arch == "gemma3" || s.arch == "lfm2" || s.arch == "qwen35" || moe;
+    const bool qk_norm = s.arch == "qwen3" || s.arch == "gemma3" || s.arch == "lfm2" || q35 || moe;
     const bool post_norms = s.arch == "gemma3";
     plan.push_back({"token_embd.weight", {s.n_embd, n_vocab}, wt, tensor_kind_weight});
     // lfm2's final norm is stored under the name llama.cpp gives LLM_TENSOR_OUTPUT_NORM_LFM2.
@@ -297,11 +302,11 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
     for (int64_t il = 0; il < s.n_layer; ++il) {
         auto blk = [il](const char * n) { return fmt::format("blk.{}.{}", il, n); };
         plan.push_back({blk("attn_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
-        if (s.arch == "qwen35") {
+        if (q35) {
             plan.push_back({blk("post_attention_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
         }
         const int64_t key_dim = s.ssm_d_state * s.ssm_n_group, value_dim = s.ssm_d_state * s.ssm_dt_rank;
-        if (is_recurrent(il) && s.arch == "qwen35") {
+        if (is_recurrent(il) && q35) {
             plan.push_back({blk("attn_qkv.weight"), {s.n_embd, 2 * key_dim + value_dim}, wt, tensor_kind_weight});
             plan.push_back({blk("attn_gate.weight"), {s.n_embd, value_dim}, wt, tensor_kind_weight});
             plan.push_back({blk("ssm_conv1d.weight"), {s.ssm_d_conv, 2 * key_dim + value_dim}, f32, tensor_kind_weight});
@@ -311,7 +316,7 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
             plan.push_back({blk("ssm_alpha.weight"), {s.n_embd, s.ssm_dt_rank}, wt, tensor_kind_weight});
             plan.push_back({blk("ssm_norm.weight"), {s.ssm_d_state}, f32, tensor_kind_norm});
             plan.push_back({blk("ssm_out.weight"), {value_dim, s.n_embd}, wt, tensor_kind_weight});
-        } else if (s.arch == "qwen35") {
+        } else if (q35) {
             // attn_q: query and output gate per head
             plan.push_back({blk("attn_q.weight"), {s.n_embd, 2 * n_q}, wt, tensor_kind_weight});
             plan.push_back({blk("attn_k.weight"), {s.n_embd, n_kv}, wt, tensor_kind_weight});
@@ -342,7 +347,7 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
         if (post_norms) {
             plan.push_back({blk("post_attention_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
         }
-        if (s.arch != "qwen35") {  // qwen35's FFN reads post_attention_norm
+        if (!q35) {  // qwen35's FFN reads post_attention_norm
             plan.push_back({blk("ffn_norm.weight"), {s.n_embd}, f32, tensor_kind_norm});
         }
         if (moe) {
@@ -351,6 +356,13 @@ void write_fixture(const fixture_spec & s, const std::string & out_path) {
             plan.push_back({blk("ffn_gate_exps.weight"), {s.n_embd, n_ff_exp, s.n_expert}, wt, tensor_kind_weight});
             plan.push_back({blk("ffn_up_exps.weight"), {s.n_embd, n_ff_exp, s.n_expert}, wt, tensor_kind_weight});
             plan.push_back({blk("ffn_down_exps.weight"), {n_ff_exp, s.n_embd, s.n_expert}, wt, tensor_kind_weight});
+            if (q35) {
+                // qwen35moe's shared expert and its per-token gate (one F32 vector, as convert_hf_to_gguf.py writes it)
+                plan.push_back({blk("ffn_gate_inp_shexp.weight"), {s.n_embd}, f32, tensor_kind_weight});
+                plan.push_back({blk("ffn_gate_shexp.weight"), {s.n_embd, n_ff_shexp}, wt, tensor_kind_weight});
+                plan.push_back({blk("ffn_up_shexp.weight"), {s.n_embd, n_ff_shexp}, wt, tensor_kind_weight});
+                plan.push_back({blk("ffn_down_shexp.weight"), {n_ff_shexp, s.n_embd}, wt, tensor_kind_weight});
+            }
         } else if (fused) {
             plan.push_back({blk("ffn_up.weight"), {s.n_embd, 2 * s.n_ff}, wt, tensor_kind_weight});
         } else {

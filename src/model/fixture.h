@@ -66,7 +66,8 @@ std::vector<std::string> fixture_architectures();
 /// rows: query and gate per head), post_attention_norm, a partial rotary (n_rot, default head_dim / 4) and M-RoPE
 /// sections in Qwen3.5's proportions; qwen3moe is qwen3 with, in every layer, an F32 router ffn_gate_inp
 /// [n_embd, n_expert] and the experts ffn_gate_exps / ffn_up_exps [n_embd, n_ff_exp, n_expert] and ffn_down_exps
-/// [n_ff_exp, n_embd, n_expert] instead of the dense FFN.
+/// [n_ff_exp, n_embd, n_expert] instead of the dense FFN; qwen35moe is qwen35 with those experts and a shared expert
+/// (ffn_{gate,up,down}_shexp of n_ff_shexp, and its gate ffn_gate_inp_shexp [n_embd] in F32).
 /// Values depend only on (seed, tensor name, index), so a spec always gives the same bytes. Metadata:
 /// every `<arch>.*` key libllama reads, general.file_type, and every `tokenizer.*` key of the vocab file
 /// (n_vocab = its token count). Throws voodoo::error naming the field when the spec is invalid (unknown

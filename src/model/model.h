@@ -41,10 +41,19 @@ public:
     /// Called before every weight matmul (see matmul_observer); an empty function removes it.
     void set_observer(matmul_observer observer) { observer_ = std::move(observer); }
 
+    /// Mixture of experts: every later forward routes its MoE layers to these experts ([B·T, n_expert_used] int64
+    /// per MoE layer, in order; see forward_context) instead of their own choice; empty = their own (the default).
+    void set_forced_experts(std::vector<torch::Tensor> experts) { forced_experts_ = std::move(experts); }
+    /// Mixture of experts: when not null, every later forward appends its routing to *log; null stops it.
+    void set_routing_log(expert_routing * log) { routing_log_ = log; }
+
 protected:
     explicit causal_lm(model_hparams hp) : hp_(std::move(hp)) {}
 
-    forward_context context(weight_source & w) const { return {w, dtype_, observer_ ? &observer_ : nullptr}; }
+    forward_context context(weight_source & w) const {
+        return {w, dtype_, observer_ ? &observer_ : nullptr, forced_experts_.empty() ? nullptr : &forced_experts_,
+                routing_log_};
+    }
     /// Throws voodoo::error unless tokens is [B, T] int64 with T ≥ 1.
     void check_tokens(const torch::Tensor & tokens) const;
 
@@ -53,6 +62,8 @@ protected:
 private:
     torch::ScalarType dtype_ = torch::kFloat;
     matmul_observer observer_;
+    std::vector<torch::Tensor> forced_experts_;
+    expert_routing * routing_log_ = nullptr;
 };
 
 }  // namespace voodoo

@@ -94,9 +94,24 @@ parity_report check_parity(const std::string & path, const parity_options & opti
     }
 
     auto t0 = std::chrono::steady_clock::now();
-    const std::vector<float> ref = reference.logits(tokens);
+    const bool moe = model->hparams().n_expert > 0;
+    std::vector<std::vector<int32_t>> their_experts;
+    const std::vector<float> ref = moe ? reference.logits(tokens, their_experts) : reference.logits(tokens);
     r.seconds_llama = seconds_since(t0);
 
+    // A mixture of experts runs libllama's routing: a decision near a tie flips under any rounding of the router's
+    // input (llama.cpp's CPU kernels round the activations of F16/BF16/quantized matmuls), and one flipped token
+    // moves its logits by far more than the bound, which is about the arithmetic. Whether our router agrees is
+    // reported beside it.
+    expert_routing ours_routing;
+    if (moe) {
+        std::vector<torch::Tensor> forced;
+        for (const std::vector<int32_t> & e : their_experts) {
+            forced.push_back(torch::tensor(e, torch::kInt).to(torch::kLong).view({options.n_tokens, -1}));
+        }
+        model->set_forced_experts(std::move(forced));
+        model->set_routing_log(&ours_routing);
+    }
     t0 = std::chrono::steady_clock::now();
     gguf_weights weights(file, torch::kCPU, options.n_threads);
     torch::Tensor ours;
@@ -106,6 +121,34 @@ parity_report check_parity(const std::string & path, const parity_options & opti
         ours = model->forward(ids, weights)[0];
     }
     r.seconds_torch = seconds_since(t0);
+    if (moe) {
+        model->set_routing_log(nullptr);
+        if (ours_routing.probs.size() != their_experts.size()) {
+            fail("'{}': libllama routed {} MoE layers, the LibTorch forward {}", path, their_experts.size(),
+                 ours_routing.probs.size());
+        }
+        const int64_t k = model->hparams().n_expert_used;
+        for (size_t l = 0; l < ours_routing.probs.size(); ++l) {
+            // Our router's own choice on the same inputs, against libllama's.
+            const torch::Tensor p = ours_routing.probs[l];
+            const torch::Tensor mine = std::get<0>(std::get<1>(torch::topk(p, k, -1)).sort(-1));
+            const torch::Tensor theirs = std::get<0>(ours_routing.experts[l].sort(-1));
+            for (int64_t t = 0; t < options.n_tokens; ++t) {
+                ++r.routing_decisions;
+                if (mine[t].equal(theirs[t])) {
+                    ++r.routing_agree;
+                    continue;
+                }
+                // How far from a tie the disagreement is: the least p of our extra experts minus the most p of theirs.
+                const torch::Tensor in_mine = torch::zeros({p.size(1)}, torch::kBool).index_fill_(0, mine[t], true);
+                const torch::Tensor in_theirs = torch::zeros({p.size(1)}, torch::kBool).index_fill_(0, theirs[t], true);
+                const torch::Tensor only_mine = in_mine & ~in_theirs, only_theirs = in_theirs & ~in_mine;
+                const double margin = p[t].masked_select(only_mine).min().item<double>() -
+                                      p[t].masked_select(only_theirs).max().item<double>();
+                r.routing_max_flip_margin = std::max(r.routing_max_flip_margin, margin);
+            }
+        }
+    }
 
     const torch::Tensor theirs =
         torch::from_blob(const_cast<float *>(ref.data()), {options.n_tokens, r.n_vocab}, torch::kFloat);
@@ -131,6 +174,9 @@ nlohmann::json parity_to_json(const parity_report & r) {
         {"same_top_pct", r.same_top_pct},
         {"bound", r.bound},
         {"within", r.within},
+        {"routing_decisions", r.routing_decisions},
+        {"routing_agree", r.routing_agree},
+        {"routing_max_flip_margin", r.routing_max_flip_margin},
         {"seconds_torch", r.seconds_torch},
         {"seconds_llama", r.seconds_llama},
     };
@@ -144,9 +190,18 @@ std::string parity_to_text(const parity_report & r) {
         "relative:       {:.3g}  (bound {:.0e} for {} weights)\n"
         "same top token: {:.2f}%\n"
         "time:           LibTorch {:.2f} s, libllama {:.2f} s\n"
-        "{}\n",
+        "{}{}\n",
         r.path, r.arch, r.weight_types, r.n_vocab, r.n_tokens, r.max_abs_diff, r.max_abs_logit, r.rel_diff, r.bound,
         r.weight_types, r.same_top_pct, r.seconds_torch, r.seconds_llama,
+        r.routing_decisions == 0
+            ? std::string()
+            : fmt::format("experts:        libllama's routing in both; ours chose the same experts in {} of {} "
+                          "decisions ({:.2f}%){}\n",
+                          r.routing_agree, r.routing_decisions, 100.0 * r.routing_agree / r.routing_decisions,
+                          r.routing_agree == r.routing_decisions
+                              ? ""
+                              : fmt::format(", the others within {:.2g} of a tie in router probability",
+                                            r.routing_max_flip_margin)),
         r.within ? "parity: yes, within the bound" : "parity: NO, outside the bound");
 }
 

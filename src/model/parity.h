@@ -27,6 +27,12 @@ struct parity_report {
     double same_top_pct = 0;    // % of positions whose argmax agrees
     double bound = 0;           // rel_diff must be ≤ this (parity_bound of weight_types)
     bool within = false;
+    // Mixture of experts: both forwards run libllama's routing (the experts its graph chose, captured); these say
+    // whether our router, on the same inputs, chose the same experts. 0 decisions for a dense model.
+    int64_t routing_decisions = 0;        // tokens × MoE layers
+    int64_t routing_agree = 0;            // decisions whose set of experts is libllama's
+    double routing_max_flip_margin = 0;   // over the others: our extra experts' least p − libllama's extra's most p
+
     double seconds_torch = 0;
     double seconds_llama = 0;
 };
@@ -38,7 +44,8 @@ struct parity_report {
 double parity_bound(const std::string & weight_types);
 
 /// Runs the model at `path` through build_model + gguf_weights (f32 compute) and through libllama on the
-/// same tokens and compares the logits of every position. Throws voodoo::error when the model is not
+/// same tokens and compares the logits of every position. A mixture of experts runs libllama's routing in both
+/// (routing_* says how often ours agrees). Throws voodoo::error when the model is not
 /// supported or is malformed (naming the key or tensor), when libllama cannot run it, or when the text
 /// gives fewer than n_tokens tokens.
 parity_report check_parity(const std::string & path, const parity_options & options);

@@ -23,6 +23,7 @@ const std::map<std::string, model_builder> & builders() {
         {"qwen2", build_qwen2},
         {"qwen3", build_qwen3},
         {"qwen35", build_qwen35},
+        {"qwen35moe", build_qwen35moe},
         {"qwen3moe", build_qwen3moe},
     };
     return table;

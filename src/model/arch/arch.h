@@ -33,4 +33,7 @@ std::unique_ptr<causal_lm> build_lfm2(const gguf_file & file);
 /// llama.cpp's LLM_ARCH_QWEN35: Qwen3.5 dense models (gated delta nets and gated attention).
 std::unique_ptr<causal_lm> build_qwen35(const gguf_file & file);
 
+/// llama.cpp's LLM_ARCH_QWEN35MOE: Qwen3.5 mixtures of experts (qwen35's layers, routed and shared experts).
+std::unique_ptr<causal_lm> build_qwen35moe(const gguf_file & file);
+
 }  // namespace voodoo

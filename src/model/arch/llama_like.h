@@ -28,8 +28,10 @@ void check_attention_tensors(tensor_checklist & tensors, const model_hparams & h
 
 /// One layer's mixture-of-experts FFN tensors as llama.cpp's qwen3moe/qwen35moe loaders create them: the router
 /// ffn_gate_inp [n_embd, n_expert] and the experts ffn_gate_exps / ffn_up_exps [n_embd, n_ff_exp, n_expert] and
-/// ffn_down_exps [n_ff_exp, n_embd, n_expert]. Throws voodoo::error naming the tensor and the keys.
-void check_expert_tensors(tensor_checklist & tensors, const model_hparams & hp, int64_t il);
+/// ffn_down_exps [n_ff_exp, n_embd, n_expert]; with `fused_gate_up` (llama.cpp's create_tensor_gate_up_exps), gate and
+/// up may come fused as ffn_gate_up_exps [n_embd, 2·n_ff_exp, n_expert] instead. Throws voodoo::error naming the tensor
+/// and the keys.
+void check_expert_tensors(tensor_checklist & tensors, const model_hparams & hp, int64_t il, bool fused_gate_up = false);
 
 /// The graph builders of qwen2/qwen3 assert n_embd_head_k == n_embd_head_v == n_rot: throws voodoo::error naming
 /// the key that breaks it (`<arch>.rope.dimension_count` or `<arch>.attention.value_length`).

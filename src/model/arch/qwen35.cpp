@@ -1,4 +1,6 @@
-// llama.cpp's LLM_ARCH_QWEN35 (src/models/qwen35.cpp and delta-net-base.cpp there): Qwen3.5 dense models, a hybrid
+// llama.cpp's LLM_ARCH_QWEN35 and LLM_ARCH_QWEN35MOE (src/models/qwen35.cpp, qwen35moe.cpp and delta-net-base.cpp
+// there): Qwen3.5 models, dense or mixtures of experts (qwen35moe: the FFN of every layer is the routed experts of
+// blocks.h moe_ffn plus a shared expert gated per token by sigmoid; see qwen35_model::experts). A hybrid
 // of gated delta net layers and gated attention layers (three to one in the released models). Per layer: RMSNorm
 // (attn_norm) → the layer's mixer → residual, then RMSNorm (post_attention_norm) → SwiGLU MLP → residual.
 // - Gated delta net layer: attn_qkv → causal depthwise convolution of ssm.conv_kernel taps (ssm_conv1d) → SiLU →
@@ -43,7 +45,7 @@ public:
             const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
             x = x + (hp.is_recurrent(il) ? delta_net(ctx, il, h) : attention(ctx, il, h, rope));
             const torch::Tensor f = rms_norm(ctx, layer_tensor(il, "post_attention_norm.weight"), x, hp.norm_rms_eps);
-            x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), f);
+            x = x + (hp.n_expert > 0 ? experts(ctx, il, f) : swiglu_mlp(ctx, fmt::format("blk.{}", il), f));
         }
         return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
     }
@@ -103,6 +105,25 @@ private:
         return linear(ctx, layer_tensor(il, "ssm_out.weight"), gated.reshape({B, T, value_dim}).to(ctx.dtype));
     }
 
+    /// qwen35moe's FFN (llama_model_qwen35moe::graph::build_layer_ffn): the routed experts (moe_ffn) plus the shared
+    /// expert, a SwiGLU MLP (ffn_{gate,up,down}_shexp) scaled per token by sigmoid(f · ffn_gate_inp_shexp), where
+    /// ffn_gate_inp_shexp is one [n_embd] vector (a matmul with one output, in f32 as the F32 vector makes it in
+    /// llama.cpp). f [B, T, n_embd] → [B, T, n_embd].
+    torch::Tensor experts(forward_context & ctx, int64_t il, const torch::Tensor & f) const {
+        const std::string blk = fmt::format("blk.{}", il);
+        const torch::Tensor routed = moe_ffn(ctx, blk, f, hp_);
+        const torch::Tensor shared = linear(ctx, blk + ".ffn_down_shexp.weight",
+                                            torch::silu(linear(ctx, blk + ".ffn_gate_shexp.weight", f)) *
+                                                linear(ctx, blk + ".ffn_up_shexp.weight", f));
+        const std::string gate_name = blk + ".ffn_gate_inp_shexp.weight";
+        if (ctx.observer && *ctx.observer) {
+            (*ctx.observer)(gate_name, f, -1);
+        }
+        const torch::Tensor gate_w = ctx.w.get(gate_name).to(f.device(), torch::kFloat).reshape({-1, 1});
+        const torch::Tensor gate = torch::sigmoid(torch::matmul(f.to(torch::kFloat), gate_w));  // [B, T, 1]
+        return (routed.to(torch::kFloat) + shared.to(torch::kFloat) * gate).to(ctx.dtype);
+    }
+
     /// A gated attention layer: h [B, T, n_embd] → [B, T, n_embd].
     torch::Tensor attention(forward_context & ctx, int64_t il, const torch::Tensor & h, const rope_tables & rope) const {
         using torch::indexing::Slice;
@@ -125,16 +146,16 @@ private:
 void check_qwen35_tensors(const gguf_file & file, const model_hparams & hp) {
     tensor_checklist tensors(file);
     auto blk = [](int64_t il, const char * name) { return fmt::format("blk.{}.{}", il, name); };
-    const std::string embd = fmt::format("qwen35.embedding_length = {}", hp.n_embd);
-    const std::string ff_why = fmt::format("n_embd {} and qwen35.feed_forward_length = {}", hp.n_embd, hp.n_ff);
+    const std::string embd = fmt::format("{}.embedding_length = {}", hp.arch, hp.n_embd);
+    const std::string ff_why = fmt::format("n_embd {} and {}.feed_forward_length = {}", hp.n_embd, hp.arch, hp.n_ff);
     const int64_t d = hp.n_embd_head_k;
     const std::string q_why = fmt::format("n_embd {}, head_count {} × key_length {} × 2 (query and gate)", hp.n_embd, hp.n_head, d);
     const std::string kv_why = fmt::format("n_embd {} and head_count_kv {} × key_length {}", hp.n_embd, hp.n_head_kv, d);
-    const std::string head_why = fmt::format("qwen35.attention.key_length = {}", d);
+    const std::string head_why = fmt::format("{}.attention.key_length = {}", hp.arch, d);
     const int64_t key_dim = hp.ssm_d_state * hp.ssm_n_group, value_dim = hp.ssm_d_state * hp.ssm_dt_rank;
-    const std::string ssm_why = fmt::format("qwen35.ssm.state_size {} × group_count {} (keys) and × time_step_rank {} (values)",
-                                            hp.ssm_d_state, hp.ssm_n_group, hp.ssm_dt_rank);
-    const std::string heads_why = fmt::format("qwen35.ssm.time_step_rank = {}", hp.ssm_dt_rank);
+    const std::string ssm_why = fmt::format("{}.ssm.state_size {} × group_count {} (keys) and × time_step_rank {} (values)",
+                                            hp.arch, hp.ssm_d_state, hp.ssm_n_group, hp.ssm_dt_rank);
+    const std::string heads_why = fmt::format("{}.ssm.time_step_rank = {}", hp.arch, hp.ssm_dt_rank);
     tensors.require("token_embd.weight", {hp.n_embd, hp.n_vocab}, embd + " and the vocabulary");
     tensors.require("output_norm.weight", {hp.n_embd}, embd);
     tensors.optional("output.weight", {hp.n_embd, hp.n_vocab}, embd + " and the vocabulary");
@@ -146,7 +167,7 @@ void check_qwen35_tensors(const gguf_file & file, const model_hparams & hp) {
             tensors.require(blk(il, "attn_qkv.weight"), {hp.n_embd, 2 * key_dim + value_dim}, ssm_why);
             tensors.require(blk(il, "attn_gate.weight"), {hp.n_embd, value_dim}, ssm_why);
             tensors.require(kernel, {hp.ssm_d_conv, 2 * key_dim + value_dim},
-                            fmt::format("qwen35.ssm.conv_kernel = {} and {}", hp.ssm_d_conv, ssm_why));
+                            fmt::format("{}.ssm.conv_kernel = {} and {}", hp.arch, hp.ssm_d_conv, ssm_why));
             if (file.tensor(kernel).type != GGML_TYPE_F32) {
                 fail("'{}': tensor '{}' is {}; the convolution kernel must be F32 (llama.cpp's ggml_ssm_conv reads "
                      "f32, and convert_hf_to_gguf.py always writes it so)", file.path(), kernel,
@@ -166,9 +187,19 @@ void check_qwen35_tensors(const gguf_file & file, const model_hparams & hp) {
             tensors.require(blk(il, "attn_q_norm.weight"), {d}, head_why);
             tensors.require(blk(il, "attn_k_norm.weight"), {d}, head_why);
         }
-        tensors.require(blk(il, "ffn_gate.weight"), {hp.n_embd, hp.n_ff}, ff_why);
-        tensors.require(blk(il, "ffn_up.weight"), {hp.n_embd, hp.n_ff}, ff_why);
-        tensors.require(blk(il, "ffn_down.weight"), {hp.n_ff, hp.n_embd}, ff_why);
+        if (hp.n_expert > 0) {
+            check_expert_tensors(tensors, hp, il, /*fused_gate_up=*/true);
+            const std::string sh_why = fmt::format("n_embd {} and {}.expert_shared_feed_forward_length = {}", hp.n_embd,
+                                                   hp.arch, hp.n_ff_shexp);
+            tensors.require(blk(il, "ffn_gate_inp_shexp.weight"), {hp.n_embd}, embd);
+            tensors.require(blk(il, "ffn_gate_shexp.weight"), {hp.n_embd, hp.n_ff_shexp}, sh_why);
+            tensors.require(blk(il, "ffn_up_shexp.weight"), {hp.n_embd, hp.n_ff_shexp}, sh_why);
+            tensors.require(blk(il, "ffn_down_shexp.weight"), {hp.n_ff_shexp, hp.n_embd}, sh_why);
+        } else {
+            tensors.require(blk(il, "ffn_gate.weight"), {hp.n_embd, hp.n_ff}, ff_why);
+            tensors.require(blk(il, "ffn_up.weight"), {hp.n_embd, hp.n_ff}, ff_why);
+            tensors.require(blk(il, "ffn_down.weight"), {hp.n_ff, hp.n_embd}, ff_why);
+        }
     }
     tensors.refuse_others(hp);
 }
@@ -177,12 +208,12 @@ void check_qwen35_tensors(const gguf_file & file, const model_hparams & hp) {
 void read_qwen35_hparams(const gguf_file & file, model_hparams & hp) {
     const metadata_reader md(file, hp.arch);
     if (const std::optional<int64_t> nextn = file.get_int(md.key("nextn_predict_layers")); nextn && *nextn > 0) {
-        fail("'{}': metadata key 'qwen35.nextn_predict_layers' = {}: multi-token-prediction layers are not supported",
-             file.path(), *nextn);
+        fail("'{}': metadata key '{}' = {}: multi-token-prediction layers are not supported", file.path(),
+             md.key("nextn_predict_layers"), *nextn);
     }
     if (hp.n_embd_head_v != hp.n_embd_head_k) {
-        fail("'{}': 'qwen35.attention.value_length' = {} must equal 'qwen35.attention.key_length' = {} (llama.cpp "
-             "asserts it)", file.path(), hp.n_embd_head_v, hp.n_embd_head_k);
+        fail("'{}': '{}' = {} must equal '{}' = {} (llama.cpp asserts it)", file.path(), md.key("attention.value_length"),
+             hp.n_embd_head_v, md.key("attention.key_length"), hp.n_embd_head_k);
     }
     hp.ssm_d_conv = md.required_positive("ssm.conv_kernel", "the delta net's convolution taps");
     hp.ssm_d_inner = md.required_positive("ssm.inner_size", "value heads × value head size");
@@ -190,21 +221,21 @@ void read_qwen35_hparams(const gguf_file & file, model_hparams & hp) {
     hp.ssm_dt_rank = md.required_positive("ssm.time_step_rank", "the number of value heads");
     hp.ssm_n_group = md.required_positive("ssm.group_count", "the number of key heads");
     if (hp.ssm_dt_rank % hp.ssm_n_group != 0) {
-        fail("'{}': 'qwen35.ssm.time_step_rank' = {} (value heads) is not a multiple of 'qwen35.ssm.group_count' = {} "
-             "(key heads)", file.path(), hp.ssm_dt_rank, hp.ssm_n_group);
+        fail("'{}': '{}' = {} (value heads) is not a multiple of '{}' = {} (key heads)", file.path(),
+             md.key("ssm.time_step_rank"), hp.ssm_dt_rank, md.key("ssm.group_count"), hp.ssm_n_group);
     }
     if (hp.ssm_d_inner != hp.ssm_dt_rank * hp.ssm_d_state) {
-        fail("'{}': 'qwen35.ssm.inner_size' = {} ≠ time_step_rank {} × state_size {}: llama.cpp's delta net needs value "
-             "heads of the key head size", file.path(), hp.ssm_d_inner, hp.ssm_dt_rank, hp.ssm_d_state);
+        fail("'{}': '{}' = {} ≠ time_step_rank {} × state_size {}: llama.cpp's delta net needs value heads of the key "
+             "head size", file.path(), md.key("ssm.inner_size"), hp.ssm_d_inner, hp.ssm_dt_rank, hp.ssm_d_state);
     }
     const std::optional<std::vector<int64_t>> sections = md.per_layer("rope.dimension_sections", 4);
     if (!sections) {
-        fail("'{}': missing metadata key 'qwen35.rope.dimension_sections' (the M-RoPE sections); a qwen35 GGUF from "
-             "convert_hf_to_gguf.py has it", file.path());
+        fail("'{}': missing metadata key '{}' (the M-RoPE sections); a {} GGUF from convert_hf_to_gguf.py has it",
+             file.path(), md.key("rope.dimension_sections"), hp.arch);
     }
     hp.rope_sections = *sections;
     if (hp.rope_sections[0] + hp.rope_sections[1] + hp.rope_sections[2] + hp.rope_sections[3] == 0) {
-        fail("'{}': metadata key 'qwen35.rope.dimension_sections' is all zeros", file.path());
+        fail("'{}': metadata key '{}' is all zeros", file.path(), md.key("rope.dimension_sections"));
     }
     if (const std::optional<std::vector<int64_t>> recurrent = md.per_layer("attention.recurrent_layers", hp.n_layer)) {
         for (const int64_t r : *recurrent) {
@@ -223,6 +254,18 @@ void read_qwen35_hparams(const gguf_file & file, model_hparams & hp) {
 std::unique_ptr<causal_lm> build_qwen35(const gguf_file & file) {
     model_hparams hp = read_llama_like_hparams(file, rope_type_neox);
     read_qwen35_hparams(file, hp);
+    check_qwen35_tensors(file, hp);
+    return std::make_unique<qwen35_model>(std::move(hp));
+}
+
+std::unique_ptr<causal_lm> build_qwen35moe(const gguf_file & file) {
+    model_hparams hp = read_llama_like_hparams(file, rope_type_neox, false, /*experts=*/true);
+    read_qwen35_hparams(file, hp);
+    read_expert_hparams(file, hp);
+    if (hp.n_ff_shexp <= 0) {
+        fail("'{}': missing metadata key 'qwen35moe.expert_shared_feed_forward_length' (and no "
+             "'qwen35moe.feed_forward_length' to take it from)", file.path());
+    }
     check_qwen35_tensors(file, hp);
     return std::make_unique<qwen35_model>(std::move(hp));
 }

@@ -42,13 +42,16 @@ public:
 
 }  // namespace
 
-void check_expert_tensors(tensor_checklist & tensors, const model_hparams & hp, int64_t il) {
+void check_expert_tensors(tensor_checklist & tensors, const model_hparams & hp, int64_t il, bool fused_gate_up) {
     auto blk = [il](const char * name) { return fmt::format("blk.{}.{}", il, name); };
     const std::string why = fmt::format("n_embd {}, {}.expert_count = {} and {}.expert_feed_forward_length = {}",
                                         hp.n_embd, hp.arch, hp.n_expert, hp.arch, hp.n_ff_exp);
     tensors.require(blk("ffn_gate_inp.weight"), {hp.n_embd, hp.n_expert}, why);
-    tensors.require(blk("ffn_gate_exps.weight"), {hp.n_embd, hp.n_ff_exp, hp.n_expert}, why);
-    tensors.require(blk("ffn_up_exps.weight"), {hp.n_embd, hp.n_ff_exp, hp.n_expert}, why);
+    if (!fused_gate_up ||
+        !tensors.optional(blk("ffn_gate_up_exps.weight"), {hp.n_embd, 2 * hp.n_ff_exp, hp.n_expert}, why + " (gate and up fused)")) {
+        tensors.require(blk("ffn_gate_exps.weight"), {hp.n_embd, hp.n_ff_exp, hp.n_expert}, why);
+        tensors.require(blk("ffn_up_exps.weight"), {hp.n_embd, hp.n_ff_exp, hp.n_expert}, why);
+    }
     tensors.require(blk("ffn_down_exps.weight"), {hp.n_ff_exp, hp.n_embd, hp.n_expert}, why);
 }
 
