@@ -54,6 +54,8 @@ struct model_shape {
     // qwen35: one attention layer in every full_attention_interval, the others gated delta nets of ssm_n_group key
     // heads and ssm_dt_rank value heads of ssm_d_state each
     int64_t full_attention_interval = 0, ssm_d_state = 0, ssm_n_group = 0, ssm_dt_rank = 0;
+    // qwen3moe: n_expert experts of FFN n_ff_exp per layer, n_expert_used per token
+    int64_t n_expert = 0, n_expert_used = 0, n_ff_exp = 0;
 };
 
 const std::map<std::string, model_shape> & shapes() {
@@ -66,6 +68,10 @@ const std::map<std::string, model_shape> & shapes() {
         {"qwen3-0.6b", {"qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, "ggml-vocab-qwen2.gguf", true}},
         {"llama3-8b", {"llama3-8b", 4096, 32, 32, 8, 128, 14336, "ggml-vocab-llama-bpe.gguf", false}},
         {"tiny", {"tiny", 256, 2, 4, 2, 64, 512, "ggml-vocab-llama-spm.gguf", false}},
+        // Qwen3-30B-A3B's shape (qwen3moe: hidden 2048, 48 layers, 32 query and 4 KV heads of 128, 128 experts of FFN
+        // 768, 8 per token, untied head, the Qwen2/3 vocabulary of 151,936), from its config.json as we read it.
+        {"qwen3-30b-a3b", {"qwen3-30b-a3b", 2048, 48, 32, 4, 128, 6144, "ggml-vocab-qwen2.gguf", false, "qwen3moe", 0, 0, 0, 0,
+                           128, 8, 768}},
     };
     return s;
 }
@@ -128,7 +134,7 @@ int main(int argc, char ** argv) {
     int64_t layers = 0, seq = 2048, batch = 1, tile = 64;
     int steps = 5, warmup = 2;
     double peak_tflops = 989.0;
-    app.add_option("--shape", shape_name, "qwen3-0.6b, llama3-8b or tiny")->capture_default_str();
+    app.add_option("--shape", shape_name, "qwen3-0.6b, qwen35-0.8b, qwen3-30b-a3b, llama3-8b or tiny")->capture_default_str();
     app.add_option("--layers", layers, "Layers (0 = the shape's own)")->capture_default_str();
     app.add_option("--seq", seq, "Tokens per sequence")->capture_default_str();
     app.add_option("--batch", batch, "Sequences per step")->capture_default_str();
@@ -165,7 +171,7 @@ int main(int argc, char ** argv) {
 #endif
         const auto it = shapes().find(shape_name);
         if (it == shapes().end()) {
-            fail("--shape '{}': expected qwen3-0.6b, qwen35-0.8b, llama3-8b or tiny", shape_name);
+            fail("--shape '{}': expected qwen3-0.6b, qwen35-0.8b, qwen3-30b-a3b, llama3-8b or tiny", shape_name);
         }
         const model_shape & sh = it->second;
         torch::Device device = device_str == "cpu" ? torch::Device(torch::kCPU) : torch::Device(device_str);
@@ -191,6 +197,11 @@ int main(int argc, char ** argv) {
             spec.ssm_d_state = sh.ssm_d_state;
             spec.ssm_n_group = sh.ssm_n_group;
             spec.ssm_dt_rank = sh.ssm_dt_rank;
+        }
+        if (sh.n_expert > 0) {
+            spec.n_expert = sh.n_expert;
+            spec.n_expert_used = sh.n_expert_used;
+            spec.n_ff_exp = sh.n_ff_exp;
         }
         spec.vocab_path = (fs::path(vocab_dir) / sh.vocab).string();
         spec.weight_type = GGML_TYPE_BF16;
@@ -258,10 +269,14 @@ int main(int argc, char ** argv) {
         // Model FLOPs of one step: teacher forward + student forward + student backward (inputs and weights)
         // = 4 forwards; a forward is 2 FLOPs per matmul weight per token plus causal attention's
         // 2 · n_head · head_dim · T per layer per token (QKᵀ and PV over T/2 keys on average).
+        // A mixture of experts counts the weights a token uses: n_expert_used of an expert tensor's n_expert experts.
         double matmul_weights = 0;
         for (const gguf_tensor & t : src.tensors()) {
             if (t.n_dims >= 2 && t.name != "token_embd.weight") {
-                matmul_weights += static_cast<double>(t.n_elements());
+                const double used = t.n_dims == 3 && hp.n_expert > 0
+                                        ? static_cast<double>(hp.n_expert_used) / static_cast<double>(hp.n_expert)
+                                        : 1.0;
+                matmul_weights += used * static_cast<double>(t.n_elements());
             }
         }
         if (hp.tied_output) {

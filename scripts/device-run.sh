@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -285,6 +285,34 @@ delta)
     build-cuda/bin/train_step --shape qwen35-0.8b --paths fused --steps 2 --warmup 1 --work /tmp/bench --profile /tmp/prof \
         > "$OUT/profile-qwen35.log" 2>&1
     python3 scripts/trace_summary.py /tmp/prof/*.json > "$OUT/profile-qwen35-summary.md" 2>&1; head -14 "$OUT/profile-qwen35-summary.md"
+    ;;
+moe)
+    # Issue #18: qwen3moe and qwen35moe fixtures end to end with --device cuda (the LibTorch imatrix counts each
+    # expert's tokens, the fused mixture works on 3-D candidates), then one training step on a Qwen3-30B-A3B-shaped
+    # slice (2 of its 48 layers, every expert, its vocabulary), fused and reference paths, GPU-resident candidates.
+    log moe e2e
+    T=$D/data/text/tinystories/tinystories_val.txt
+    n=$(wc -l < "$T"); k=$((n * 4 / 5)); mkdir -p "$OUT/moe"
+    head -n $k "$T" > /tmp/calib.txt; tail -n +$((k + 1)) "$T" > /tmp/heldout.txt
+    F=build-cuda/bin/voodoo-fixture
+    $F --arch qwen3moe --vocab "$D/llama/models/ggml-vocab-qwen2.gguf" --type bf16 --n-embd 512 --n-layer 4 \
+        --n-head 8 --n-head-kv 2 --head-dim 64 --n-ff 1536 --n-expert 32 --n-expert-used 4 --n-ff-exp 256 \
+        -o /tmp/qwen3moe.gguf > /dev/null 2>&1
+    $F --arch qwen35moe --vocab "$D/llama/models/ggml-vocab-qwen35.gguf" --type bf16 --tied --n-embd 512 --n-layer 4 \
+        --n-head 8 --n-head-kv 2 --head-dim 64 --n-ff 1536 --full-attention-interval 2 --ssm-d-state 64 \
+        --n-expert 32 --n-expert-used 4 --n-ff-exp 256 --n-ff-shexp 512 -o /tmp/qwen35moe.gguf > /dev/null 2>&1
+    for m in qwen3moe qwen35moe; do
+        log "moe e2e $m"
+        /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/$m.gguf --text /tmp/calib.txt --eval-text /tmp/heldout.txt \
+            --like Q4_K_M --baselines Q3_K_M,Q4_K_M --device cuda --work /tmp/e2e-$m --threads 16 --ggml-threads 8 \
+            > "$OUT/moe/$m.log" 2>&1
+        grep -A6 'experts the calibration' "$OUT/moe/$m.log"; tail -8 "$OUT/moe/$m.log"
+        for f in eval.json eval.md experts.json times.json; do cp /tmp/e2e-$m/$f "$OUT/moe/$m-$f" 2>/dev/null; done
+        build-cuda/bin/voodoo check-parity /tmp/$m.gguf --tokens 256 > "$OUT/moe/$m-parity.txt" 2>&1; tail -4 "$OUT/moe/$m-parity.txt"
+    done
+    log moe step qwen3-30b-a3b
+    build-cuda/bin/train_step --shape qwen3-30b-a3b --layers 2 --menu Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0 --work /tmp/bench \
+        --json "$OUT/moe/bench-qwen3-30b-a3b-L2.json" 2>&1 | tee "$OUT/moe/bench-qwen3-30b-a3b-L2.log" | tail -6
     ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;
