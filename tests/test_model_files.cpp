@@ -212,8 +212,10 @@ TEST(model_bad_input, a_wrong_block_count_is_caught) {
 TEST(model_bad_input, an_unsupported_architecture_lists_the_supported_ones) {
     const std::string e = build_error([](gguf_context * c) { gguf_set_val_str(c, "general.architecture", "mamba"); });
     EXPECT_NE(e.find("architecture 'mamba' is not supported"), std::string::npos) << e;
-    EXPECT_NE(e.find("supported architectures: gemma3, lfm2, llama, phi3, qwen2, qwen3, qwen35"), std::string::npos) << e;
-    EXPECT_EQ(supported_architectures(), (std::vector<std::string>{"gemma3", "lfm2", "llama", "phi3", "qwen2", "qwen3", "qwen35"}));
+    EXPECT_NE(e.find("supported architectures: gemma3, lfm2, llama, phi3, qwen2, qwen3, qwen35, qwen35moe, qwen3moe"),
+              std::string::npos) << e;
+    EXPECT_EQ(supported_architectures(), (std::vector<std::string>{"gemma3", "lfm2", "llama", "phi3", "qwen2", "qwen3",
+                                                                   "qwen35", "qwen35moe", "qwen3moe"}));
 }
 
 TEST(cli, check_parity_prints_the_difference_and_exits_0_within_the_bound) {

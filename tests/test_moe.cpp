@@ -15,8 +15,11 @@
 #include "model/parity.h"
 #include "train/candidates.h"
 #include "test_util.h"
+#include "tolerance.h"
 
 #include <gtest/gtest.h>
+
+#include <fmt/format.h>
 
 #include <cmath>
 #include <cstring>
