@@ -14,6 +14,7 @@
 #include "ggml/gguf.h"
 #include "ggml/quant.h"
 #include "ggml/types.h"
+#include "model/blocks.h"
 #include "model/fixture.h"
 #include "model/gguf_weights.h"
 #include "model/registry.h"
@@ -159,7 +160,14 @@ int main(int argc, char ** argv) {
     app.add_option("--profile", profile_dir,
                    "After the timed steps, one more step per path under PyTorch's profiler: its trace goes to "
                    "DIR/trace-PATH.json (scripts/trace_summary.py sums it by kernel)");
+    std::string products = "automatic";
+    app.add_option("--expert-products", products, "Mixtures of experts: automatic, grouped or per-expert (blocks.h moe_ffn)")
+        ->check(CLI::IsMember({"automatic", "grouped", "per-expert"}))
+        ->capture_default_str();
     CLI11_PARSE(app, argc, argv);
+    set_expert_products(products == "grouped"      ? expert_products::grouped
+                        : products == "per-expert" ? expert_products::per_expert
+                                                   : expert_products::automatic);
     try {
         const bool share = !no_share;
 #if defined(VOODOO_HAVE_CUDA)

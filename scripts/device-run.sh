@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -310,9 +310,16 @@ moe)
         for f in eval.json eval.md experts.json times.json; do cp /tmp/e2e-$m/$f "$OUT/moe/$m-$f" 2>/dev/null; done
         build-cuda/bin/voodoo check-parity /tmp/$m.gguf --tokens 256 > "$OUT/moe/$m-parity.txt" 2>&1; tail -4 "$OUT/moe/$m-parity.txt"
     done
-    log moe step qwen3-30b-a3b
-    build-cuda/bin/train_step --shape qwen3-30b-a3b --layers 2 --menu Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0 --work /tmp/bench \
-        --json "$OUT/moe/bench-qwen3-30b-a3b-L2.json" 2>&1 | tee "$OUT/moe/bench-qwen3-30b-a3b-L2.log" | tail -6
+    ;&
+moe-step)
+    # The Qwen3-30B-A3B-shaped step, with the experts' products grouped (one batched product per tensor) and per expert.
+    mkdir -p "$OUT/moe"
+    for p in grouped per-expert; do
+        log "moe step qwen3-30b-a3b ($p)"
+        build-cuda/bin/train_step --shape qwen3-30b-a3b --layers 2 --menu Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0 --work /tmp/bench \
+            --expert-products $p --json "$OUT/moe/bench-qwen3-30b-a3b-L2-$p.json" 2>&1 \
+            | tee "$OUT/moe/bench-qwen3-30b-a3b-L2-$p.log" | tail -4
+    done
     ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;

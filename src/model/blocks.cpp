@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -213,17 +214,57 @@ torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const t
             (*ctx.observer)(prefix + name, in, e);
         }
     };
-    // Tokens of each expert: sort the (token, slot) pairs by expert once, then one product per expert.
+    // Tokens of each expert: sort the (token, slot) pairs by expert once.
+    const int64_t N = xf.size(0), E = hp.n_expert, n_pairs = top_e.numel();
     const torch::Tensor flat_e = top_e.reshape({-1}).to(torch::kCPU);
     const torch::Tensor order = flat_e.argsort();
-    const torch::Tensor counts = torch::bincount(flat_e, {}, hp.n_expert);
+    const torch::Tensor counts = torch::bincount(flat_e, {}, E);
     const int64_t * cnt = counts.data_ptr<int64_t>();
     const torch::Tensor order_dev = order.to(x.device());
     const torch::Tensor tokens = torch::div(order_dev, hp.n_expert_used, "floor");  // [N·k] token of each pair
     const torch::Tensor pair_w = weights.reshape({-1}).index_select(0, order_dev);  // [N·k]
+    const int64_t most = counts.max().item<int64_t>();
+    const expert_products mode = expert_products_mode();
+    if (mode == expert_products::grouped || (mode == expert_products::automatic && E * most <= 2 * n_pairs)) {
+        // Grouped: every expert's tokens padded to the busiest expert's count, [E, most, n_embd], and each of the three
+        // tensors is one batched product (three launches instead of 3·E). Padding rows read a zero row and carry
+        // weight 0. Taken when the padding at most doubles the rows; a skewed routing takes the loop below.
+        std::vector<int64_t> slot(static_cast<size_t>(n_pairs));
+        for (int64_t e = 0, i = 0; e < E; ++e) {
+            for (int64_t j = 0; j < cnt[e]; ++j, ++i) {
+                slot[static_cast<size_t>(i)] = e * most + j;
+            }
+        }
+        const torch::Tensor where = torch::tensor(slot, torch::kLong).to(x.device());
+        const torch::Tensor idx = torch::full({E * most}, N, where.options()).index_put_({where}, tokens);
+        const torch::Tensor w_pad =
+            torch::zeros({E * most}, pair_w.options()).index_put_({where}, pair_w).unsqueeze(1);
+        const torch::Tensor x_pad =
+            torch::cat({xf, torch::zeros({1, n_embd}, xf.options())}).index_select(0, idx).view({E, most, n_embd});
+        const torch::Tensor h =
+            torch::silu(torch::bmm(x_pad, w_gate.transpose(1, 2))) * torch::bmm(x_pad, w_up.transpose(1, 2));
+        if (ctx.observer && *ctx.observer) {
+            for (int64_t e = 0; e < E; ++e) {
+                if (cnt[e] > 0) {
+                    const torch::Tensor xe = x_pad[e].narrow(0, 0, cnt[e]);
+                    if (is_fused) {
+                        observe(".ffn_gate_up_exps.weight", xe, e);
+                    } else {
+                        observe(".ffn_gate_exps.weight", xe, e);
+                        observe(".ffn_up_exps.weight", xe, e);
+                    }
+                    observe(".ffn_down_exps.weight", h[e].narrow(0, 0, cnt[e]), e);
+                }
+            }
+        }
+        const torch::Tensor y = torch::bmm(h, w_down.transpose(1, 2)).reshape({E * most, n_embd}).to(torch::kFloat) * w_pad;
+        const torch::Tensor out = torch::zeros({N + 1, n_embd}, xf.options().dtype(torch::kFloat)).index_add(0, idx, y);
+        return out.narrow(0, 0, N).to(ctx.dtype).view_as(x);
+    }
+    // Per expert: one product per expert and tensor, over its tokens only.
     torch::Tensor out = torch::zeros(xf.sizes(), xf.options().dtype(torch::kFloat));  // summed in f32, as ggml_add
     int64_t start = 0;
-    for (int64_t e = 0; e < hp.n_expert; ++e) {
+    for (int64_t e = 0; e < E; ++e) {
         const int64_t n = cnt[e];
         if (n == 0) {
             continue;
@@ -245,6 +286,13 @@ torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const t
     }
     return out.to(ctx.dtype).view_as(x);
 }
+
+namespace {
+std::atomic<expert_products> g_expert_products{expert_products::automatic};
+}  // namespace
+
+void set_expert_products(expert_products mode) { g_expert_products = mode; }
+expert_products expert_products_mode() { return g_expert_products; }
 
 torch::Tensor fused_swiglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x) {
     const std::vector<torch::Tensor> gate_up = linear(ctx, prefix + ".ffn_up.weight", x).chunk(2, -1);

@@ -116,6 +116,14 @@ torch::Tensor swiglu_mlp(forward_context & ctx, const std::string & prefix, cons
 torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const torch::Tensor & x,
                       const model_hparams & hp);
 
+/// How moe_ffn multiplies the experts: grouped (every expert's tokens padded to the busiest expert's count, one
+/// batched product per tensor), per expert (one product per expert and tensor), or automatic: grouped when the
+/// padding at most doubles the rows, else per expert. The same numbers either way, up to the order of f32 sums.
+enum class expert_products { automatic, grouped, per_expert };
+/// Process-wide (tests and benchmarks compare the two); default automatic.
+void set_expert_products(expert_products mode);
+expert_products expert_products_mode();
+
 /// SwiGLU MLP with gate and up fused in one tensor (phi3; llama.cpp's LLM_FFN_SWIGLU + LLM_FFN_SEQ, ggml_swiglu):
 /// "<prefix>.ffn_up.weight" [n_embd, 2·n_ff] gives [gate | up] (gate = the first n_ff outputs), then
 /// down(silu(gate) · up).
