@@ -120,11 +120,23 @@ TEST(cli, version_and_command_line_errors_follow_one_convention) {
     EXPECT_EQ(v.exit_code, 0);
     EXPECT_EQ(v.output.rfind("voodoo 0.", 0), 0u) << v.output;
     EXPECT_NE(v.output.find("llama.cpp"), std::string::npos) << v.output;
-    const auto bad = run_voodoo("quantize x.gguf --text t.txt --like Q4_0 --no-such-flag");
+    const std::string text = voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt";
+    const auto bad = run_voodoo("quantize x.gguf --text " + text + " --like Q4_0 --no-such-flag");
     EXPECT_EQ(bad.exit_code, 2);
     EXPECT_EQ(bad.output.rfind("voodoo: error: ", 0), 0u) << bad.output;
     EXPECT_NE(bad.output.find("--no-such-flag"), std::string::npos) << bad.output;
     EXPECT_NE(bad.output.find("voodoo quantize --help"), std::string::npos) << bad.output;
+    // A text file that is not there is refused by its flag, before anything is made, in every command that reads one.
+    for (const std::string cmd : {"quantize x.gguf --like Q4_0 --text", "data --model x.gguf --out d --text",
+                                  "eval --reference x.gguf y.gguf --text", "check-parity x.gguf --text"}) {
+        const auto missing = run_voodoo(cmd + " /nonexistent/calib.txt");
+        EXPECT_EQ(missing.exit_code, 2) << cmd;
+        EXPECT_NE(missing.output.find("--text: File does not exist: /nonexistent/calib.txt"), std::string::npos)
+            << cmd << ": " << missing.output;
+    }
+    const auto eval_text = run_voodoo("quantize x.gguf --like Q4_0 --text " + text + " --eval-text /nonexistent/e.txt");
+    EXPECT_EQ(eval_text.exit_code, 2);
+    EXPECT_NE(eval_text.output.find("--eval-text: File does not exist"), std::string::npos) << eval_text.output;
     const auto none = run_voodoo("");
     EXPECT_EQ(none.exit_code, 2);
     EXPECT_EQ(none.output.rfind("voodoo: error: give a command", 0), 0u) << none.output;

@@ -27,7 +27,8 @@ command add_check_parity(CLI::App & app) {
     auto o = std::make_shared<options>();
     sub->add_option("file", o->path, "GGUF file, or a Hugging Face model folder (converted once into --work)")->required();
     sub->add_option("--work", o->work, "Where a Hugging Face folder's GGUF is kept (default: <name>.voodoo, as quantize's)");
-    sub->add_option("--text", o->parity.text_path, "Tokenize this text file (default: fixed pseudo-random token ids)");
+    sub->add_option("--text", o->parity.text_path, "Tokenize this text file (default: fixed pseudo-random token ids)")
+        ->check(CLI::ExistingFile);
     sub->add_option("--tokens", o->parity.n_tokens, "Positions to compare")->capture_default_str();
     sub->add_option("-t,--threads", o->parity.n_threads, "Threads for both runtimes (0 = all cores)")->capture_default_str()->check(non_negative());
     add_json_option(sub, o->json, "The report");

@@ -21,7 +21,8 @@ command add_data(CLI::App & app) {
     sub->add_option("--model,-m", o->model, "GGUF whose vocabulary tokenizes (only the vocabulary is loaded)")
         ->required();
     sub->add_option("--text", o->texts, "UTF-8 text files; blank lines (or the EOS text) separate documents")
-        ->required();
+        ->required()
+        ->check(CLI::ExistingFile);
     sub->add_option("--out,-o", o->out_dir, "Output folder (created when missing)")->required();
     sub->add_option("--ctx,-c", o->ctx, "Tokens per chunk, BOS included")->capture_default_str();
     sub->add_option("--val-fraction", o->val_fraction, "Share of the tokens held out for validation (whole documents)")

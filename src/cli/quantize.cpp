@@ -36,8 +36,9 @@ command add_quantize(CLI::App & app) {
     model_pos->excludes(model_opt);
     sub->add_option("--imatrix", o->q.imatrix,
                     "An imatrix you have (llama-imatrix's GGUF or legacy .dat), checked against the model: no imatrix stage");
-    sub->add_option("--text", o->q.texts, "Calibration text file(s)")->required();
-    sub->add_option("--eval-text", o->q.eval_text, "Held-out text for the comparison (default: the first --text)");
+    sub->add_option("--text", o->q.texts, "Calibration text file(s)")->required()->check(CLI::ExistingFile);
+    sub->add_option("--eval-text", o->q.eval_text, "Held-out text for the comparison (default: the first --text)")
+        ->check(CLI::ExistingFile);
     auto * bpw = sub->add_option("--target-bpw", o->target_bpw, "Budget in bits per weight (llama-quantize's BPW); a comma list makes a ladder");
     auto * size = sub->add_option("--target-size", o->target_size,
                                   "Budget as the file size on disk: bytes, KB/MB/GB, KiB/MiB/GiB or K/M/G (= KiB/MiB/GiB); a comma list makes a ladder");
