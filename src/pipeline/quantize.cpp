@@ -29,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <optional>
 #include <set>
 
 #include <sys/wait.h>
@@ -704,16 +705,26 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
                    n_kept, n_kept == 1 ? "" : "s", src.path(), n_kept == 1 ? "s" : "", n_kept == 1 ? "s" : "",
                    kept_bytes, kept, n_kept > 4 ? ", …" : "");
     }
+    std::optional<imatrix> given;
+    if (!o.imatrix.empty()) {
+        given = read_imatrix(o.imatrix);
+        require_imatrix_fits(*given, src, o.imatrix);
+    }
     if (o.like.empty()) {
-        export_options eo;  // the imatrix's metadata changes the file by a few bytes: checked again once it exists
-        eo.imatrix_file = o.imatrix.empty() ? "imatrix.gguf" : o.imatrix;
+        // The file's size counts the quantize.imatrix.* keys the export will write (imatrix_export_options): the path
+        // recorded (WORK/imatrix.gguf, or the given file), the first dataset (the given imatrix's, or the first --text,
+        // which the data stage records and the imatrix stage copies) and the chunk count (an integer of fixed size).
+        // So a target at the very edge of the range is judged here as after the imatrix stage (checked again there).
+        export_options eo;
+        eo.imatrix_file = given ? o.imatrix
+                                : (fs::path(o.work.empty() ? default_work_folder(o.model) : o.work) / "imatrix.gguf").string();
+        eo.imatrix_dataset = given ? (given->datasets.empty() ? "" : given->datasets.front())
+                                   : (o.texts.empty() ? "" : o.texts.front());
+        eo.imatrix_chunks = given ? given->chunk_count : 1;
         for (const target & g : o.goals.empty() ? std::vector<target>{o.train.goal} : o.goals) {
             eo.target = g.str();
             make_budget(src, menus, g, eo);
         }
-    }
-    if (!o.imatrix.empty()) {
-        require_imatrix_fits(read_imatrix(o.imatrix), src, o.imatrix);
     }
 }
 
