@@ -91,6 +91,16 @@ export_options imatrix_export_options(const std::string & path, const std::strin
     return opts;
 }
 
+export_options planned_imatrix_export_options(const std::string & recorded_path, const std::string & dataset,
+                                              const importance_map & placeholder) {
+    export_options opts;
+    opts.importance = &placeholder;
+    opts.imatrix_file = recorded_path;
+    opts.imatrix_dataset = dataset;
+    opts.imatrix_chunks = 1;
+    return opts;
+}
+
 size_t planned_file_bytes(const gguf_file & src, const recipe & r, const export_options & opts) {
     recipe_check(r, src);
     return file_bytes_for(src, output_types(src, r), r, opts);

@@ -37,6 +37,13 @@ struct export_result {
 export_options imatrix_export_options(const std::string & path, const std::string & recorded_path,
                                       const gguf_file & model, importance_map & importance);
 
+/// The export options of an imatrix a run will make but has not made yet (quantize's imatrix stage), so that a file
+/// can be sized before it exists: quantize.imatrix.file = `recorded_path`, .dataset = `dataset` (what the imatrix
+/// will record: the first calibration text), .entries_count and .chunks_count (integers of fixed size, so their
+/// values do not change the size). `placeholder` (any map) must outlive the options.
+export_options planned_imatrix_export_options(const std::string & recorded_path, const std::string & dataset,
+                                              const importance_map & placeholder);
+
 /// The exact size on disk of the file export_gguf would write for `r` (metadata, tensor infos,
 /// alignment padding, data). The provenance keys have fixed-size values, so this is exact before the
 /// recipe is final. Throws like recipe_check.

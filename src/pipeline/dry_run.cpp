@@ -120,9 +120,16 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
     importance_map importance;
     export_options eo = in.train.export_opts;
     const bool imatrix_known = !in.imatrix.empty();
+    static const importance_map placeholder;
     if (imatrix_known) {
         eo = imatrix_export_options(in.imatrix, in.imatrix, src, importance);
-    } else if (in.train.menu.has_imatrix) {
+    } else if (!in.planned_imatrix_file.empty()) {
+        // The sizes count the quantize.imatrix.* keys the imatrix stage's file will give the export.
+        const std::string target = eo.target;
+        eo = planned_imatrix_export_options(in.planned_imatrix_file, in.planned_imatrix_dataset, placeholder);
+        eo.target = target;
+    }
+    if (!imatrix_known && in.train.menu.has_imatrix) {
         for (const gguf_tensor & t : src.tensors()) {
             if (read_per_token(src, t)) {
                 importance[t.name] = {};
@@ -238,7 +245,7 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
     const double w = static_cast<double>(n_weights);
     plan["sizes"] = {{"min_bytes", range.min_total}, {"max_bytes", range.max_total}, {"min_bpw", 8 * range.min_total / w},
                      {"max_bpw", 8 * range.max_total / w}, {"of", ref.kind == target_kind::bpw ? "tensor data" : "file"},
-                     {"exact", imatrix_known}, {"targets", targets}};
+                     {"exact", imatrix_known || !in.planned_imatrix_file.empty()}, {"targets", targets}};
 
     // Rates measured here, and the assumed GPU rates.
     const int threads = resolve_threads(in.train.threads);

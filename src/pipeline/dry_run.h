@@ -23,6 +23,8 @@ struct dry_run_input {
     std::string imatrix;                    // an imatrix that exists (given, or a finished run's), or "" (none yet:
                                             // its coverage is predicted, and no candidate can be in the cache, since
                                             // a candidate's key holds its importance)
+    std::string planned_imatrix_file;       // with no imatrix yet: the path and first dataset the imatrix stage will
+    std::string planned_imatrix_dataset;    // record in the file (quantize); "" = no imatrix stage (sizes without them)
     std::string cache_dir;                  // the candidate cache a run would use
     int64_t ctx = 512;                      // calibration chunk length
     int64_t text_bytes = 0;                 // the calibration texts' bytes (quantize), 0 = data already made

@@ -533,6 +533,8 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
     }
     const std::string made = (fs::path(work) / "imatrix.gguf").string();
     in.imatrix = !o.imatrix.empty() ? o.imatrix : (fs::exists(made) ? made : "");
+    in.planned_imatrix_file = made;
+    in.planned_imatrix_dataset = o.texts.empty() ? "" : o.texts.front();
     if (o.imatrix.empty() && in.imatrix.empty()) {
         // About 4 bytes of English text per token; 10% goes to the validation split.
         const int64_t chunks = std::max<int64_t>(1, in.text_bytes / 4 / std::max<int64_t>(1, o.ctx) * 9 / 10);
@@ -710,17 +712,16 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
         given = read_imatrix(o.imatrix);
         require_imatrix_fits(*given, src, o.imatrix);
     }
-    if (o.like.empty()) {
+    if (o.like.empty() && !o.dry_run) {  // a dry run reports each target's feasibility instead
         // The file's size counts the quantize.imatrix.* keys the export will write (imatrix_export_options): the path
         // recorded (WORK/imatrix.gguf, or the given file), the first dataset (the given imatrix's, or the first --text,
         // which the data stage records and the imatrix stage copies) and the chunk count (an integer of fixed size).
         // So a target at the very edge of the range is judged here as after the imatrix stage (checked again there).
-        export_options eo;
-        eo.imatrix_file = given ? o.imatrix
-                                : (fs::path(o.work.empty() ? default_work_folder(o.model) : o.work) / "imatrix.gguf").string();
-        eo.imatrix_dataset = given ? (given->datasets.empty() ? "" : given->datasets.front())
-                                   : (o.texts.empty() ? "" : o.texts.front());
-        eo.imatrix_chunks = given ? given->chunk_count : 1;
+        static const importance_map placeholder;
+        export_options eo = planned_imatrix_export_options(
+            given ? o.imatrix : (fs::path(o.work.empty() ? default_work_folder(o.model) : o.work) / "imatrix.gguf").string(),
+            given ? (given->datasets.empty() ? "" : given->datasets.front()) : (o.texts.empty() ? "" : o.texts.front()),
+            placeholder);
         for (const target & g : o.goals.empty() ? std::vector<target>{o.train.goal} : o.goals) {
             eo.target = g.str();
             make_budget(src, menus, g, eo);
