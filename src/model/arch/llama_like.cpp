@@ -44,18 +44,35 @@ void check_llama_like_tensors(tensor_checklist & tensors, const model_hparams & 
             tensors.require(blk(il, "attn_k_norm.weight"), {hp.n_embd_head_k}, head_why);
         }
         tensors.require(blk(il, "ffn_norm.weight"), {hp.n_embd}, embd);
-        if (layout.fused_gate_up) {
+        if (layout.experts) {
+            check_expert_tensors(tensors, hp, il);
+        } else if (layout.fused_gate_up) {
             tensors.require(blk(il, "ffn_up.weight"), {hp.n_embd, 2 * hp.n_ff}, ff_why + " (gate and up fused: 2·n_ff rows)");
         } else {
             tensors.require(blk(il, "ffn_gate.weight"), {hp.n_embd, hp.n_ff}, ff_why);
             tensors.require(blk(il, "ffn_up.weight"), {hp.n_embd, hp.n_ff}, ff_why);
         }
-        tensors.require(blk(il, "ffn_down.weight"), {hp.n_ff, hp.n_embd}, ff_why);
+        if (!layout.experts) {
+            tensors.require(blk(il, "ffn_down.weight"), {hp.n_ff, hp.n_embd}, ff_why);
+        }
         if (layout.post_norms) {
             tensors.require(blk(il, "post_attention_norm.weight"), {hp.n_embd}, embd);
             tensors.require(blk(il, "post_ffw_norm.weight"), {hp.n_embd}, embd);
         }
     }
+}
+
+void check_expert_tensors(tensor_checklist & tensors, const model_hparams & hp, int64_t il, bool fused_gate_up) {
+    auto blk = [il](const char * name) { return fmt::format("blk.{}.{}", il, name); };
+    const std::string why = fmt::format("n_embd {}, {}.expert_count = {} and {}.expert_feed_forward_length = {}",
+                                        hp.n_embd, hp.arch, hp.n_expert, hp.arch, hp.n_ff_exp);
+    tensors.require(blk("ffn_gate_inp.weight"), {hp.n_embd, hp.n_expert}, why);
+    if (!fused_gate_up ||
+        !tensors.optional(blk("ffn_gate_up_exps.weight"), {hp.n_embd, 2 * hp.n_ff_exp, hp.n_expert}, why + " (gate and up fused)")) {
+        tensors.require(blk("ffn_gate_exps.weight"), {hp.n_embd, hp.n_ff_exp, hp.n_expert}, why);
+        tensors.require(blk("ffn_up_exps.weight"), {hp.n_embd, hp.n_ff_exp, hp.n_expert}, why);
+    }
+    tensors.require(blk("ffn_down_exps.weight"), {hp.n_ff_exp, hp.n_embd, hp.n_expert}, why);
 }
 
 void require_rope_over_whole_head(const gguf_file & file, const model_hparams & hp) {

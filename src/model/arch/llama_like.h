@@ -13,6 +13,7 @@ struct llama_like_layout {
     bool qk_norm = false;        // attn_q_norm / attn_k_norm [head_dim], required (qwen3, gemma3)
     bool post_norms = false;     // post_attention_norm / post_ffw_norm [n_embd], required (gemma3)
     bool fused_gate_up = false;  // ffn_up [n_embd, 2·n_ff] holds gate and up, no ffn_gate (phi3)
+    bool experts = false;        // the FFN is a mixture of experts (check_expert_tensors), not ffn_gate/up/down (qwen3moe)
 };
 
 /// Requires token_embd, output_norm, per layer attn_norm, Q/K/V (fused attn_qkv [n_embd, n_embd_q + 2·n_embd_kv],
