@@ -48,6 +48,16 @@ int main(int argc, char ** argv) {
     app.add_option("--n-ff-exp", s.n_ff_exp, "qwen3moe, qwen35moe: expert_feed_forward_length (0 = --n-ff)")->capture_default_str();
     CLI11_PARSE(app, argc, argv);
     try {
+        const bool moe = s.arch == "qwen3moe" || s.arch == "qwen35moe";
+        for (const char * flag : {"--n-expert", "--n-expert-used", "--n-ff-exp", "--n-ff-shexp"}) {
+            if (!moe && app.count(flag) > 0) {
+                throw voodoo::error(fmt::format("{} is for the mixtures of experts (--arch qwen3moe or qwen35moe), not {}",
+                                                flag, s.arch));
+            }
+        }
+        if (s.arch != "qwen35moe" && app.count("--n-ff-shexp") > 0) {
+            throw voodoo::error(fmt::format("--n-ff-shexp is qwen35moe's shared expert; {} has none", s.arch));
+        }
         s.weight_type = voodoo::parse_type(type, "--type");
         voodoo::write_fixture(s, out);
         fmt::print("wrote {}\n", out);

@@ -282,6 +282,11 @@ TEST(arch_quantize, qwen3moe_experts_are_one_gated_tensor_each_and_the_router_is
     const nlohmann::json experts = nlohmann::json::parse(test::read_file(dir.file("work/experts.json")));
     ASSERT_EQ(experts["experts"].size(), 6u);
     EXPECT_EQ(experts["experts"][0]["n_experts"], 8);
+    int64_t routed = 0;
+    for (const auto & n : experts["experts"][0]["tokens"]) {
+        routed += n.get<int64_t>();
+    }
+    EXPECT_EQ(routed, 4 * 64 * 2);  // 4 imatrix chunks of 64 tokens, each token to 2 experts
 }
 
 TEST(arch_quantize, qwen35moe_routed_and_shared_experts_are_chosen_for_and_their_gates_copied_exactly) {

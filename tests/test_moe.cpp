@@ -107,6 +107,7 @@ TEST(moe, the_imatrix_counts_each_experts_routed_tokens_and_reports_the_experts_
         EXPECT_LE(e.n_reached, k_tokens * k_used);
         EXPECT_GE(static_cast<int64_t>(e.unreached.size()), k_experts - k_tokens * k_used);
         EXPECT_EQ(e.n_reached + static_cast<int64_t>(e.unreached.size()), k_experts);
+        EXPECT_EQ(e.tokens, entry.counts);  // each expert's tokens, as experts.json and `voodoo imatrix --json` give them
         // An unreached expert's importance is 1 in every column, as llama-quantize's load_imatrix makes it.
         const std::vector<float> importance = imatrix_column_importance(c.im, e.name);
         for (const int64_t x : e.unreached) {

@@ -26,12 +26,19 @@ nlohmann::json summary_json(const imatrix & im) {
         for (int64_t c : e.counts) {
             max_count = std::max(max_count, c);
         }
-        entries.push_back({{"name", name}, {"ne0", e.ne0()}, {"n_mat", e.n_mat()}, {"count", max_count}});
+        // "count": the tokens of a 2-D weight; for an expert tensor the most any one expert saw, with every expert's
+        // in "counts".
+        nlohmann::json entry = {{"name", name}, {"ne0", e.ne0()}, {"n_mat", e.n_mat()}, {"count", max_count}};
+        if (e.n_mat() > 1) {
+            entry["counts"] = e.counts;
+        }
+        entries.push_back(std::move(entry));
     }
     nlohmann::json experts = nlohmann::json::array();
     for (const expert_coverage & c : imatrix_expert_coverage(im)) {
         experts.push_back({{"name", c.name}, {"n_experts", c.n_experts}, {"n_reached", c.n_reached},
-                           {"min_tokens", c.min_tokens}, {"max_tokens", c.max_tokens}, {"unreached", c.unreached}});
+                           {"min_tokens", c.min_tokens}, {"max_tokens", c.max_tokens}, {"unreached", c.unreached},
+                           {"tokens", c.tokens}});
     }
     return {{"format", im.legacy ? "dat" : "gguf"}, {"datasets", im.datasets}, {"chunk_count", im.chunk_count},
             {"chunk_size", im.chunk_size},          {"n_entries", im.entries.size()}, {"entries", entries},

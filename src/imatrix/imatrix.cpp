@@ -259,6 +259,7 @@ std::vector<expert_coverage> imatrix_expert_coverage(const imatrix & im) {
         expert_coverage c;
         c.name = name;
         c.n_experts = e.n_mat();
+        c.tokens = e.counts;
         for (int64_t x = 0; x < e.n_mat(); ++x) {
             const int64_t n = e.counts[static_cast<size_t>(x)];
             if (n > 0) {

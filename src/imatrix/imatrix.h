@@ -66,6 +66,7 @@ struct expert_coverage {
     int64_t min_tokens = 0;             // fewest tokens routed to a reached expert (0 when none is reached)
     int64_t max_tokens = 0;             // most tokens routed to one expert
     std::vector<int64_t> unreached;     // the experts with count 0: llama-quantize gives them importance 1
+    std::vector<int64_t> tokens;        // [n_experts]: the tokens routed to each expert (the imatrix's counts)
 };
 
 /// The coverage of every expert entry of `im`, in name order (empty for a dense model's imatrix). Legacy `.dat`

@@ -229,10 +229,11 @@ void report_expert_coverage(const std::string & imatrix_path, const std::string 
         n_experts += c.n_experts;
         n_reached += c.n_reached;
         j.push_back({{"name", c.name}, {"n_experts", c.n_experts}, {"n_reached", c.n_reached},
-                     {"min_tokens", c.min_tokens}, {"max_tokens", c.max_tokens}, {"unreached", c.unreached}});
+                     {"min_tokens", c.min_tokens}, {"max_tokens", c.max_tokens}, {"unreached", c.unreached},
+                           {"tokens", c.tokens}});
     }
-    fmt::print(stderr, "  experts the calibration reached ({} of {} expert matrices; {}):\n", n_reached, n_experts,
-               json_path);
+    fmt::print(stderr, "  experts the calibration reached ({} of {} over the {} expert tensors; each expert's tokens in {}):\n",
+               n_reached, n_experts, coverage.size(), json_path);
     const std::string text = expert_coverage_text(coverage);
     for (size_t a = 0; a < text.size();) {
         const size_t e = text.find('\n', a);
@@ -240,7 +241,7 @@ void report_expert_coverage(const std::string & imatrix_path, const std::string 
         a = e + 1;
     }
     if (n_reached < n_experts) {
-        fmt::print(stderr, "  {} expert matrices were never routed to: they are quantized without importance (weight 1), "
+        fmt::print(stderr, "  {} experts (counted over the expert tensors) were never routed to: they are quantized without importance (weight 1), "
                            "as llama-quantize does; more calibration text (--text, --imatrix-chunks) reaches more\n",
                    n_experts - n_reached);
     }
