@@ -34,12 +34,7 @@ nlohmann::json summary_json(const imatrix & im) {
         }
         entries.push_back(std::move(entry));
     }
-    nlohmann::json experts = nlohmann::json::array();
-    for (const expert_coverage & c : imatrix_expert_coverage(im)) {
-        experts.push_back({{"name", c.name}, {"n_experts", c.n_experts}, {"n_reached", c.n_reached},
-                           {"min_tokens", c.min_tokens}, {"max_tokens", c.max_tokens}, {"unreached", c.unreached},
-                           {"tokens", c.tokens}});
-    }
+    const nlohmann::json experts = expert_coverage_json(imatrix_expert_coverage(im));
     return {{"format", im.legacy ? "dat" : "gguf"}, {"datasets", im.datasets}, {"chunk_count", im.chunk_count},
             {"chunk_size", im.chunk_size},          {"n_entries", im.entries.size()}, {"entries", entries},
             {"experts", experts}};

@@ -91,10 +91,10 @@ export_options imatrix_export_options(const std::string & path, const std::strin
     return opts;
 }
 
-export_options planned_imatrix_export_options(const std::string & recorded_path, const std::string & dataset,
-                                              const importance_map & placeholder) {
+export_options planned_imatrix_export_options(const std::string & recorded_path, const std::string & dataset) {
+    static const importance_map used;  // set_output_metadata writes the imatrix keys when importance is not null
     export_options opts;
-    opts.importance = &placeholder;
+    opts.importance = &used;
     opts.imatrix_file = recorded_path;
     opts.imatrix_dataset = dataset;
     opts.imatrix_chunks = 1;

@@ -40,9 +40,8 @@ export_options imatrix_export_options(const std::string & path, const std::strin
 /// The export options of an imatrix a run will make but has not made yet (quantize's imatrix stage), so that a file
 /// can be sized before it exists: quantize.imatrix.file = `recorded_path`, .dataset = `dataset` (what the imatrix
 /// will record: the first calibration text), .entries_count and .chunks_count (integers of fixed size, so their
-/// values do not change the size). `placeholder` (any map) must outlive the options.
-export_options planned_imatrix_export_options(const std::string & recorded_path, const std::string & dataset,
-                                              const importance_map & placeholder);
+/// values do not change the size; the options' importance is an empty map that only marks an imatrix as used).
+export_options planned_imatrix_export_options(const std::string & recorded_path, const std::string & dataset);
 
 /// The exact size on disk of the file export_gguf would write for `r` (metadata, tensor infos,
 /// alignment padding, data). The provenance keys have fixed-size values, so this is exact before the

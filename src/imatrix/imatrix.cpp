@@ -275,6 +275,16 @@ std::vector<expert_coverage> imatrix_expert_coverage(const imatrix & im) {
     return out;
 }
 
+nlohmann::json expert_coverage_json(const std::vector<expert_coverage> & coverage) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const expert_coverage & c : coverage) {
+        out.push_back({{"name", c.name}, {"n_experts", c.n_experts}, {"n_reached", c.n_reached},
+                       {"min_tokens", c.min_tokens}, {"max_tokens", c.max_tokens}, {"unreached", c.unreached},
+                       {"tokens", c.tokens}});
+    }
+    return out;
+}
+
 std::string expert_coverage_text(const std::vector<expert_coverage> & coverage) {
     // One line per layer, from the first expert tensor of that layer ("blk.<il>." prefix), in layer order.
     std::map<int64_t, const expert_coverage *> by_layer;

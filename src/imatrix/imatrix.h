@@ -5,6 +5,8 @@
 
 #include "ggml/gguf.h"
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <cstdint>
 #include <map>
 #include <unordered_map>
@@ -72,6 +74,10 @@ struct expert_coverage {
 /// The coverage of every expert entry of `im`, in name order (empty for a dense model's imatrix). Legacy `.dat`
 /// entries have no per-expert counts and are left out.
 std::vector<expert_coverage> imatrix_expert_coverage(const imatrix & im);
+
+/// The coverage as JSON, one object per expert tensor: name, n_experts, n_reached, min_tokens, max_tokens, unreached,
+/// tokens (WORK/experts.json and `voodoo imatrix --json`).
+nlohmann::json expert_coverage_json(const std::vector<expert_coverage> & coverage);
 
 /// One line per layer: "blk.3: 46 of 48 experts reached (1–37 tokens each); never: 5, 17", taken from the layer's
 /// first expert tensor (a layer's gate, up and down experts see the same routed tokens). Empty for no experts.

@@ -209,10 +209,17 @@ torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const t
         w_up = ctx.w.get(prefix + ".ffn_up_exps.weight").to(x.device(), ctx.dtype);
     }
     const torch::Tensor w_down = ctx.w.get(prefix + ".ffn_down_exps.weight").to(x.device(), ctx.dtype);
-    const auto observe = [&](const char * name, const torch::Tensor & in, int64_t e) {
-        if (ctx.observer && *ctx.observer) {
-            (*ctx.observer)(prefix + name, in, e);
+    // What the observer sees of expert e, as MUL_MAT_ID feeds it: xe, its tokens' inputs to gate and up, and h, their
+    // input to down.
+    const bool observed = ctx.observer && *ctx.observer;
+    const auto observe_expert = [&](int64_t e, const torch::Tensor & xe, const torch::Tensor & h) {
+        if (is_fused) {
+            (*ctx.observer)(fused, xe, e);
+        } else {
+            (*ctx.observer)(prefix + ".ffn_gate_exps.weight", xe, e);
+            (*ctx.observer)(prefix + ".ffn_up_exps.weight", xe, e);
         }
+        (*ctx.observer)(prefix + ".ffn_down_exps.weight", h, e);
     };
     // Tokens of each expert: sort the (token, slot) pairs by expert once.
     const int64_t N = xf.size(0), E = hp.n_expert, n_pairs = top_e.numel();
@@ -243,18 +250,9 @@ torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const t
             torch::cat({xf, torch::zeros({1, n_embd}, xf.options())}).index_select(0, idx).view({E, most, n_embd});
         const torch::Tensor h =
             torch::silu(torch::bmm(x_pad, w_gate.transpose(1, 2))) * torch::bmm(x_pad, w_up.transpose(1, 2));
-        if (ctx.observer && *ctx.observer) {
-            for (int64_t e = 0; e < E; ++e) {
-                if (cnt[e] > 0) {
-                    const torch::Tensor xe = x_pad[e].narrow(0, 0, cnt[e]);
-                    if (is_fused) {
-                        observe(".ffn_gate_up_exps.weight", xe, e);
-                    } else {
-                        observe(".ffn_gate_exps.weight", xe, e);
-                        observe(".ffn_up_exps.weight", xe, e);
-                    }
-                    observe(".ffn_down_exps.weight", h[e].narrow(0, 0, cnt[e]), e);
-                }
+        for (int64_t e = 0; observed && e < E; ++e) {
+            if (cnt[e] > 0) {
+                observe_expert(e, x_pad[e].narrow(0, 0, cnt[e]), h[e].narrow(0, 0, cnt[e]));
             }
         }
         const torch::Tensor y = torch::bmm(h, w_down.transpose(1, 2)).reshape({E * most, n_embd}).to(torch::kFloat) * w_pad;
@@ -271,14 +269,10 @@ torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const t
         }
         const torch::Tensor rows = tokens.narrow(0, start, n);
         const torch::Tensor xe = xf.index_select(0, rows);
-        if (is_fused) {
-            observe(".ffn_gate_up_exps.weight", xe, e);
-        } else {
-            observe(".ffn_gate_exps.weight", xe, e);
-            observe(".ffn_up_exps.weight", xe, e);
-        }
         const torch::Tensor h = torch::silu(torch::matmul(xe, w_gate[e].t())) * torch::matmul(xe, w_up[e].t());
-        observe(".ffn_down_exps.weight", h, e);
+        if (observed) {
+            observe_expert(e, xe, h);
+        }
         const torch::Tensor y =
             torch::matmul(h, w_down[e].t()).to(torch::kFloat) * pair_w.narrow(0, start, n).unsqueeze(1);
         out = out.index_add(0, rows, y);

@@ -120,13 +120,12 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
     importance_map importance;
     export_options eo = in.train.export_opts;
     const bool imatrix_known = !in.imatrix.empty();
-    static const importance_map placeholder;
     if (imatrix_known) {
         eo = imatrix_export_options(in.imatrix, in.imatrix, src, importance);
     } else if (!in.planned_imatrix_file.empty()) {
         // The sizes count the quantize.imatrix.* keys the imatrix stage's file will give the export.
         const std::string target = eo.target;
-        eo = planned_imatrix_export_options(in.planned_imatrix_file, in.planned_imatrix_dataset, placeholder);
+        eo = planned_imatrix_export_options(in.planned_imatrix_file, in.planned_imatrix_dataset);
         eo.target = target;
     }
     if (!imatrix_known && in.train.menu.has_imatrix) {

@@ -224,13 +224,9 @@ void report_expert_coverage(const std::string & imatrix_path, const std::string 
         return;
     }
     int64_t n_experts = 0, n_reached = 0;
-    nlohmann::json j = nlohmann::json::array();
     for (const expert_coverage & c : coverage) {
         n_experts += c.n_experts;
         n_reached += c.n_reached;
-        j.push_back({{"name", c.name}, {"n_experts", c.n_experts}, {"n_reached", c.n_reached},
-                     {"min_tokens", c.min_tokens}, {"max_tokens", c.max_tokens}, {"unreached", c.unreached},
-                           {"tokens", c.tokens}});
     }
     fmt::print(stderr, "  experts the calibration reached ({} of {} over the {} expert tensors; each expert's tokens in {}):\n",
                n_reached, n_experts, coverage.size(), json_path);
@@ -245,7 +241,7 @@ void report_expert_coverage(const std::string & imatrix_path, const std::string 
                            "as llama-quantize does; more calibration text (--text, --imatrix-chunks) reaches more\n",
                    n_experts - n_reached);
     }
-    write_file_atomic(json_path, nlohmann::json{{"imatrix", imatrix_path}, {"experts", j}}.dump(2) + "\n");
+    write_file_atomic(json_path, nlohmann::json{{"imatrix", imatrix_path}, {"experts", expert_coverage_json(coverage)}}.dump(2) + "\n");
 }
 
 // Stock recipes to compare with: every recipe llama.cpp makes for the model (duplicates by tensor types
@@ -718,11 +714,9 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
         // recorded (WORK/imatrix.gguf, or the given file), the first dataset (the given imatrix's, or the first --text,
         // which the data stage records and the imatrix stage copies) and the chunk count (an integer of fixed size).
         // So a target at the very edge of the range is judged here as after the imatrix stage (checked again there).
-        static const importance_map placeholder;
         export_options eo = planned_imatrix_export_options(
             given ? o.imatrix : (fs::path(o.work.empty() ? default_work_folder(o.model) : o.work) / "imatrix.gguf").string(),
-            given ? (given->datasets.empty() ? "" : given->datasets.front()) : (o.texts.empty() ? "" : o.texts.front()),
-            placeholder);
+            given ? (given->datasets.empty() ? "" : given->datasets.front()) : (o.texts.empty() ? "" : o.texts.front()));
         for (const target & g : o.goals.empty() ? std::vector<target>{o.train.goal} : o.goals) {
             eo.target = g.str();
             make_budget(src, menus, g, eo);
