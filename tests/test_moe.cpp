@@ -11,9 +11,13 @@
 #include "ggml/types.h"
 #include "imatrix/collect.h"
 #include "imatrix/imatrix.h"
+#include "model/blocks.h"
 #include "model/fixture.h"
+#include "model/gguf_weights.h"
+#include "model/registry.h"
 #include "model/parity.h"
 #include "train/candidates.h"
+#include "train/gated.h"
 #include "test_util.h"
 #include "tolerance.h"
 
@@ -223,4 +227,110 @@ TEST(moe, export_equals_llama_model_quantize_with_the_overrides_and_an_imatrix_t
     const gguf_file ours(c.dir.file("ours.gguf"));
     EXPECT_EQ(ours.tensor("blk.0.ffn_gate_inp.weight").type, GGML_TYPE_F32);
     EXPECT_EQ(ours.tensor("blk.0.ffn_up_exps.weight").n_dims, 3);
+}
+
+namespace {
+
+/// The gated student of the fixture's three expert tensors: a 2-type menu each, random gate logits, the CPU path.
+std::vector<gated_tensor> gated_experts(const gguf_file & file) {
+    std::vector<gated_tensor> out;
+    torch::manual_seed(7);
+    for (const char * name : {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"}) {
+        gated_tensor g;
+        g.tensor = &file.tensor(name);
+        g.types = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0};  // 32-block types: down's rows of 128 take them
+        for (const ggml_type type : g.types) {
+            g.bytes.push_back(quantize_tensor(file, *g.tensor, type, {}, {}, 1));
+        }
+        g.gate = torch::randn({2}).requires_grad_(true);
+        g.n_threads = 1;
+        place_candidates(g, mixture_path::cpu, torch::kCPU, torch::kFloat, torch::kFloat);
+        out.push_back(std::move(g));
+    }
+    return out;
+}
+
+/// The student, counting the experts moe_ffn asks it to form.
+class counting_student : public gated_weights {
+public:
+    using gated_weights::gated_weights;
+    torch::Tensor experts(const std::string & name, const torch::Tensor & ids) override {
+        formed += ids.numel();
+        return gated_weights::experts(name, ids);
+    }
+    int64_t formed = 0;
+};
+
+}  // namespace
+
+TEST(moe, the_student_forms_only_the_routed_experts_with_the_same_logits_and_gate_gradients) {
+    // 16 tokens × 2 experts reach at most 32 of the 48 experts, so moe_ffn asks the student for those experts only
+    // (weight_source::experts) and the mixture of the others is never formed.
+    const moe_case & c = the_case();
+    const gguf_file file(c.model);
+    auto model = build_model(file);
+    gguf_weights base(file);
+    std::vector<gated_tensor> gated = gated_experts(file);
+    counting_student student(base, gated);
+
+    // The experts' mixture equals the whole mixture's rows bit for bit (the same f32 sums in the same order), and its
+    // gate gradient for an upstream gradient G on those experts equals the whole tensor's with G zero elsewhere up to
+    // the order of the f32 dot products: |Δ| ≤ 2·γ_n·Σ|G|·|deq_k| for n terms (Higham, Accuracy and Stability, 3.1).
+    gated_tensor & down = gated[2];
+    const std::string name = down.tensor->name;
+    const torch::Tensor used = torch::tensor(std::vector<int64_t>{1, 5, 6, 40}, torch::kLong);
+    const torch::Tensor part = student.experts(name, used);
+    const torch::Tensor whole = student.get(name);
+    ASSERT_EQ(part.sizes(), (std::vector<int64_t>{4, down.tensor->ne[1], down.tensor->ne[0]}));
+    EXPECT_TRUE(torch::equal(part.detach(), whole.detach().index_select(0, used)));
+    const torch::Tensor G = torch::randn(part.sizes());
+    down.grad_p = torch::Tensor();
+    (part * G).sum().backward();
+    const torch::Tensor grad_part = down.grad_p.clone();
+    down.grad_p = torch::Tensor();
+    (whole * torch::zeros(whole.sizes()).index_copy(0, used, G)).sum().backward();
+    const torch::Tensor grad_whole = down.grad_p.clone();
+    for (int64_t k = 0; k < 2; ++k) {
+        const torch::Tensor deq = candidate_weights(down, static_cast<size_t>(k), torch::kCPU)
+                                      .view({down.tensor->ne[2], down.tensor->ne[1], down.tensor->ne[0]})
+                                      .index_select(0, used);
+        const double scale = (G.to(torch::kDouble).abs() * deq.to(torch::kDouble).abs()).sum().item<double>();
+        const double bound = 2 * test::gamma_n(down.tensor->n_elements()) * scale;
+        EXPECT_LE(std::abs(grad_part[k].item<double>() - grad_whole[k].item<double>()), bound) << "candidate " << k;
+        EXPECT_NE(grad_part[k].item<double>(), 0.0);
+    }
+    EXPECT_THROW(student.experts(name, torch::tensor(std::vector<int64_t>{48}, torch::kLong)), voodoo::error);
+
+    // Through the whole model: the routed-only forward and the every-expert forward give the same logits and gate
+    // gradients, up to the order of f32 sums in the batched products (1e-5 of the largest, as the grouped/loop test).
+    const std::vector<int64_t> ids = {1, 450, 2106, 367, 263, 2217, 29892, 727, 471, 263, 2217, 7826, 4257, 365, 2354, 29889};
+    const torch::Tensor tokens = torch::tensor(ids, torch::kLong).view({1, -1});
+    auto run = [&](bool routed_only) {
+        set_routed_experts_only(routed_only);
+        for (gated_tensor & g : gated) {
+            g.gate.mutable_grad() = torch::Tensor();
+        }
+        const torch::Tensor logits = model->forward(tokens, student);
+        logits.square().mean().backward();
+        set_routed_experts_only(true);
+        std::vector<torch::Tensor> grads;
+        for (gated_tensor & g : gated) {
+            grads.push_back(g.gate.grad().clone());
+        }
+        return std::pair{logits.detach(), grads};
+    };
+    student.formed = 0;
+    const auto [l_routed, g_routed] = run(true);
+    // Three tensors, each formed for the experts the 32 (token, expert) pairs reach: at most 32 of 48.
+    EXPECT_GT(student.formed, 0);
+    EXPECT_LE(student.formed, 3 * k_tokens * k_used);
+    student.formed = 0;
+    const auto [l_all, g_all] = run(false);
+    EXPECT_EQ(student.formed, 0);
+    EXPECT_LE((l_routed - l_all).abs().max().item<double>(), 1e-5 * l_all.abs().max().item<double>());
+    for (size_t i = 0; i < gated.size(); ++i) {
+        SCOPED_TRACE(gated[i].tensor->name);
+        EXPECT_GT(g_all[i].abs().max().item<double>(), 0.0);
+        EXPECT_LE((g_routed[i] - g_all[i]).abs().max().item<double>(), 1e-5 * g_all[i].abs().max().item<double>());
+    }
 }

@@ -195,20 +195,38 @@ torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const t
     }
     const torch::Tensor weights = top_p / top_p.sum(-1, true).clamp_min(6.103515625e-5f);  // f32
 
+    // Tokens of each expert: sort the (token, slot) pairs by expert once.
+    const int64_t N = xf.size(0), E = hp.n_expert, n_pairs = top_e.numel();
+    const torch::Tensor flat_e = top_e.reshape({-1}).to(torch::kCPU);
+    const torch::Tensor order = flat_e.argsort();
+    const torch::Tensor counts = torch::bincount(flat_e, {}, E);
+    // The experts this batch routes to, ascending; only their weights are formed (the student mixes only them).
+    std::vector<int64_t> used;
+    for (int64_t e = 0; e < E; ++e) {
+        if (counts.data_ptr<int64_t>()[e] > 0) {
+            used.push_back(e);
+        }
+    }
+    const int64_t U = static_cast<int64_t>(used.size());
+    const bool compact = U < E && routed_experts_only();
+    const torch::Tensor used_ids = torch::tensor(used, torch::kLong);
+    const auto expert_weights = [&](const std::string & name) {
+        return (compact ? ctx.w.experts(name, used_ids) : ctx.w.get(name)).to(x.device(), ctx.dtype);
+    };
     // Gate and up as two 3-D tensors, or fused in one (ffn_gate_up_exps: per expert the n_ff_exp gate rows first, as
-    // build_moe_ffn's views of gate_up take them).
+    // build_moe_ffn's views of gate_up take them). Indexed by j, the j-th used expert, when compact; else by expert.
     const std::string fused = prefix + ".ffn_gate_up_exps.weight";
     const bool is_fused = ctx.w.has(fused);
     torch::Tensor w_gate, w_up;
     if (is_fused) {
-        const std::vector<torch::Tensor> parts = ctx.w.get(fused).to(x.device(), ctx.dtype).chunk(2, 1);
+        const std::vector<torch::Tensor> parts = expert_weights(fused).chunk(2, 1);
         w_gate = parts[0];
         w_up = parts[1];
     } else {
-        w_gate = ctx.w.get(prefix + ".ffn_gate_exps.weight").to(x.device(), ctx.dtype);
-        w_up = ctx.w.get(prefix + ".ffn_up_exps.weight").to(x.device(), ctx.dtype);
+        w_gate = expert_weights(prefix + ".ffn_gate_exps.weight");
+        w_up = expert_weights(prefix + ".ffn_up_exps.weight");
     }
-    const torch::Tensor w_down = ctx.w.get(prefix + ".ffn_down_exps.weight").to(x.device(), ctx.dtype);
+    const torch::Tensor w_down = expert_weights(prefix + ".ffn_down_exps.weight");
     // What the observer sees of expert e, as MUL_MAT_ID feeds it: xe, its tokens' inputs to gate and up, and h, their
     // input to down.
     const bool observed = ctx.observer && *ctx.observer;
@@ -221,60 +239,54 @@ torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const t
         }
         (*ctx.observer)(prefix + ".ffn_down_exps.weight", h, e);
     };
-    // Tokens of each expert: sort the (token, slot) pairs by expert once.
-    const int64_t N = xf.size(0), E = hp.n_expert, n_pairs = top_e.numel();
-    const torch::Tensor flat_e = top_e.reshape({-1}).to(torch::kCPU);
-    const torch::Tensor order = flat_e.argsort();
-    const torch::Tensor counts = torch::bincount(flat_e, {}, E);
     const int64_t * cnt = counts.data_ptr<int64_t>();
     const torch::Tensor order_dev = order.to(x.device());
     const torch::Tensor tokens = torch::div(order_dev, hp.n_expert_used, "floor");  // [N·k] token of each pair
     const torch::Tensor pair_w = weights.reshape({-1}).index_select(0, order_dev);  // [N·k]
     const int64_t most = counts.max().item<int64_t>();
+    // Rows of the batched products: every used expert (compact) or every expert, each padded to `most`.
+    const int64_t G = compact ? U : E;
     const expert_products mode = expert_products_mode();
-    if (mode == expert_products::grouped || (mode == expert_products::automatic && E * most <= 2 * n_pairs)) {
-        // Grouped: every expert's tokens padded to the busiest expert's count, [E, most, n_embd], and each of the three
+    if (mode == expert_products::grouped || (mode == expert_products::automatic && G * most <= 2 * n_pairs)) {
+        // Grouped: every expert's tokens padded to the busiest expert's count, [G, most, n_embd], and each of the three
         // tensors is one batched product (three launches instead of 3·E). Padding rows read a zero row and carry
         // weight 0. Taken when the padding at most doubles the rows; a skewed routing takes the loop below.
         std::vector<int64_t> slot(static_cast<size_t>(n_pairs));
-        for (int64_t e = 0, i = 0; e < E; ++e) {
-            for (int64_t j = 0; j < cnt[e]; ++j, ++i) {
-                slot[static_cast<size_t>(i)] = e * most + j;
+        for (int64_t j = 0, i = 0; j < U; ++j) {
+            const int64_t e = used[static_cast<size_t>(j)], g = compact ? j : e;
+            for (int64_t r = 0; r < cnt[e]; ++r, ++i) {
+                slot[static_cast<size_t>(i)] = g * most + r;
             }
         }
         const torch::Tensor where = torch::tensor(slot, torch::kLong).to(x.device());
-        const torch::Tensor idx = torch::full({E * most}, N, where.options()).index_put_({where}, tokens);
+        const torch::Tensor idx = torch::full({G * most}, N, where.options()).index_put_({where}, tokens);
         const torch::Tensor w_pad =
-            torch::zeros({E * most}, pair_w.options()).index_put_({where}, pair_w).unsqueeze(1);
+            torch::zeros({G * most}, pair_w.options()).index_put_({where}, pair_w).unsqueeze(1);
         const torch::Tensor x_pad =
-            torch::cat({xf, torch::zeros({1, n_embd}, xf.options())}).index_select(0, idx).view({E, most, n_embd});
+            torch::cat({xf, torch::zeros({1, n_embd}, xf.options())}).index_select(0, idx).view({G, most, n_embd});
         const torch::Tensor h =
             torch::silu(torch::bmm(x_pad, w_gate.transpose(1, 2))) * torch::bmm(x_pad, w_up.transpose(1, 2));
-        for (int64_t e = 0; observed && e < E; ++e) {
-            if (cnt[e] > 0) {
-                observe_expert(e, x_pad[e].narrow(0, 0, cnt[e]), h[e].narrow(0, 0, cnt[e]));
-            }
+        for (int64_t j = 0; observed && j < U; ++j) {
+            const int64_t e = used[static_cast<size_t>(j)], g = compact ? j : e;
+            observe_expert(e, x_pad[g].narrow(0, 0, cnt[e]), h[g].narrow(0, 0, cnt[e]));
         }
-        const torch::Tensor y = torch::bmm(h, w_down.transpose(1, 2)).reshape({E * most, n_embd}).to(torch::kFloat) * w_pad;
+        const torch::Tensor y = torch::bmm(h, w_down.transpose(1, 2)).reshape({G * most, n_embd}).to(torch::kFloat) * w_pad;
         const torch::Tensor out = torch::zeros({N + 1, n_embd}, xf.options().dtype(torch::kFloat)).index_add(0, idx, y);
         return out.narrow(0, 0, N).to(ctx.dtype).view_as(x);
     }
     // Per expert: one product per expert and tensor, over its tokens only.
     torch::Tensor out = torch::zeros(xf.sizes(), xf.options().dtype(torch::kFloat));  // summed in f32, as ggml_add
     int64_t start = 0;
-    for (int64_t e = 0; e < E; ++e) {
-        const int64_t n = cnt[e];
-        if (n == 0) {
-            continue;
-        }
+    for (int64_t j = 0; j < U; ++j) {
+        const int64_t e = used[static_cast<size_t>(j)], g = compact ? j : e, n = cnt[e];
         const torch::Tensor rows = tokens.narrow(0, start, n);
         const torch::Tensor xe = xf.index_select(0, rows);
-        const torch::Tensor h = torch::silu(torch::matmul(xe, w_gate[e].t())) * torch::matmul(xe, w_up[e].t());
+        const torch::Tensor h = torch::silu(torch::matmul(xe, w_gate[g].t())) * torch::matmul(xe, w_up[g].t());
         if (observed) {
             observe_expert(e, xe, h);
         }
         const torch::Tensor y =
-            torch::matmul(h, w_down[e].t()).to(torch::kFloat) * pair_w.narrow(0, start, n).unsqueeze(1);
+            torch::matmul(h, w_down[g].t()).to(torch::kFloat) * pair_w.narrow(0, start, n).unsqueeze(1);
         out = out.index_add(0, rows, y);
         start += n;
     }
@@ -283,9 +295,12 @@ torch::Tensor moe_ffn(forward_context & ctx, const std::string & prefix, const t
 
 namespace {
 std::atomic<expert_products> g_expert_products{expert_products::automatic};
+std::atomic<bool> g_routed_experts_only{true};
 }  // namespace
 
 void set_expert_products(expert_products mode) { g_expert_products = mode; }
+void set_routed_experts_only(bool on) { g_routed_experts_only = on; }
+bool routed_experts_only() { return g_routed_experts_only; }
 expert_products expert_products_mode() { return g_expert_products; }
 
 torch::Tensor fused_swiglu_mlp(forward_context & ctx, const std::string & prefix, const torch::Tensor & x) {

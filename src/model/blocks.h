@@ -109,7 +109,8 @@ torch::Tensor swiglu_mlp(forward_context & ctx, const std::string & prefix, cons
 ///   ([E, n_ff_exp, n_embd], [E, n_embd, n_ff_exp] in PyTorch layout), or gate and up fused in
 ///   "<prefix>.ffn_gate_up_exps.weight" ([E, 2·n_ff_exp, n_embd], gate rows first) → [B, T, n_embd] in the compute
 ///   dtype.
-/// Only routed tokens are multiplied, expert by expert (one matrix product per expert and tensor). The routing is a
+/// Only routed tokens are multiplied, and only the experts some token routes to are asked of ctx.w (weight_source::
+/// experts: the gated student forms only their mixture) when some expert gets no token. The routing is a
 /// discrete choice: gradients flow through w and the experts' weights, not through which experts were chosen.
 /// With ctx.forced_experts the layer takes the given experts (their weights renormalised from its own p) instead.
 /// Throws voodoo::error when forced experts are given for fewer layers or of another shape.
@@ -123,6 +124,10 @@ enum class expert_products { automatic, grouped, per_expert };
 /// Process-wide (tests and benchmarks compare the two); default automatic.
 void set_expert_products(expert_products mode);
 expert_products expert_products_mode();
+/// Process-wide, default on: moe_ffn asks only for the experts its batch routes to (weight_source::experts) when some
+/// expert gets no token; off, it takes every expert (get). The same numbers either way; tests compare the two.
+void set_routed_experts_only(bool on);
+bool routed_experts_only();
 
 /// SwiGLU MLP with gate and up fused in one tensor (phi3; llama.cpp's LLM_FFN_SWIGLU + LLM_FFN_SEQ, ggml_swiglu):
 /// "<prefix>.ffn_up.weight" [n_embd, 2·n_ff] gives [gate | up] (gate = the first n_ff outputs), then

@@ -22,6 +22,15 @@ public:
     /// uses are materialised (the student mixes only those rows).
     virtual torch::Tensor rows(const std::string & name, const torch::Tensor & ids) = 0;
 
+    /// Experts `ids` ([U] int64, each in [0, ne2)) of a 3-D expert tensor (GGUF ne = [ne0, ne1, ne2], ne2 experts):
+    /// [U, ne1, ne0], in get(name)'s dtype and device. A mixture-of-experts layer asks only for the experts its
+    /// tokens were routed to (blocks.h moe_ffn). The default selects them from get(name); the gated student forms
+    /// only those experts' mixture (issue #18). Throws voodoo::error naming the tensor for an id out of range.
+    virtual torch::Tensor experts(const std::string & name, const torch::Tensor & ids) {
+        const torch::Tensor all = get(name);
+        return all.index_select(0, ids.to(all.device(), torch::kLong));
+    }
+
     /// True when the model has the tensor (optional tensors: biases, output.weight when tied).
     virtual bool has(const std::string & name) const = 0;
 

@@ -41,9 +41,13 @@ void dequantize_rows(const gated_tensor & t, size_t k, const int64_t * ids, int6
     const int64_t ne0 = t.tensor->ne[0];
     const size_t row = ggml_row_size(t.types[k], ne0);
     buf.resize(static_cast<size_t>(n * ne0));
-    for (int64_t i = 0; i < n; ++i) {
-        dequantize_into(t.types[k], std::span<const uint8_t>(t.bytes[k]).subspan(ids[i] * row, row), ne0,
-                        std::span<float>(buf).subspan(i * ne0, ne0), 1, t.tensor->name);
+    // Runs of consecutive rows (an expert's rows, a tensor's) in one call, threaded when long.
+    for (int64_t i = 0, j; i < n; i = j) {
+        for (j = i + 1; j < n && ids[j] == ids[j - 1] + 1; ++j) {
+        }
+        const int64_t len = j - i;
+        dequantize_into(t.types[k], std::span<const uint8_t>(t.bytes[k]).subspan(ids[i] * row, len * row), ne0,
+                        std::span<float>(buf).subspan(i * ne0, len * ne0), len >= 64 ? t.n_threads : 1, t.tensor->name);
     }
 }
 
@@ -515,6 +519,23 @@ torch::Tensor gated_weights::rows(const std::string & name, const torch::Tensor 
         return routed_rows(p, id, draw_routes(p, id.numel(), next_route_seed()), tensors_[it->second]);
     }
     return gated_mixture_rows(forward_probs(it->second), id, tensors_[it->second]);
+}
+
+torch::Tensor gated_weights::experts(const std::string & name, const torch::Tensor & ids) {
+    const auto it = index_.find(name);
+    if (it == index_.end() || tensors_[it->second].tensor->n_dims != 3) {
+        return weight_source::experts(name, ids);
+    }
+    gated_tensor & t = tensors_[it->second];
+    const int64_t ne0 = t.tensor->ne[0], ne1 = t.tensor->ne[1], ne2 = t.tensor->ne[2];
+    const torch::Tensor e = ids.to(torch::kCPU, torch::kLong).reshape({-1});
+    if (e.numel() > 0 && (e.min().item<int64_t>() < 0 || e.max().item<int64_t>() >= ne2)) {
+        fail("tensor '{}': expert {} is out of range (the tensor has {} experts)", name,
+             e.min().item<int64_t>() < 0 ? e.min().item<int64_t>() : e.max().item<int64_t>(), ne2);
+    }
+    // Expert j's rows are j·ne1 … j·ne1 + ne1 − 1 of the flattened [ne2·ne1, ne0] tensor.
+    const torch::Tensor rows = (e.unsqueeze(1) * ne1 + torch::arange(ne1, torch::kLong).unsqueeze(0)).reshape({-1});
+    return gated_mixture_rows(forward_probs(it->second), rows, t).view({e.numel(), ne1, ne0});
 }
 
 torch::Tensor gated_weights::product_with(const std::string & name, const torch::Tensor & x, const torch::Tensor & w) {

@@ -119,6 +119,9 @@ public:
 
     torch::Tensor get(const std::string & name) override;
     torch::Tensor rows(const std::string & name, const torch::Tensor & ids) override;
+    /// Gated 3-D tensors: only experts `ids` of the mixture are formed (gated_mixture_rows over their rows), and the
+    /// gate gradient sums over those experts only; the rest as weight_source::experts.
+    torch::Tensor experts(const std::string & name, const torch::Tensor & ids) override;
     bool has(const std::string & name) const override;
     /// Under PTQR, gated tensors answer each token with its routed candidate (routed_product); else x · wᵀ.
     torch::Tensor product_with(const std::string & name, const torch::Tensor & x, const torch::Tensor & w) override;
