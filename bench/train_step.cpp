@@ -141,7 +141,7 @@ int main(int argc, char ** argv) {
     app.add_option("--batch", batch, "Sequences per step")->capture_default_str();
     app.add_option("--steps", steps, "Timed steps (the median is reported)")->capture_default_str();
     app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
-    app.add_option("--paths", paths_str, "Mixture paths to time: fused, reference, cpu")->capture_default_str();
+    app.add_option("--paths", paths_str, "Mixture paths to time: fused, fused-host (candidates in pinned host memory), reference, cpu")->capture_default_str();
     app.add_option("--routing", routings_str, "Training forward: mix, ptqr, or mix,ptqr to time both on each path")
         ->capture_default_str();
     app.add_option("--menu", menu_str, "Candidate types (default: the default menu, no imatrix)");
@@ -309,7 +309,19 @@ int main(int argc, char ** argv) {
         nlohmann::json results = nlohmann::json::array();
         const int64_t loss_chunk = distill_chunk(hp.n_vocab);
         for (const std::string & path_name : paths) {
-            const mixture_path path = parse_mixture_path(path_name);
+            // "fused-host": the fused path with every candidate in pinned host memory, moved to the GPU a layer ahead
+            // of use (gpu::candidate_stream), as the trainer's --candidates-on host does.
+            const bool host_resident = path_name == "fused-host";
+            const mixture_path path = parse_mixture_path(host_resident ? "fused" : path_name);
+            std::shared_ptr<void> stream;
+            if (host_resident) {
+                int per_layer = 0;
+                for (const gated_tensor & g : gated) {
+                    per_layer += g.tensor->name.rfind("blk.0.", 0) == 0;
+                }
+                stream = make_candidate_stream(device, std::max(2, per_layer));
+            }
+            int64_t host_bytes = 0;
             reset_peak(device);
             const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(compute) : std::nullopt;
             gguf_weights teacher(src, device, 0, keep);
@@ -341,7 +353,11 @@ int main(int argc, char ** argv) {
                     const torch::Tensor source = path == mixture_path::fused && share && compute == torch::kBFloat16
                                                      ? teacher.get(g.tensor->name)
                                                      : torch::Tensor();
-                    cand_bytes += place_candidates(g, path, device, compute, compute, source);
+                    if (host_resident) {
+                        host_bytes += place_candidates_on_host(g, device, compute, stream);
+                    } else {
+                        cand_bytes += place_candidates(g, path, device, compute, compute, source);
+                    }
                 }
                 if (path != mixture_path::cpu) {
                     g.bytes.clear();
@@ -413,6 +429,12 @@ int main(int argc, char ** argv) {
                 {"mfu", step_flops / med / (peak_tflops * 1e12)},
                 {"peak_gib", peak_bytes(device) / 1073741824.0},
                 {"candidate_gib", cand_bytes / 1073741824.0},
+                {"host_candidate_gib", host_bytes / 1073741824.0},
+                {"stream", [&] {
+                     const candidate_stream_stats st = candidate_stream_statistics(stream);
+                     return nlohmann::json{{"uses", st.uses}, {"misses", st.misses}, {"copies", st.copies},
+                                           {"bytes_copied", st.bytes_copied}, {"peak_resident_bytes", st.peak_resident_bytes}};
+                 }()},
                 {"weights_gated", n_weights_gated},
                 {"shared_16bit", path == mixture_path::fused && share},
                 {"kernels", path == mixture_path::fused ? (row_kernels ? std::string("rows") : fmt::format("tiled, min blocks {}", min_blocks)) : std::string("-")},
@@ -422,6 +444,7 @@ int main(int argc, char ** argv) {
             for (gated_tensor & g : gated) {
                 g.dense = torch::Tensor();
                 g.device_bytes.reset();
+                g.stream.reset();
                 g.gate = torch::Tensor();
             }
         }

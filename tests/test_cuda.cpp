@@ -375,6 +375,63 @@ TEST(cuda, ptqr_gives_each_token_its_candidate_exactly_and_the_straight_through_
     }
 }
 
+TEST(cuda, host_resident_candidates_give_the_resident_numbers_bit_for_bit_and_a_repeated_order_is_prefetched) {
+    // Five tensors' candidates twice: resident on the GPU, and in pinned host memory behind one candidate_stream that
+    // prefetches 2 tensors ahead. The same bytes reach the same kernels, so W_eff and the gate gradients are equal bit
+    // for bit. Three identical steps (forward over the five, then the backward): the stream learns the order in the
+    // first and prefetches all of the third.
+    gguf_file file(test::stories260k());
+    const std::vector<ggml_type> types = {GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0, GGML_TYPE_F16};
+    std::vector<gated_tensor> resident, streamed;
+    const std::shared_ptr<void> stream = make_candidate_stream(k_gpu, 2);
+    for (int layer = 0; layer < 5; ++layer) {
+        const std::string name = fmt::format("blk.{}.ffn_up.weight", layer);
+        resident.push_back(gpu_gated(file, name, types, mixture_path::fused));
+        gated_tensor h = gpu_gated(file, name, types, mixture_path::cpu);
+        h.gate = h.gate.detach().to(k_gpu).requires_grad_(true);
+        EXPECT_EQ(place_candidates_on_host(h, k_gpu, torch::kFloat, stream),
+                  static_cast<int64_t>(h.bytes[0].size() + h.bytes[1].size() + h.bytes[2].size() + h.bytes[3].size()));
+        EXPECT_EQ(h.path, mixture_path::fused);
+        streamed.push_back(std::move(h));
+    }
+    torch::manual_seed(3);
+    const torch::Tensor x = torch::randn({16, 64}, torch::TensorOptions().device(k_gpu));
+    auto step = [&](std::vector<gated_tensor> & ts) {
+        torch::Tensor loss = torch::zeros({}, x.options());
+        std::vector<torch::Tensor> w;
+        for (gated_tensor & t : ts) {
+            t.gate.mutable_grad() = torch::Tensor();
+            w.push_back(gated_mixture(torch::softmax(t.gate, 0), t));
+            loss = loss + torch::mm(x, w.back().t()).pow(2).sum();
+        }
+        loss.backward();
+        std::vector<torch::Tensor> out;
+        for (size_t i = 0; i < ts.size(); ++i) {
+            out.push_back(w[i].detach().cpu());
+            out.push_back(ts[i].gate.grad().cpu());
+        }
+        return out;
+    };
+    std::vector<int64_t> misses;
+    for (int s = 0; s < 3; ++s) {
+        const std::vector<torch::Tensor> a = step(resident), b = step(streamed);
+        for (size_t i = 0; i < a.size(); ++i) {
+            EXPECT_TRUE(torch::equal(a[i], b[i])) << "step " << s << ", output " << i;
+        }
+        misses.push_back(candidate_stream_statistics(stream).misses);
+    }
+    const candidate_stream_stats st = candidate_stream_statistics(stream);
+    EXPECT_EQ(st.uses, 3 * 10);  // each tensor: its mixture in the forward, its gate gradient in the backward
+    // Step 1: every forward use is its tensor's first (5 misses), and the backward's may miss too (nothing learned).
+    EXPECT_GE(misses[0], 5);
+    EXPECT_LE(misses[0], 10);
+    // Step 2: at most its first two uses (their contexts begin in step 1, where nothing followed them yet); step 3: none.
+    EXPECT_LE(misses[1] - misses[0], 2);
+    EXPECT_EQ(misses[2], misses[1]);
+    EXPECT_LE(st.peak_resident_bytes, 3 * (st.host_bytes / 5));  // the one in use and two ahead
+    EXPECT_GT(st.copies, 10);
+}
+
 TEST(cuda, training_on_the_gpu_finishes_within_the_budget_on_both_paths) {
     // The data comes from a child `voodoo data`, as `voodoo quantize --device cuda` keeps libllama's work and
     // GPU training in separate processes (pipeline/quantize.h).
@@ -407,6 +464,22 @@ TEST(cuda, training_on_the_gpu_finishes_within_the_budget_on_both_paths) {
         EXPECT_EQ(r.device, "cuda:0");
         EXPECT_LE(r.total_bytes, 304352);
         EXPECT_GT(r.candidate_device_bytes, 0);
+        if (std::string(path) == "fused") {
+            // The same run with every candidate in pinned host memory, streamed to the GPU: the same recipe.
+            auto host = o;
+            host.run_dir += "-host";
+            host.candidates_on = "host";
+            const train_result rh = train_gates(src, src, data.train(), nullptr, host);
+            EXPECT_TRUE(rh.finished);
+            EXPECT_EQ(rh.candidate_device_bytes, 0);
+            EXPECT_GT(rh.candidate_host_bytes, 0);
+            EXPECT_GT(rh.stream_stats.copies, 0);
+            EXPECT_LT(rh.stream_stats.misses, rh.stream_stats.uses);
+            ASSERT_EQ(rh.final_recipe.tensors.size(), r.final_recipe.tensors.size());
+            for (size_t i = 0; i < r.final_recipe.tensors.size(); ++i) {
+                EXPECT_EQ(rh.final_recipe.tensors[i].type, r.final_recipe.tensors[i].type) << r.final_recipe.tensors[i].name;
+            }
+        }
     }
 }
 

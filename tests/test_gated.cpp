@@ -251,6 +251,32 @@ TEST(gated, paths_a_build_or_device_cannot_run_are_refused_by_name) {
 #endif
 }
 
+TEST(gated, the_residency_plan_sends_the_largest_tensors_to_the_host_until_the_rest_fit) {
+    // Candidate bytes of five tensors, 1,000 bytes on the GPU for them.
+    const std::vector<int64_t> bytes = {300, 900, 200, 900, 100};
+    EXPECT_EQ(host_resident_plan(bytes, candidate_residency::gpu, 0), std::vector<bool>(5, false));
+    EXPECT_EQ(host_resident_plan(bytes, candidate_residency::host, 1 << 30), std::vector<bool>(5, true));
+    // 2,400 in all: the two of 900 leave 600 ≤ 1,000 (ties in source order, the first of equal size first).
+    EXPECT_EQ(host_resident_plan(bytes, candidate_residency::automatic, 1000),
+              (std::vector<bool>{false, true, false, true, false}));
+    EXPECT_EQ(host_resident_plan(bytes, candidate_residency::automatic, 2400), std::vector<bool>(5, false));
+    EXPECT_EQ(host_resident_plan(bytes, candidate_residency::automatic, 1500), (std::vector<bool>{false, true, false, false, false}));
+    EXPECT_EQ(host_resident_plan(bytes, candidate_residency::automatic, -5), std::vector<bool>(5, true));
+    EXPECT_NE(test::error_of([] { parse_candidate_residency("disk"); }).find("--candidates-on 'disk'"), std::string::npos);
+    EXPECT_EQ(parse_candidate_residency("auto"), candidate_residency::automatic);
+    gguf_file f(test::stories260k());
+    auto g = make_gated(f, "blk.1.attn_q.weight", {GGML_TYPE_Q4_0});
+#if !defined(VOODOO_HAVE_CUDA)
+    EXPECT_NE(test::error_of([] { make_candidate_stream(torch::kCPU, 2); }).find("no CUDA"), std::string::npos);
+    EXPECT_NE(test::error_of([&] { place_candidates_on_host(g, torch::kCPU, torch::kFloat, nullptr); }).find("CUDA build"),
+              std::string::npos);
+#else
+    EXPECT_NE(test::error_of([&] { place_candidates_on_host(g, torch::kCPU, torch::kFloat, nullptr); }).find("candidate stream"),
+              std::string::npos);
+#endif
+    EXPECT_EQ(device_total_memory(torch::kCPU), 0);
+}
+
 // Per-token quant routing (issue #22).
 
 TEST(gated, ptqr_routes_follow_p_within_the_binomial_bound_and_replay_from_the_seed) {

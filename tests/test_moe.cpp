@@ -24,6 +24,7 @@
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstring>
@@ -333,4 +334,28 @@ TEST(moe, the_student_forms_only_the_routed_experts_with_the_same_logits_and_gat
         EXPECT_GT(g_all[i].abs().max().item<double>(), 0.0);
         EXPECT_LE((g_routed[i] - g_all[i]).abs().max().item<double>(), 1e-5 * g_all[i].abs().max().item<double>());
     }
+}
+
+TEST(moe, the_dry_run_says_how_many_expert_tensors_and_experts_there_are) {
+    const moe_case & c = the_case();
+    const std::string args = fmt::format("quantize {} --text {} --ratio 0.5 --ctx 16 --eval-chunks 0 --baselines none "
+                                         "--menu Q4_0,Q8_0 --work {} --dry-run", c.model, c.dir.file("text.txt"), c.dir.file("work"));
+    test::run_result r = test::run_voodoo_stdout(args + " --json -");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const nlohmann::json plan = nlohmann::json::parse(r.output);
+    ASSERT_TRUE(plan.contains("experts")) << r.output;
+    EXPECT_EQ(plan["experts"]["tensors"], 3);  // gate, up and down of the one layer
+    EXPECT_EQ(plan["experts"]["experts_per_tensor"], k_experts);
+    EXPECT_EQ(plan["experts"]["used_per_token"], k_used);
+    const gguf_file file(c.model);
+    int64_t expert_weights = 0;
+    for (const char * n : {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"}) {
+        expert_weights += file.tensor(n).n_elements();
+    }
+    EXPECT_EQ(plan["experts"]["weights"], expert_weights);
+    r = test::run_voodoo_stdout(args);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(fmt::format("experts: 3 expert tensors of {} experts ({} used per token)", k_experts, k_used)),
+              std::string::npos)
+        << r.output;
 }

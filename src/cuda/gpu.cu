@@ -22,6 +22,7 @@
 #include <cuda_pipeline.h>
 
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <mutex>
 
@@ -495,8 +496,12 @@ void set_tiled_kernels(bool on) { tiled_enabled().store(on); }
 
 void set_tiled_min_blocks(int n) { tiled_min_blocks().store(n >= 1 && n <= 4 ? n : k_default_min_blocks); }
 
-candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
-                     int64_t ne0, torch::Device device, const std::string & name, const torch::Tensor & source) {
+namespace {
+
+// upload's checks: the count, a GPU rule for every type, whole blocks, the byte sizes. Returns the set's shape and
+// types, without bytes.
+candidate_set checked_set(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
+                          int64_t ne0, const std::string & name) {
     if (types.empty() || types.size() != bytes.size() || types.size() > static_cast<size_t>(max_candidates)) {
         fail("tensor '{}': {} candidates for the GPU (1 to {} are supported)", name, types.size(), max_candidates);
     }
@@ -516,9 +521,35 @@ candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std:
         if (static_cast<int64_t>(bytes[k].size()) != expect) {
             fail("tensor '{}': candidate {} has {} bytes, expected {}", name, k, bytes[k].size(), expect);
         }
-        torch::Tensor host = torch::from_blob(const_cast<uint8_t *>(bytes[k].data()), {expect}, torch::kUInt8);
-        c.bytes.push_back(host.to(device));
         c.shared.push_back(false);
+    }
+    return c;
+}
+
+}  // namespace
+
+candidate_set upload_host(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
+                          int64_t ne0, torch::Device device, const std::string & name) {
+    if (!device.is_cuda()) {
+        fail("tensor '{}': host-resident candidates are for a CUDA device, not {}", name, device.str());
+    }
+    candidate_set c = checked_set(bytes, types, rows, ne0, name);
+    for (const std::vector<uint8_t> & b : bytes) {
+        torch::Tensor pinned =
+            torch::empty({static_cast<int64_t>(b.size())}, torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(true));
+        std::memcpy(pinned.data_ptr<uint8_t>(), b.data(), b.size());
+        c.host.push_back(pinned);
+    }
+    return c;
+}
+
+candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
+                     int64_t ne0, torch::Device device, const std::string & name, const torch::Tensor & source) {
+    candidate_set c = checked_set(bytes, types, rows, ne0, name);
+    for (size_t k = 0; k < types.size(); ++k) {
+        torch::Tensor host =
+            torch::from_blob(const_cast<uint8_t *>(bytes[k].data()), {static_cast<int64_t>(bytes[k].size())}, torch::kUInt8);
+        c.bytes.push_back(host.to(device));
     }
     const bool usable_source = source.defined() && source.device() == device && source.scalar_type() == torch::kBFloat16 &&
                                source.is_contiguous() && source.numel() == rows * ne0 &&

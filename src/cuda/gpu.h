@@ -16,6 +16,9 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace voodoo::gpu {
@@ -31,6 +34,9 @@ struct candidate_set {
     std::vector<bool> shared;           // K: true when bytes[k] is the source's bf16 tensor, not a copy
     int64_t rows = 0;
     int64_t ne0 = 0;
+    /// Host-resident sets (upload_host): K uint8 tensors in pinned host memory. `bytes` is then empty except while a
+    /// candidate_stream holds the set resident.
+    std::vector<torch::Tensor> host;
 };
 
 /// Uploads host bytes of K candidates to `device`. Throws voodoo::error naming `name` when a type has no
@@ -46,6 +52,58 @@ struct candidate_set {
 candidate_set upload(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
                      int64_t ne0, torch::Device device, const std::string & name,
                      const torch::Tensor & source = torch::Tensor());
+
+/// The host-resident form of upload (issue #18: a model whose candidates do not fit the GPU beside its teacher): the
+/// same checks, the bytes copied into pinned host memory (`host`), nothing on the GPU until a candidate_stream makes
+/// the set resident. No candidate reads the teacher's bytes. Throws voodoo::error as upload does.
+candidate_set upload_host(const std::vector<std::vector<uint8_t>> & bytes, const std::vector<int> & types, int64_t rows,
+                          int64_t ne0, torch::Device device, const std::string & name);
+
+/// Moves host-resident candidate sets to the GPU ahead of their use, on a copy stream of its own, overlapped with the
+/// compute stream's work (the prefetch of layer-wise offloading, as DeepSpeed's ZeRO-Offload and FSDP's CPU offload
+/// do for weights).
+///
+/// The order of use is learned, not declared: a training step uses the gated tensors in the same order every step
+/// (the forward layer by layer, then the backward in reverse), so after each use of set b that followed set a, the
+/// stream remembers the `lookahead` sets used next, and the next time a follows b it starts copying those at once.
+/// The context (a, b) tells a forward use from a backward one. Sets outside the current one and its predicted
+/// successors are released (record_stream keeps their memory from reuse until the compute stream is done with it),
+/// so at most lookahead + 1 sets are resident. A use the prediction missed copies synchronously with respect to the
+/// compute stream (counted in `misses`): correct whatever the order, only slower.
+class candidate_stream {
+public:
+    /// lookahead ≥ 1: the sets copied ahead (a layer's gated tensors hides one layer's copy behind the one before).
+    candidate_stream(torch::Device device, int lookahead);
+    ~candidate_stream();
+    candidate_stream(const candidate_stream &) = delete;
+    candidate_stream & operator=(const candidate_stream &) = delete;
+
+    /// Registers a host-resident set (upload_host) on this stream's device (the stream keeps it alive). Returns its id.
+    size_t add(std::shared_ptr<candidate_set> c);
+
+    /// Makes set `id` resident for the kernels the caller launches next on the current CUDA stream (which waits for
+    /// the copy), prefetches its predicted successors and releases what is not needed. Returns the set. Throws
+    /// voodoo::error for an unknown id. Thread-safe (the autograd engine's thread runs the backward's uses).
+    candidate_set & use(size_t id);
+
+    struct counters {
+        int64_t uses = 0;             // calls of use
+        int64_t misses = 0;           // uses that found the set neither resident nor being copied
+        int64_t copies = 0;           // sets copied host → GPU
+        int64_t bytes_copied = 0;
+        int64_t resident_bytes = 0;   // now
+        int64_t peak_resident_bytes = 0;
+        int64_t host_bytes = 0;       // pinned host bytes of every registered set
+    };
+    counters stats() const;
+
+private:
+    struct state;
+    std::unique_ptr<state> s_;
+};
+
+/// The device's memory in bytes: {free now, total} (cudaMemGetInfo).
+std::pair<int64_t, int64_t> memory_info(torch::Device device);
 
 /// Tests and benchmarks: when off, mixture and gate_grad use the row kernels even where the tiled ones
 /// apply (the two give the same W_eff bit for bit; gate gradients differ only in summation order).

@@ -9,6 +9,8 @@
 #include "ggml/types.h"
 #include "train/budget.h"
 #include "train/candidates.h"
+#include "train/gated.h"
+#include "train/trainer.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -170,6 +172,27 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
             types.push_back(type_name(t));
         }
         plan["menus"].push_back({{"tensors", f}, {"n", by_family[f].first}, {"types", types}});
+    }
+
+    // Mixtures of experts: the 3-D expert tensors (one type each, every expert's slice quantized with its own imatrix
+    // rows), what share of the weights they hold, and how many experts a token uses.
+    {
+        int64_t expert_tensors = 0, expert_weights = 0, n_expert = 0;
+        for (const tensor_menu & m : menus) {
+            if (m.tensor->n_dims == 3) {
+                ++expert_tensors;
+                expert_weights += m.tensor->n_elements();
+                n_expert = std::max(n_expert, m.tensor->ne[2]);
+            }
+        }
+        if (expert_tensors > 0) {
+            const std::string arch = src.architecture();
+            plan["experts"] = {{"tensors", expert_tensors},
+                               {"experts_per_tensor", n_expert},
+                               {"used_per_token", src.get_int(arch + ".expert_used_count").value_or(0)},
+                               {"weights", expert_weights},
+                               {"share_of_weights", static_cast<double>(expert_weights) / static_cast<double>(n_weights)}};
+        }
     }
 
     // Candidates: every tensor × menu type (build_candidates); the cache holds the ones not of the source type.
@@ -378,6 +401,18 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
         const double act = 6.0 * static_cast<double>(in.train.batch * seq) * static_cast<double>(io_per_token) + logits;
         plan["gpu_memory"] = {{"candidates_bytes", cand}, {"teacher_bytes", teacher}, {"activations_bytes_estimate", act},
                               {"total_bytes_estimate", cand + teacher + act}, {"mixture", reference ? "reference" : "fused"}};
+        // Where the fused path would keep them: the trainer's rule (plan_residency) on this machine's GPU.
+        const residency_plan rp = plan_residency(menus, in.train.candidates_on, parse_train_device(in.train.device),
+                                                 static_cast<int64_t>(teacher));
+        if (!reference && rp.device_bytes > 0) {
+            const int64_t device_bytes = rp.device_bytes, host_bytes = rp.host_bytes;
+            const int64_t host_tensors = std::count(rp.on_host.begin(), rp.on_host.end(), true);
+            plan["gpu_memory"]["device_bytes"] = device_bytes;
+            plan["gpu_memory"]["candidates_on"] = in.train.candidates_on;
+            plan["gpu_memory"]["host_candidates_bytes"] = host_bytes;
+            plan["gpu_memory"]["host_candidate_tensors"] = host_tensors;
+            plan["gpu_memory"]["fits"] = rp.teacher_fits;
+        }
     }
     return plan;
 }
@@ -420,6 +455,24 @@ std::string dry_run_to_text(const nlohmann::json & p) {
         s += fmt::format("GPU memory: candidates {} + teacher {} + activations ≈ {} = ≈ {}\n",
                          dry_bytes_text(g["candidates_bytes"].get<double>()), dry_bytes_text(g["teacher_bytes"].get<double>()),
                          dry_bytes_text(g["activations_bytes_estimate"].get<double>()), dry_bytes_text(g["total_bytes_estimate"].get<double>()));
+    }
+    if (p.contains("experts")) {
+        const auto & e = p["experts"];
+        s += fmt::format("experts: {} expert tensors of {} experts ({} used per token) hold {:.1f}% of the weights; each takes "
+                         "one type for all its experts, each expert quantized with its own imatrix rows (experts.json "
+                         "will say how many the calibration text reached)\n",
+                         e["tensors"].get<int64_t>(), e["experts_per_tensor"].get<int64_t>(), e["used_per_token"].get<int64_t>(),
+                         100.0 * e["share_of_weights"].get<double>());
+    }
+    if (p.contains("gpu_memory") && p["gpu_memory"].contains("device_bytes")) {
+        const auto & g = p["gpu_memory"];
+        s += fmt::format("  on this {} GPU (--candidates-on {}): {}{}\n", dry_bytes_text(g["device_bytes"].get<double>()),
+                         g["candidates_on"].get<std::string>(),
+                         g["host_candidate_tensors"].get<int64_t>() > 0
+                             ? fmt::format("{} tensors' candidates ({}) in pinned host memory, streamed to the GPU ahead of use",
+                                           g["host_candidate_tensors"].get<int64_t>(), dry_bytes_text(g["host_candidates_bytes"].get<double>()))
+                             : std::string("every candidate on the GPU"),
+                         g["fits"].get<bool>() ? "" : "; the teacher does not fit beside the activations' reserve: the run will refuse");
     }
     s += "stages (estimated here; rates and method in --json):\n";
     double total = 0;

@@ -199,6 +199,7 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     if (!t.mixture.empty()) {
         args.insert(args.end(), {"--mixture", t.mixture});
     }
+    args.insert(args.end(), {"--candidates-on", t.candidates_on});
     if (t.resume) {
         args.push_back("--resume");
     }

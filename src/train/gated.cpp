@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <random>
 
 namespace voodoo {
@@ -56,6 +57,16 @@ std::vector<double> probs_of(const torch::Tensor & p) {
     return {c.data_ptr<double>(), c.data_ptr<double>() + c.numel()};
 }
 
+#if defined(VOODOO_HAVE_CUDA)
+// The fused path's candidates on the GPU: resident ones as they are, host-resident ones through their stream.
+const gpu::candidate_set & device_set(const gated_tensor & t) {
+    if (t.stream) {
+        return std::static_pointer_cast<gpu::candidate_stream>(t.stream)->use(t.stream_id);
+    }
+    return *std::static_pointer_cast<gpu::candidate_set>(t.device_bytes);
+}
+#endif
+
 // ⟨G, deq(Q_k)[ids]⟩ for every k on the device paths: [K] f64 on G's device. ids undefined = every row.
 torch::Tensor device_gate_grad(const gated_tensor & t, const torch::Tensor & grad, const torch::Tensor & ids) {
     if (t.path == mixture_path::reference) {
@@ -65,7 +76,7 @@ torch::Tensor device_gate_grad(const gated_tensor & t, const torch::Tensor & gra
         return torch::matmul(d.reshape({K, -1}), g).view({K}).to(torch::kDouble);
     }
 #if defined(VOODOO_HAVE_CUDA)
-    return gpu::gate_grad(*std::static_pointer_cast<gpu::candidate_set>(t.device_bytes), grad, ids);
+    return gpu::gate_grad(device_set(t), grad, ids);
 #else
     fail("tensor '{}': the fused mixture needs a CUDA build of voodoo", t.tensor->name);
 #endif
@@ -85,7 +96,7 @@ torch::Tensor device_rows(const gated_tensor & t, const torch::Tensor & p, const
         return torch::matmul(p.to(d.dtype()).view({1, K}), d.reshape({K, -1})).view({ids.numel(), t.tensor->ne[0]}).to(t.dtype);
     }
 #if defined(VOODOO_HAVE_CUDA)
-    return gpu::mixture(*std::static_pointer_cast<gpu::candidate_set>(t.device_bytes), p, ids, t.dtype);
+    return gpu::mixture(device_set(t), p, ids, t.dtype);
 #else
     (void)p;
     fail("tensor '{}': the fused mixture needs a CUDA build of voodoo", t.tensor->name);
@@ -123,7 +134,7 @@ public:
         }
 #if defined(VOODOO_HAVE_CUDA)
         if (t.path == mixture_path::fused) {
-            return gpu::mixture(*std::static_pointer_cast<gpu::candidate_set>(t.device_bytes), p, torch::Tensor(), t.dtype);
+            return gpu::mixture(device_set(t), p, torch::Tensor(), t.dtype);
         }
 #endif
         const auto w = probs_of(p);
@@ -403,6 +414,7 @@ int64_t place_candidates(gated_tensor & t, mixture_path path, torch::Device devi
     t.dtype = w_dtype;
     t.dense = torch::Tensor();
     t.device_bytes.reset();
+    t.stream.reset();
     const int64_t rows = rows_of(t), ne0 = t.tensor->ne[0];
     switch (path) {
         case mixture_path::cpu:
@@ -438,10 +450,102 @@ int64_t place_candidates(gated_tensor & t, mixture_path path, torch::Device devi
     return 0;
 }
 
+candidate_residency parse_candidate_residency(const std::string & s) {
+    if (s == "gpu") {
+        return candidate_residency::gpu;
+    }
+    if (s == "host") {
+        return candidate_residency::host;
+    }
+    if (s == "auto") {
+        return candidate_residency::automatic;
+    }
+    fail("--candidates-on '{}': use gpu, host or auto", s);
+}
+
+std::shared_ptr<void> make_candidate_stream(torch::Device device, int lookahead) {
+#if defined(VOODOO_HAVE_CUDA)
+    return std::make_shared<gpu::candidate_stream>(device, lookahead);
+#else
+    (void)lookahead;
+    fail("host-resident candidates move to a CUDA device ({}): this build of voodoo has no CUDA", device.str());
+#endif
+}
+
+candidate_stream_stats candidate_stream_statistics(const std::shared_ptr<void> & stream) {
+    candidate_stream_stats out;
+#if defined(VOODOO_HAVE_CUDA)
+    if (stream) {
+        const gpu::candidate_stream::counters c = std::static_pointer_cast<gpu::candidate_stream>(stream)->stats();
+        out = {c.uses, c.misses, c.copies, c.bytes_copied, c.peak_resident_bytes, c.host_bytes};
+    }
+#else
+    (void)stream;
+#endif
+    return out;
+}
+
+int64_t device_total_memory(torch::Device device) {
+#if defined(VOODOO_HAVE_CUDA)
+    if (device.is_cuda()) {
+        return gpu::memory_info(device).second;
+    }
+#endif
+    (void)device;
+    return 0;
+}
+
+std::vector<bool> host_resident_plan(const std::vector<int64_t> & candidate_bytes, candidate_residency mode,
+                                     int64_t gpu_bytes_for_candidates) {
+    std::vector<bool> host(candidate_bytes.size(), mode == candidate_residency::host);
+    if (mode != candidate_residency::automatic) {
+        return host;
+    }
+    int64_t total = std::accumulate(candidate_bytes.begin(), candidate_bytes.end(), int64_t{0});
+    std::vector<size_t> order(candidate_bytes.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return candidate_bytes[a] > candidate_bytes[b]; });
+    for (size_t j = 0; j < order.size() && total > gpu_bytes_for_candidates; ++j) {
+        host[order[j]] = true;
+        total -= candidate_bytes[order[j]];
+    }
+    return host;
+}
+
+int64_t place_candidates_on_host(gated_tensor & t, torch::Device device, torch::ScalarType w_dtype,
+                                 const std::shared_ptr<void> & stream) {
+    t.path = mixture_path::fused;
+    t.dtype = w_dtype;
+    t.dense = torch::Tensor();
+    t.device_bytes.reset();
+    t.stream.reset();
+#if defined(VOODOO_HAVE_CUDA)
+    if (!stream) {
+        fail("tensor '{}': host-resident candidates need a candidate stream (make_candidate_stream)", t.tensor->name);
+    }
+    std::vector<int> types(t.types.begin(), t.types.end());
+    auto c = std::make_shared<gpu::candidate_set>(gpu::upload_host(t.bytes, types, rows_of(t), t.tensor->ne[0], device,
+                                                                   t.tensor->name));
+    auto s = std::static_pointer_cast<gpu::candidate_stream>(stream);
+    t.stream_id = s->add(c);
+    t.device_bytes = c;
+    t.stream = stream;
+    int64_t n = 0;
+    for (const torch::Tensor & h : c->host) {
+        n += h.numel();
+    }
+    return n;
+#else
+    (void)device;
+    (void)stream;
+    fail("tensor '{}': host-resident candidates need a CUDA build of voodoo (README: building for the GPU)", t.tensor->name);
+#endif
+}
+
 torch::Tensor candidate_weights(const gated_tensor & t, size_t k, torch::Device device) {
 #if defined(VOODOO_HAVE_CUDA)
     if (t.path == mixture_path::fused) {
-        return gpu::dequantize(*std::static_pointer_cast<gpu::candidate_set>(t.device_bytes), static_cast<int>(k));
+        return gpu::dequantize(device_set(t), static_cast<int>(k));
     }
 #endif
     if (t.path == mixture_path::reference && t.dense.scalar_type() == torch::kFloat) {

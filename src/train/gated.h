@@ -50,7 +50,43 @@ struct gated_tensor {
     torch::ScalarType dtype = torch::kFloat;    // of W_eff (fused: kFloat or kBFloat16, formed in that dtype)
     torch::Tensor dense;                        // reference path: [K, rows, ne0] dequantized candidates
     std::shared_ptr<void> device_bytes;         // fused path: the gpu::candidate_set (CUDA builds)
+    std::shared_ptr<void> stream;               // host-resident fused candidates: the gpu::candidate_stream that
+    size_t stream_id = 0;                       // moves them to the GPU when used, and their id there
 };
+
+/// Where the fused path keeps the candidates' bytes (issue #18).
+enum class candidate_residency {
+    gpu,   // resident on the GPU for the whole run (the fastest, when they fit)
+    host,  // pinned host memory, each tensor's candidates moved to the GPU ahead of use (gpu::candidate_stream)
+    automatic,  // on the GPU while they fit beside the teacher and the activations, the largest tensors on the host
+};
+/// "gpu", "host", "auto" → the residency; throws voodoo::error naming --candidates-on otherwise.
+candidate_residency parse_candidate_residency(const std::string & s);
+
+/// What a candidate stream did (gpu::candidate_stream::counters), for logs and benchmarks.
+struct candidate_stream_stats {
+    int64_t uses = 0, misses = 0, copies = 0, bytes_copied = 0, peak_resident_bytes = 0, host_bytes = 0;
+};
+
+/// The stream that moves host-resident candidates to `device` (CUDA builds), `lookahead` tensors ahead of use
+/// (gpu.h candidate_stream: the order of use is learned from the first step). Throws voodoo::error without CUDA.
+std::shared_ptr<void> make_candidate_stream(torch::Device device, int lookahead);
+candidate_stream_stats candidate_stream_statistics(const std::shared_ptr<void> & stream);
+
+/// The total memory of a CUDA device in bytes (0 for the CPU or a build without CUDA).
+int64_t device_total_memory(torch::Device device);
+
+/// Which gated tensors' candidates live in pinned host memory (true) rather than on the GPU, for `mode`, given each
+/// tensor's candidate bytes (Σ over its menu): gpu → none, host → all, automatic → the largest tensors first until
+/// the rest fit in `gpu_bytes_for_candidates`. [candidate_bytes.size()].
+std::vector<bool> host_resident_plan(const std::vector<int64_t> & candidate_bytes, candidate_residency mode,
+                                     int64_t gpu_bytes_for_candidates);
+
+/// The fused path with t's candidates in pinned host memory, registered with `stream` (make_candidate_stream), which
+/// moves them to the GPU when the mixture or the gate gradient needs them. The same numbers as place_candidates'
+/// fused path (the same bytes, the same kernels). Returns the pinned host bytes. Throws as place_candidates does.
+int64_t place_candidates_on_host(gated_tensor & t, torch::Device device, torch::ScalarType w_dtype,
+                                 const std::shared_ptr<void> & stream);
 
 /// Moves the candidates of `t` to `device` for `path`: fused uploads the quantized bytes (CUDA builds only;
 /// the host bytes are kept for export and the probe); reference dequantizes every candidate with ggml on the

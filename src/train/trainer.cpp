@@ -22,6 +22,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -470,6 +472,38 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         fail("--resume: no journal in '{}' (journal.pt); start without --resume", o.run_dir);
     }
 
+    // Where the fused path's candidates live, and whether the model fits at all: decided before any work.
+    std::vector<bool> on_host(menus.size(), false);
+    if (path == mixture_path::fused) {
+        int64_t teacher_bytes = 0;
+        for (const gguf_tensor & t : teacher.tensors()) {
+            teacher_bytes += t.n_elements() * (t.n_dims >= 2 ? 2 : 4);
+        }
+        const residency_plan plan = plan_residency(menus, o.candidates_on, device, teacher_bytes);
+        const auto gib = [](int64_t b) { return static_cast<double>(b) / 1073741824.0; };
+        if (!plan.teacher_fits) {
+            fail("the teacher's weights in bf16 ({:.1f} GiB) and the activations' reserve ({:.1f} GiB) do not fit {} "
+                 "({:.1f} GiB): a larger GPU, or several (issue #17: not built yet), is what would work",
+                 gib(teacher_bytes), gib(plan.reserve), device.str(), gib(plan.device_bytes));
+        }
+        // Every candidate's bytes stay in host memory too (export and the probe read them): the pinned copies come on
+        // top of them.
+        const int64_t host_total = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGE_SIZE));
+        if (plan.host_bytes > 0 && plan.all_bytes + plan.host_bytes > host_total * 7 / 10) {
+            fail("the candidates ({:.1f} GiB) and the pinned copies of those left to host memory ({:.1f} GiB) exceed 70% "
+                 "of this machine's {:.1f} GiB: a smaller menu (--menu with fewer types), a GPU with more memory, or "
+                 "several GPUs (issue #17) would fit",
+                 gib(plan.all_bytes), gib(plan.host_bytes), gib(host_total));
+        }
+        if (plan.host_bytes > 0) {
+            fmt::print(stderr, "candidates: {:.2f} GiB of {} tensors in pinned host memory, moved to {} ahead of use "
+                               "(--candidates-on {})\n",
+                       gib(plan.host_bytes), std::count(plan.on_host.begin(), plan.on_host.end(), true), device.str(),
+                       o.candidates_on);
+        }
+        on_host = plan.on_host;
+    }
+
     const int n_threads = resolve_threads(o.threads);
     torch::set_num_threads(n_threads);
     const candidate_cache cache(o.cache_dir.empty() ? (fs::path(o.run_dir) / "candidates").string() : o.cache_dir);
@@ -489,8 +523,28 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // When the teacher is the source file, its resident bf16 matrices stand in for the BF16/F16 candidates
     // that equal them (fused path): those candidates then cost no GPU memory of their own.
     const bool share = path == mixture_path::fused && compute == torch::kBFloat16 && same_file(src.path(), teacher.path());
-    int64_t candidate_device_bytes = 0;
-    for (gated_tensor & g : gated) {
+    int64_t candidate_device_bytes = 0, candidate_host_bytes = 0;
+    std::shared_ptr<void> stream;
+    if (std::find(on_host.begin(), on_host.end(), true) != on_host.end()) {
+        // Prefetch one layer ahead: as many tensors as the first streamed tensor's layer holds.
+        std::string layer;
+        int lookahead = 0;
+        for (size_t i = 0; i < gated.size(); ++i) {
+            if (on_host[i]) {
+                const std::string & name = gated[i].tensor->name;
+                const std::string prefix = name.substr(0, name.find('.', name.find('.') + 1) + 1);  // "blk.N."
+                layer = layer.empty() ? prefix : layer;
+                lookahead += prefix == layer;
+            }
+        }
+        stream = make_candidate_stream(device, std::max(2, lookahead));
+    }
+    for (size_t i = 0; i < gated.size(); ++i) {
+        gated_tensor & g = gated[i];
+        if (on_host[i]) {
+            candidate_host_bytes += place_candidates_on_host(g, device, compute, stream);
+            continue;
+        }
         const bool sixteen = std::any_of(g.types.begin(), g.types.end(),
                                          [](ggml_type t) { return t == GGML_TYPE_BF16 || t == GGML_TYPE_F16; });
         const torch::Tensor source = share && sixteen ? teacher_weights.get(g.tensor->name) : torch::Tensor();
@@ -740,8 +794,43 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     res.device = device.str();
     res.mixture = mixture_path_name(path);
     res.candidate_device_bytes = candidate_device_bytes;
+    res.candidate_host_bytes = candidate_host_bytes;
+    res.stream_stats = candidate_stream_statistics(stream);
+    if (stream) {
+        res.summary += fmt::format("  host-resident candidates: {:.1f} MiB pinned, {} copies to the GPU ({:.1f} GiB), {} of {} "
+                                   "uses not prefetched, at most {:.1f} MiB resident at once\n",
+                                   candidate_host_bytes / 1048576.0, res.stream_stats.copies,
+                                   res.stream_stats.bytes_copied / 1073741824.0, res.stream_stats.misses,
+                                   res.stream_stats.uses, res.stream_stats.peak_resident_bytes / 1048576.0);
+    }
     res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     return res;
+}
+
+residency_plan plan_residency(const std::vector<tensor_menu> & menus, const std::string & candidates_on,
+                              torch::Device device, int64_t teacher_bytes) {
+    residency_plan p;
+    const candidate_residency mode = parse_candidate_residency(candidates_on);
+    for (const tensor_menu & m : menus) {
+        int64_t n = 0;
+        for (const ggml_type type : m.types) {
+            n += static_cast<int64_t>(tensor_bytes(type, m.tensor->ne, m.tensor->name));
+        }
+        p.bytes.push_back(n);
+        p.all_bytes += n;
+    }
+    p.device_bytes = device_total_memory(device);
+    if (p.device_bytes == 0) {
+        p.on_host.assign(menus.size(), false);
+        return p;
+    }
+    p.reserve = std::max<int64_t>(int64_t{16} << 30, p.device_bytes / 5);
+    p.teacher_fits = teacher_bytes + p.reserve <= p.device_bytes;
+    p.on_host = host_resident_plan(p.bytes, mode, p.device_bytes - teacher_bytes - p.reserve);
+    for (size_t i = 0; i < menus.size(); ++i) {
+        p.host_bytes += p.on_host[i] ? p.bytes[i] : 0;
+    }
+    return p;
 }
 
 void check_device_name(const std::string & s) {

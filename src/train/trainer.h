@@ -60,6 +60,8 @@ struct train_options {
     int threads = 0;                    // 0 = every core
     std::string device = "cpu";         // "cpu", "cuda" or "cuda:N" (CUDA builds): where the student trains
     std::string mixture;                // "fused", "reference" or "cpu" ("" = fused on CUDA, cpu on the CPU)
+    std::string candidates_on = "auto"; // fused path: "gpu", "host" (pinned, streamed ahead of use) or "auto" (the GPU
+                                        // while they fit beside the teacher; gated.h candidate_residency)
     int64_t loss_chunk = 0;             // positions per chunk of the CE/KL over the vocabulary (0 = ~512 MB of logits)
     double max_token_seconds = 0;       // > 0: the final recipe's predicted generation time per token (speed_table.h)
                                         // may not exceed this; recipes over it are left out of the final selection
@@ -90,6 +92,8 @@ struct train_result {
     std::string device;                 // where it trained, and how the mixture was formed
     std::string mixture;
     int64_t candidate_device_bytes = 0; // what the candidates took on the device (0 on the cpu path)
+    int64_t candidate_host_bytes = 0;   // host-resident candidates' pinned bytes (fused path, candidates_on)
+    candidate_stream_stats stream_stats; // what their stream copied
 };
 
 /// The final selection as written to RUN/selection.json (and `voodoo train --json`): [{recipe, val_kl,
@@ -115,6 +119,22 @@ std::vector<std::string> apply_cpu_defaults(train_options & o, const std::functi
 /// The torch device of a --device value: "cpu", "cuda" or "cuda:N". Throws voodoo::error naming the flag
 /// when the value is malformed, or when CUDA is asked of a build or machine without it.
 torch::Device parse_train_device(const std::string & s);
+
+/// Where the fused path keeps each gated tensor's candidates on `device` (issue #18), decided before any work: the
+/// GPU holds the teacher's matrices in bf16 (`teacher_bytes`), a reserve for activations (the larger of 16 GiB and a
+/// fifth of the device; docs/BENCHMARKS.md has measured peaks) and the GPU-resident candidates; with
+/// candidates_on "auto" the largest tensors go to pinned host memory until the rest fit (host_resident_plan).
+struct residency_plan {
+    std::vector<bool> on_host;      // [menus.size()]
+    std::vector<int64_t> bytes;     // each tensor's candidate bytes, Σ over its menu
+    int64_t host_bytes = 0;         // of those on the host
+    int64_t all_bytes = 0;
+    int64_t device_bytes = 0;       // the GPU's memory (0: not a CUDA device)
+    int64_t reserve = 0;
+    bool teacher_fits = true;       // teacher_bytes + reserve ≤ device_bytes
+};
+residency_plan plan_residency(const std::vector<tensor_menu> & menus, const std::string & candidates_on,
+                              torch::Device device, int64_t teacher_bytes);
 
 /// Checks a --device name ("cpu", "cuda", "cuda:N") against this build without touching the GPU, so that a
 /// parent process can refuse it at once and leave CUDA to its training child. Whether cuda:N exists is known
