@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -320,6 +320,23 @@ moe-step)
             --expert-products $p --json "$OUT/moe/bench-qwen3-30b-a3b-L2-$p.json" 2>&1 \
             | tee "$OUT/moe/bench-qwen3-30b-a3b-L2-$p.log" | tail -4
     done
+    ;;
+moe-host)
+    # Issue #18: the Qwen3-30B-A3B-shaped step with the candidates resident on the GPU (fused) and in pinned host
+    # memory, each layer's moved to the GPU ahead of use (fused-host), at 1 × 2048 and 2 × 2048 tokens; then a short
+    # sequence, where some experts get no token and only the routed experts' mixture is formed.
+    mkdir -p "$OUT/moe"
+    for b in 1 2; do
+        log "moe step qwen3-30b-a3b, 4 layers, batch $b × 2048: GPU-resident and host-resident candidates"
+        build-cuda/bin/train_step --shape qwen3-30b-a3b --layers 4 --batch $b --seq 2048 --menu Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0 \
+            --work /tmp/bench --paths fused,fused-host --json "$OUT/moe/bench-qwen3-30b-a3b-L4-b$b-host.json" 2>&1 \
+            | tee "$OUT/moe/bench-qwen3-30b-a3b-L4-b$b-host.log" | tail -5
+        free -g | head -2
+    done
+    log "moe step qwen3-30b-a3b, 4 layers, 1 × 64 tokens (routed experts only)"
+    build-cuda/bin/train_step --shape qwen3-30b-a3b --layers 4 --batch 1 --seq 64 --menu Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0 \
+        --work /tmp/bench --paths fused,fused-host --json "$OUT/moe/bench-qwen3-30b-a3b-L4-s64.json" 2>&1 \
+        | tee "$OUT/moe/bench-qwen3-30b-a3b-L4-s64.log" | tail -5
     ;;
 *)
     echo "unknown stage $stage"; exit 2 ;;
