@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <set>
 
 using namespace voodoo;
@@ -251,15 +252,30 @@ std::vector<gated_tensor> gated_experts(const gguf_file & file) {
     return out;
 }
 
-/// The student, counting the experts moe_ffn asks it to form.
+/// The student, counting the experts moe_ffn asks it to form and keeping each expert tensor's weights as the forward
+/// used them (every expert, or only `ids`), so that the test can read ∂L/∂W after the backward.
 class counting_student : public gated_weights {
 public:
     using gated_weights::gated_weights;
     torch::Tensor experts(const std::string & name, const torch::Tensor & ids) override {
         formed += ids.numel();
-        return gated_weights::experts(name, ids);
+        torch::Tensor w = gated_weights::experts(name, ids);
+        if (w.requires_grad()) {
+            w.retain_grad();
+        }
+        used[name] = {w, ids.to(torch::kLong).reshape({-1})};
+        return w;
+    }
+    torch::Tensor get(const std::string & name) override {
+        torch::Tensor w = gated_weights::get(name);
+        if (w.dim() == 3 && w.requires_grad()) {
+            w.retain_grad();
+            used[name] = {w, torch::arange(w.size(0), torch::kLong)};
+        }
+        return w;
     }
     int64_t formed = 0;
+    std::map<std::string, std::pair<torch::Tensor, torch::Tensor>> used;  // name → (weights, their experts)
 };
 
 }  // namespace
@@ -302,37 +318,57 @@ TEST(moe, the_student_forms_only_the_routed_experts_with_the_same_logits_and_gat
     }
     EXPECT_THROW(student.experts(name, torch::tensor(std::vector<int64_t>{48}, torch::kLong)), voodoo::error);
 
-    // Through the whole model: the routed-only forward and the every-expert forward give the same logits and gate
-    // gradients, up to the order of f32 sums in the batched products (1e-5 of the largest, as the grouped/loop test).
+    // Through the whole model: the routed-only forward and the every-expert forward give the same logits (up to the
+    // order of f32 sums in the batched products: 1e-5 of the largest, as the grouped/loop test), and each gate's
+    // ∂L/∂p_k = ⟨G, deq(Q_k)⟩ agrees within what its inputs allow: the dot products' f32 rounding in either order,
+    // 2·γ_n·Σ|G|·|deq_k| (n the whole tensor's weights), plus what the two runs' G differ by, Σ|G_routed − G_all|·|deq_k|
+    // (both G read after the backward: the difference comes from the products' summation order).
     const std::vector<int64_t> ids = {1, 450, 2106, 367, 263, 2217, 29892, 727, 471, 263, 2217, 7826, 4257, 365, 2354, 29889};
     const torch::Tensor tokens = torch::tensor(ids, torch::kLong).view({1, -1});
+    struct run_out {
+        torch::Tensor logits;
+        std::vector<torch::Tensor> grad_p, G;  // per gated tensor: ∂L/∂p [K] f64, ∂L/∂W over every expert [E, r, c]
+    };
     auto run = [&](bool routed_only) {
         set_routed_experts_only(routed_only);
+        student.used.clear();
         for (gated_tensor & g : gated) {
             g.gate.mutable_grad() = torch::Tensor();
+            g.grad_p = torch::Tensor();
         }
-        const torch::Tensor logits = model->forward(tokens, student);
-        logits.square().mean().backward();
+        run_out r;
+        r.logits = model->forward(tokens, student);
+        r.logits.square().mean().backward();
         set_routed_experts_only(true);
-        std::vector<torch::Tensor> grads;
+        r.logits = r.logits.detach();
         for (gated_tensor & g : gated) {
-            grads.push_back(g.gate.grad().clone());
+            const auto & [w, experts] = student.used.at(g.tensor->name);
+            torch::Tensor full = torch::zeros({g.tensor->ne[2], g.tensor->ne[1], g.tensor->ne[0]});
+            r.G.push_back(full.index_copy(0, experts, w.grad().to(torch::kFloat)));
+            r.grad_p.push_back(g.grad_p.clone());
         }
-        return std::pair{logits.detach(), grads};
+        return r;
     };
     student.formed = 0;
-    const auto [l_routed, g_routed] = run(true);
+    const run_out routed = run(true);
     // Three tensors, each formed for the experts the 32 (token, expert) pairs reach: at most 32 of 48.
     EXPECT_GT(student.formed, 0);
     EXPECT_LE(student.formed, 3 * k_tokens * k_used);
     student.formed = 0;
-    const auto [l_all, g_all] = run(false);
+    const run_out all = run(false);
     EXPECT_EQ(student.formed, 0);
-    EXPECT_LE((l_routed - l_all).abs().max().item<double>(), 1e-5 * l_all.abs().max().item<double>());
+    EXPECT_LE((routed.logits - all.logits).abs().max().item<double>(), 1e-5 * all.logits.abs().max().item<double>());
     for (size_t i = 0; i < gated.size(); ++i) {
         SCOPED_TRACE(gated[i].tensor->name);
-        EXPECT_GT(g_all[i].abs().max().item<double>(), 0.0);
-        EXPECT_LE((g_routed[i] - g_all[i]).abs().max().item<double>(), 1e-5 * g_all[i].abs().max().item<double>());
+        const torch::Tensor G = all.G[i].to(torch::kDouble), dG = (routed.G[i].to(torch::kDouble) - G).abs();
+        for (int64_t k = 0; k < 2; ++k) {
+            const torch::Tensor deq = candidate_weights(gated[i], static_cast<size_t>(k), torch::kCPU).to(torch::kDouble).view(G.sizes()).abs();
+            const double bound = 2 * test::gamma_n(gated[i].tensor->n_elements()) * (G.abs() * deq).sum().item<double>() +
+                                 (dG * deq).sum().item<double>();
+            const double a = all.grad_p[i][k].item<double>(), b = routed.grad_p[i][k].item<double>();
+            EXPECT_NE(a, 0.0);
+            EXPECT_LE(std::abs(a - b), bound) << "candidate " << k;
+        }
     }
 }
 

@@ -12,7 +12,6 @@
 #include <limits>
 #include <map>
 #include <mutex>
-#include <set>
 #include <utility>
 
 namespace voodoo::gpu {
@@ -123,24 +122,27 @@ candidate_set & candidate_stream::use(size_t id) {
         follow[d - 1] = id;
     }
 
-    // Prefetch what followed this context last time; keep it and this set, release the rest.
-    std::set<size_t> keep = {id};
+    // Keep this set and what followed this context last time; release the rest first (so at most lookahead + 1 sets
+    // are ever resident), then start copying the successors not yet resident.
+    std::vector<size_t> ahead;
     if (n >= 2) {
         const auto it = s.next.find({s.history[n - 2], id});
         if (it != s.next.end()) {
             for (const size_t x : it->second) {
                 if (x != state::none) {
-                    keep.insert(x);
-                    if (!s.resident[x]) {
-                        s.fetch(x);
-                    }
+                    ahead.push_back(x);
                 }
             }
         }
     }
     for (size_t x = 0; x < s.sets.size(); ++x) {
-        if (s.resident[x] && !keep.count(x)) {
+        if (s.resident[x] && x != id && std::find(ahead.begin(), ahead.end(), x) == ahead.end()) {
             s.release(x);
+        }
+    }
+    for (const size_t x : ahead) {
+        if (!s.resident[x]) {
+            s.fetch(x);
         }
     }
     return *s.sets[id];
