@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -103,6 +103,18 @@ bench-small)
 bench-large)
     log bench llama3-8b shape
     build-cuda/bin/train_step --shape llama3-8b --layers 4 --steps 3 --warmup 1 --work /tmp/bench --json "$OUT/bench-llama3-8b.json" 2>&1 | tee "$OUT/bench-llama3-8b.log" | tail -8
+    ;;
+bench-8b-full)
+    # Issue #16: one training step of the Llama-3-8B shape with every layer (32) at batch × sequence = 8 × 2048, the
+    # fused path and the dense reference each in its own process (the reference holds 6 dense bf16 copies of every
+    # matrix: it may not fit, and its failure must not lose the fused figures).
+    mkdir -p "$OUT/bench-8b"
+    for p in fused reference; do
+        log "bench llama3-8b, every layer, 8 x 2048, $p"
+        build-cuda/bin/train_step --shape llama3-8b --batch 8 --seq 2048 --steps 3 --warmup 1 --paths $p \
+            --menu Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0 --work /tmp/bench --json "$OUT/bench-8b/llama3-8b-L32-b8-$p.json" 2>&1 \
+            | tee "$OUT/bench-8b/llama3-8b-L32-b8-$p.log" | grep -vE '^  (fused|reference) .* step' | tail -6
+    done
     ;;
 kernels)
     # The fused kernels alone (bench/fused_kernels), per variant, and their registers and shared memory.
