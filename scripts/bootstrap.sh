@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 packages=(
     cmake ninja-build g++ make git pkg-config
-    libtorch-dev libopenblas0-pthread
+    libtorch-dev libopenblas0-pthread libgloo-dev
     nlohmann-json3-dev libcli11-dev libfmt-dev libxxhash-dev libssl-dev
     libgtest-dev libgmock-dev libbenchmark-dev
     gnuplot-nox

@@ -75,6 +75,25 @@ inline run_result run_voodoo(const std::string & args, const std::string & stder
     return r;
 }
 
+/// Runs a shell command line (bash -c) and captures its stdout (redirect stderr inside `cmd` to keep it).
+inline run_result run_shell(const std::string & cmd) {
+    std::string quoted = "'";
+    for (const char c : cmd) {
+        quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    }
+    quoted += "'";
+    FILE * p = popen(("bash -c " + quoted).c_str(), "r");
+    run_result r{-1, {}};
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) {
+        r.output.append(buf, n);
+    }
+    const int status = pclose(p);
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return r;
+}
+
 /// Runs the voodoo CLI and captures its stdout alone (stderr, where progress goes, is dropped): for `--json -`.
 inline run_result run_voodoo_stdout(const std::string & args) { return run_voodoo(args, "/dev/null"); }
 

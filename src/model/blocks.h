@@ -35,6 +35,15 @@ struct forward_context {
     const std::vector<torch::Tensor> * forced_experts = nullptr;
     expert_routing * routing = nullptr;  // when given, each MoE layer appends what it chose
     int64_t moe_layer = 0;               // MoE layers run so far in this forward
+    /// Layer sharding (issue #17): the forward runs layers [first_layer, layer_end) only. With `input` it starts from
+    /// those hidden states ([B, T, n_embd], the residual stream entering first_layer) instead of the token
+    /// embeddings; unless it runs the last layer it returns the residual stream leaving layer_end − 1, before the
+    /// output norm. Defaults: every layer, from the tokens.
+    const torch::Tensor * input = nullptr;
+    int64_t first_layer = 0;
+    int64_t end_layer = -1;              // -1: hp.n_layer
+    int64_t layer_end(const model_hparams & hp) const { return end_layer < 0 ? hp.n_layer : end_layer; }
+    bool last_stage(const model_hparams & hp) const { return layer_end(hp) == hp.n_layer; }
 };
 
 /// "blk.<il>.<name>": the GGUF name of a layer's tensor.

@@ -10,6 +10,34 @@ torch::Tensor causal_lm::forward(const torch::Tensor & tokens, weight_source & w
     return head(hidden(tokens, w), w);
 }
 
+torch::Tensor causal_lm::hidden_layers(const torch::Tensor & tokens, const torch::Tensor & input, int64_t first,
+                                       int64_t end, weight_source & w) {
+    if (first < 0 || end > hp_.n_layer || first >= end) {
+        fail("layers [{}, {}): a range of layers inside [0, {}) is needed", first, end, hp_.n_layer);
+    }
+    if (!input.defined() && first != 0) {
+        fail("layers [{}, {}): a range that does not start at layer 0 needs the hidden states entering layer {}", first,
+             end, first);
+    }
+    if (input.defined() && (input.dim() != 3 || input.size(0) != tokens.size(0) || input.size(1) != tokens.size(1) ||
+                            input.size(2) != hp_.n_embd)) {
+        fail("layers [{}, {}): the input hidden states are [{}], expected [{}, {}, {}]", first, end,
+             fmt::join(input.sizes(), ", "), tokens.size(0), tokens.size(1), hp_.n_embd);
+    }
+    struct reset {
+        causal_lm & m;
+        ~reset() {
+            m.range_input_ = torch::Tensor();
+            m.range_first_ = 0;
+            m.range_end_ = -1;
+        }
+    } guard{*this};
+    range_input_ = input;
+    range_first_ = first;
+    range_end_ = end;
+    return hidden(tokens, w);
+}
+
 torch::Tensor causal_lm::head(const torch::Tensor & x, weight_source & w) {
     forward_context ctx = context(w);
     return linear(ctx, head_weight(), x).to(torch::kFloat);

@@ -24,6 +24,16 @@ public:
     /// The loss code applies the head itself, a chunk of positions at a time (never all logits at once).
     virtual torch::Tensor hidden(const torch::Tensor & tokens, weight_source & w) = 0;
 
+    /// Layer sharding (issue #17): layers [first, end) of hidden(), for a pipeline of ranks that each hold some
+    /// layers. `input` undefined: start from the tokens' embeddings (first must be 0); else the residual stream
+    /// entering layer `first`, [B, T, n_embd] in the compute dtype. Returns the residual stream leaving layer end − 1,
+    /// or, when end = n_layer, hidden()'s output (after the output norm). The same arithmetic as hidden() on those
+    /// layers, so a pipeline of calls over [0, a), [a, b), …, [z, n_layer) gives hidden() bit for bit. tokens [B, T]
+    /// are still needed (positions). Throws voodoo::error for a range outside [0, n_layer] or an input of the
+    /// wrong shape.
+    torch::Tensor hidden_layers(const torch::Tensor & tokens, const torch::Tensor & input, int64_t first, int64_t end,
+                                weight_source & w);
+
     /// Logits of hidden states x [..., n_embd] → [..., n_vocab] f32 through the output head (the observer
     /// sees it). Architectures with a logit transform (soft-capping, scaling) override it.
     virtual torch::Tensor head(const torch::Tensor & x, weight_source & w);
@@ -51,8 +61,13 @@ protected:
     explicit causal_lm(model_hparams hp) : hp_(std::move(hp)) {}
 
     forward_context context(weight_source & w) const {
-        return {w, dtype_, observer_ ? &observer_ : nullptr, forced_experts_.empty() ? nullptr : &forced_experts_,
-                routing_log_};
+        forward_context c{w, dtype_, observer_ ? &observer_ : nullptr, forced_experts_.empty() ? nullptr : &forced_experts_,
+                          routing_log_};
+        c.input = range_input_.defined() ? &range_input_ : nullptr;
+        c.first_layer = range_first_;
+        c.end_layer = range_end_;
+        c.moe_layer = hp_.n_expert > 0 ? range_first_ : 0;  // every layer of the MoE architectures is MoE
+        return c;
     }
     /// Throws voodoo::error unless tokens is [B, T] int64 with T ≥ 1.
     void check_tokens(const torch::Tensor & tokens) const;
@@ -64,6 +79,9 @@ private:
     matmul_observer observer_;
     std::vector<torch::Tensor> forced_experts_;
     expert_routing * routing_log_ = nullptr;
+    torch::Tensor range_input_;   // hidden_layers' range, for the duration of one call
+    int64_t range_first_ = 0;
+    int64_t range_end_ = -1;
 };
 
 }  // namespace voodoo

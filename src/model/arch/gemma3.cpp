@@ -33,7 +33,7 @@ public:
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype, scaled as ggml_scale(inpL, sqrtf(n_embd)).
-        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd) * std::sqrt(static_cast<float>(hp.n_embd));
+        torch::Tensor x = ctx.input ? *ctx.input : token_embeddings(ctx, tokens, hp.n_embd) * std::sqrt(static_cast<float>(hp.n_embd));
         const rope_tables rope_global = make_rope_tables(ctx, hp, T, tokens.device());
         rope_config swa;
         swa.freq_base = hp.rope_freq_base_swa;
@@ -41,7 +41,7 @@ public:
         swa.attn_factor = hp.rope_attn_factor;
         const rope_tables rope_swa = make_rope_tables(ctx, hp.n_rot, swa, T, tokens.device());
 
-        for (int64_t il = 0; il < hp.n_layer; ++il) {
+        for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
             const bool sliding = hp.is_swa(il);
             const rope_tables & rope = sliding ? rope_swa : rope_global;
             const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
@@ -54,7 +54,7 @@ public:
             const torch::Tensor f = geglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
             x = x + rms_norm(ctx, layer_tensor(il, "post_ffw_norm.weight"), f, hp.norm_rms_eps);
         }
-        return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
+        return ctx.last_stage(hp) ? rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps) : x;
     }
 
     /// Final logit soft-capping when the file asks for it: c · tanh(logits / c), in f32.

@@ -34,16 +34,16 @@ public:
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype
-        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd);
+        torch::Tensor x = ctx.input ? *ctx.input : token_embeddings(ctx, tokens, hp.n_embd);
         const rope_tables rope = make_rope_tables(ctx, hp, T, tokens.device());
 
-        for (int64_t il = 0; il < hp.n_layer; ++il) {
+        for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
             const std::string prefix = fmt::format("blk.{}", il);
             const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
             x = x + (hp.is_recurrent(il) ? gated_short_conv(ctx, prefix, h) : attention(ctx, il, h, rope));
             x = x + swiglu_mlp(ctx, prefix, rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
         }
-        return rms_norm(ctx, "token_embd_norm.weight", x, hp.norm_rms_eps);
+        return ctx.last_stage(hp) ? rms_norm(ctx, "token_embd_norm.weight", x, hp.norm_rms_eps) : x;
     }
 
 private:

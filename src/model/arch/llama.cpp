@@ -27,10 +27,10 @@ public:
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype
-        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd);
+        torch::Tensor x = ctx.input ? *ctx.input : token_embeddings(ctx, tokens, hp.n_embd);
         const rope_tables rope = make_rope_tables(ctx, hp, T, tokens.device());
 
-        for (int64_t il = 0; il < hp.n_layer; ++il) {
+        for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
             const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
             torch::Tensor q = linear(ctx, layer_tensor(il, "attn_q.weight"), h).view({B, T, hp.n_head, hp.n_embd_head_k});
             torch::Tensor k = linear(ctx, layer_tensor(il, "attn_k.weight"), h).view({B, T, hp.n_head_kv, hp.n_embd_head_k});
@@ -41,7 +41,7 @@ public:
             x = x + linear(ctx, layer_tensor(il, "attn_output.weight"), a);
             x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
         }
-        return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
+        return ctx.last_stage(hp) ? rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps) : x;
     }
 };
 

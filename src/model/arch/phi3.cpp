@@ -33,7 +33,7 @@ public:
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype
-        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd);
+        torch::Tensor x = ctx.input ? *ctx.input : token_embeddings(ctx, tokens, hp.n_embd);
         rope_config rope;
         rope.freq_base = hp.rope_freq_base;
         rope.freq_scale = hp.rope_freq_scale;
@@ -48,7 +48,7 @@ public:
         }
         const rope_tables tables = make_rope_tables(ctx, hp.n_rot, rope, T, tokens.device());
 
-        for (int64_t il = 0; il < hp.n_layer; ++il) {
+        for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
             const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
             qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
             a.q = apply_rope(a.q, tables, hp);
@@ -56,7 +56,7 @@ public:
             x = x + linear(ctx, layer_tensor(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
             x = x + fused_swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
         }
-        return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
+        return ctx.last_stage(hp) ? rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps) : x;
     }
 
 private:

@@ -25,10 +25,10 @@ public:
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype
-        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd);
+        torch::Tensor x = ctx.input ? *ctx.input : token_embeddings(ctx, tokens, hp.n_embd);
         const rope_tables rope = make_rope_tables(ctx, hp, T, tokens.device());
 
-        for (int64_t il = 0; il < hp.n_layer; ++il) {
+        for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
             const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
             qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
             a.q = apply_rope(a.q, rope, hp);
@@ -36,7 +36,7 @@ public:
             x = x + linear(ctx, layer_tensor(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
             x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
         }
-        return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
+        return ctx.last_stage(hp) ? rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps) : x;
     }
 
     /// llama.cpp adds output.bias after the head, tied or not.

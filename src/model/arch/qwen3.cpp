@@ -29,10 +29,10 @@ public:
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype
-        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd);
+        torch::Tensor x = ctx.input ? *ctx.input : token_embeddings(ctx, tokens, hp.n_embd);
         const rope_tables rope = make_rope_tables(ctx, hp, T, tokens.device());
 
-        for (int64_t il = 0; il < hp.n_layer; ++il) {
+        for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
             const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
             qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
             // q, k: [B, T, heads, head_dim]; the norm runs over head_dim, per head.
@@ -43,7 +43,7 @@ public:
             // qwen3moe: the mixture of experts (blocks.h moe_ffn) in every layer's FFN
             x = x + (hp.n_expert > 0 ? moe_ffn(ctx, fmt::format("blk.{}", il), f, hp) : swiglu_mlp(ctx, fmt::format("blk.{}", il), f));
         }
-        return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
+        return ctx.last_stage(hp) ? rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps) : x;
     }
 };
 

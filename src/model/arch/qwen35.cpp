@@ -38,16 +38,16 @@ public:
         const model_hparams & hp = hp_;
 
         // x: [B, T, n_embd] in the compute dtype
-        torch::Tensor x = token_embeddings(ctx, tokens, hp.n_embd);
+        torch::Tensor x = ctx.input ? *ctx.input : token_embeddings(ctx, tokens, hp.n_embd);
         const rope_tables rope = text_rope_tables(ctx, tokens.size(1), tokens.device());
 
-        for (int64_t il = 0; il < hp.n_layer; ++il) {
+        for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
             const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
             x = x + (hp.is_recurrent(il) ? delta_net(ctx, il, h) : attention(ctx, il, h, rope));
             const torch::Tensor f = rms_norm(ctx, layer_tensor(il, "post_attention_norm.weight"), x, hp.norm_rms_eps);
             x = x + (hp.n_expert > 0 ? experts(ctx, il, f) : swiglu_mlp(ctx, fmt::format("blk.{}", il), f));
         }
-        return rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps);
+        return ctx.last_stage(hp) ? rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps) : x;
     }
 
 private:

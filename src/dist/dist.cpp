@@ -1,0 +1,262 @@
+#include "dist/dist.h"
+
+#include "common/error.h"
+
+#include <fmt/format.h>
+
+#if defined(VOODOO_HAVE_GLOO)
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#endif
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <map>
+
+namespace voodoo::dist {
+
+namespace {
+
+std::optional<std::string> env_string(const char * name) {
+    const char * v = std::getenv(name);
+    return v != nullptr && *v != '\0' ? std::optional<std::string>(v) : std::nullopt;
+}
+
+int env_int(const char * name, int fallback, bool required) {
+    const std::optional<std::string> v = env_string(name);
+    if (!v) {
+        if (required) {
+            fail("{} is not set: torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT together (or set them by "
+                 "hand, one process per rank)", name);
+        }
+        return fallback;
+    }
+    try {
+        size_t used = 0;
+        const int x = std::stoi(*v, &used);
+        if (used == v->size()) {
+            return x;
+        }
+    } catch (const std::exception &) {
+    }
+    fail("{}='{}' is not an integer", name, *v);
+}
+
+}  // namespace
+
+std::optional<launch_env> launch_env_from_environment() {
+    if (!env_string("WORLD_SIZE")) {
+        return std::nullopt;
+    }
+    launch_env e;
+    e.world_size = env_int("WORLD_SIZE", 1, true);
+    if (e.world_size < 1) {
+        fail("WORLD_SIZE={}: at least 1 process is needed", e.world_size);
+    }
+    e.rank = env_int("RANK", 0, true);
+    if (e.rank < 0 || e.rank >= e.world_size) {
+        fail("RANK={} is outside [0, WORLD_SIZE={})", e.rank, e.world_size);
+    }
+    e.local_rank = env_int("LOCAL_RANK", e.rank, false);
+    e.master_addr = env_string("MASTER_ADDR").value_or("127.0.0.1");
+    e.master_port = env_int("MASTER_PORT", 29500, e.world_size > 1);
+    if (e.master_port < 1 || e.master_port > 65535) {
+        fail("MASTER_PORT={} is not a TCP port (1 to 65535)", e.master_port);
+    }
+    return e;
+}
+
+#if defined(VOODOO_HAVE_GLOO)
+
+bool have_gloo() { return true; }
+
+struct process_group::impl {
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+};
+
+process_group::process_group(const launch_env & env, std::chrono::seconds timeout)
+    : p_(std::make_unique<impl>()), rank_(env.rank), size_(env.world_size) {
+    try {
+        c10d::TCPStoreOptions so;
+        so.port = static_cast<std::uint16_t>(env.master_port);
+        so.isServer = env.rank == 0;
+        so.numWorkers = static_cast<std::size_t>(env.world_size);
+        so.waitWorkers = true;
+        so.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+        auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+        auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::duration_cast<std::chrono::milliseconds>(timeout));
+        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr));
+        p_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, opts);
+    } catch (const std::exception & e) {
+        fail("rank {} of {}: the c10d rendezvous at MASTER_ADDR={} MASTER_PORT={} failed: {}", env.rank, env.world_size,
+             env.master_addr, env.master_port, e.what());
+    }
+}
+
+void process_group::send(const torch::Tensor & t, int dst, int tag) {
+    std::vector<torch::Tensor> v{t.contiguous()};
+    p_->pg->send(v, dst, tag)->wait();
+}
+
+void process_group::recv(torch::Tensor & t, int src, int tag) {
+    std::vector<torch::Tensor> v{t};
+    p_->pg->recv(v, src, tag)->wait();
+}
+
+void process_group::all_reduce_sum(std::vector<torch::Tensor> & tensors) {
+    if (tensors.empty()) {
+        return;
+    }
+    // c10d's allreduce takes one tensor per device of this process (it would sum the list's tensors together), so
+    // the tensors travel as one flat buffer per dtype.
+    std::map<torch::ScalarType, std::vector<size_t>> by_dtype;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+        by_dtype[tensors[i].scalar_type()].push_back(i);
+    }
+    for (const auto & [dtype, which] : by_dtype) {
+        std::vector<torch::Tensor> parts;
+        for (const size_t i : which) {
+            parts.push_back(tensors[i].reshape({-1}));
+        }
+        std::vector<torch::Tensor> flat{torch::cat(parts)};
+        p_->pg->allreduce(flat)->wait();
+        int64_t at = 0;
+        for (const size_t i : which) {
+            const int64_t n = tensors[i].numel();
+            tensors[i].copy_(flat[0].narrow(0, at, n).view_as(tensors[i]));
+            at += n;
+        }
+    }
+}
+
+void process_group::barrier() { p_->pg->barrier()->wait(); }
+
+#else
+
+bool have_gloo() { return false; }
+
+struct process_group::impl {};
+
+process_group::process_group(const launch_env & env, std::chrono::seconds) : rank_(env.rank), size_(env.world_size) {
+    fail("rank {} of {}: this build has no c10d Gloo process group (install libgloo-dev, which scripts/bootstrap.sh "
+         "does, and configure again)", env.rank, env.world_size);
+}
+void process_group::send(const torch::Tensor &, int, int) {}
+void process_group::recv(torch::Tensor &, int, int) {}
+void process_group::all_reduce_sum(std::vector<torch::Tensor> &) {}
+void process_group::barrier() {}
+
+#endif
+
+process_group::~process_group() = default;
+
+std::vector<std::pair<int64_t, int64_t>> balance_layers(const std::vector<int64_t> & layer_bytes, int ranks,
+                                                        int64_t extra_first, int64_t extra_last) {
+    const int64_t L = static_cast<int64_t>(layer_bytes.size());
+    if (ranks < 1 || L < ranks) {
+        fail("{} layers cannot be split over {} ranks: every rank needs at least one layer", L, ranks);
+    }
+    std::vector<int64_t> prefix(static_cast<size_t>(L + 1), 0);
+    for (int64_t i = 0; i < L; ++i) {
+        prefix[static_cast<size_t>(i + 1)] = prefix[static_cast<size_t>(i)] + layer_bytes[static_cast<size_t>(i)];
+    }
+    // best[r][j]: the least possible largest load when ranks 0..r-1 hold layers [0, j); cut[r][j] where rank r-1 starts.
+    const int64_t inf = std::numeric_limits<int64_t>::max();
+    std::vector<std::vector<int64_t>> best(static_cast<size_t>(ranks + 1), std::vector<int64_t>(static_cast<size_t>(L + 1), inf));
+    std::vector<std::vector<int64_t>> cut(static_cast<size_t>(ranks + 1), std::vector<int64_t>(static_cast<size_t>(L + 1), 0));
+    best[0][0] = 0;
+    for (int r = 1; r <= ranks; ++r) {
+        for (int64_t j = r; j <= L - (ranks - r); ++j) {
+            for (int64_t i = r - 1; i < j; ++i) {
+                const int64_t prev = best[static_cast<size_t>(r - 1)][static_cast<size_t>(i)];
+                if (prev == inf) {
+                    continue;
+                }
+                int64_t load = prefix[static_cast<size_t>(j)] - prefix[static_cast<size_t>(i)];
+                load += (r == 1 ? extra_first : 0) + (r == ranks ? extra_last : 0);
+                const int64_t worst = std::max(prev, load);
+                if (worst < best[static_cast<size_t>(r)][static_cast<size_t>(j)]) {
+                    best[static_cast<size_t>(r)][static_cast<size_t>(j)] = worst;
+                    cut[static_cast<size_t>(r)][static_cast<size_t>(j)] = i;
+                }
+            }
+        }
+    }
+    std::vector<std::pair<int64_t, int64_t>> out(static_cast<size_t>(ranks));
+    for (int64_t r = ranks, j = L; r >= 1; --r) {
+        const int64_t i = cut[static_cast<size_t>(r)][static_cast<size_t>(j)];
+        out[static_cast<size_t>(r - 1)] = {i, j};
+        j = i;
+    }
+    return out;
+}
+
+distill_values sharded_distill_step(causal_lm & model, const torch::Tensor & tokens, weight_source & teacher,
+                                    weight_source & student, process_group * pg, std::pair<int64_t, int64_t> layers,
+                                    double lambda_kl, int64_t chunk, std::vector<torch::Tensor> & gates) {
+    const int rank = pg ? pg->rank() : 0, size = pg ? pg->size() : 1;
+    const model_hparams & hp = model.hparams();
+    const auto [first, end] = layers;
+    if ((rank == 0) != (first == 0) || (rank == size - 1) != (end == hp.n_layer)) {
+        fail("rank {} of {} holds layers [{}, {}): the first rank must start at layer 0 and the last end at {}", rank, size,
+             first, end, hp.n_layer);
+    }
+    const torch::IntArrayRef bt = tokens.sizes();
+    const auto stream = [&] {
+        return torch::empty({bt[0], bt[1], hp.n_embd}, torch::TensorOptions().dtype(model.compute_dtype()));
+    };
+    enum : int { teacher_tag = 1, student_tag = 2, grad_tag = 3 };
+    // The teacher's stream, without autograd.
+    torch::Tensor h_t;
+    {
+        torch::NoGradGuard no_grad;
+        torch::Tensor in;
+        if (rank > 0) {
+            in = stream();
+            pg->recv(in, rank - 1, teacher_tag);
+        }
+        h_t = model.hidden_layers(tokens, in, first, end, teacher);
+        if (rank < size - 1) {
+            pg->send(h_t, rank + 1, teacher_tag);
+        }
+    }
+    // The student's stream forward, its gradient back.
+    torch::Tensor in;
+    if (rank > 0) {
+        in = stream();
+        pg->recv(in, rank - 1, student_tag);
+        in.requires_grad_(true);
+    }
+    const torch::Tensor h_s = model.hidden_layers(tokens, in, first, end, student);
+    distill_values v;
+    if (rank < size - 1) {
+        pg->send(h_s.detach(), rank + 1, student_tag);
+        torch::Tensor g = stream();
+        pg->recv(g, rank + 1, grad_tag);
+        h_s.backward(g);
+    } else {
+        v = chunked_distill(model, h_s, student, h_t, teacher, tokens, lambda_kl, 1.0, chunk);
+    }
+    if (rank > 0) {
+        pg->send(in.grad(), rank - 1, grad_tag);
+    }
+    if (size > 1) {
+        std::vector<torch::Tensor> grads;
+        for (torch::Tensor & g : gates) {
+            if (!g.grad().defined()) {
+                g.mutable_grad() = torch::zeros_like(g);
+            }
+            grads.push_back(g.grad());
+        }
+        pg->all_reduce_sum(grads);
+        torch::Tensor values = torch::tensor({v.ce, v.kl}, torch::kDouble);
+        std::vector<torch::Tensor> vv{values};
+        pg->all_reduce_sum(vv);
+        v.ce = values[0].item<double>();
+        v.kl = values[1].item<double>();
+    }
+    return v;
+}
+
+}  // namespace voodoo::dist
