@@ -5,6 +5,7 @@
 #include "tolerance.h"
 #include "train/candidates.h"
 #include "train/gated.h"
+#include "train/trainer.h"
 
 #include <gtest/gtest.h>
 
@@ -275,6 +276,38 @@ TEST(gated, the_residency_plan_sends_the_largest_tensors_to_the_host_until_the_r
               std::string::npos);
 #endif
     EXPECT_EQ(device_total_memory(torch::kCPU), 0);
+}
+
+TEST(gated, the_trainers_residency_plan_refuses_a_teacher_that_does_not_fit_and_streams_the_largest_tensors) {
+    // stories260K's menus on a made-up GPU: what the trainer decides before any work (plan_residency).
+    gguf_file f(test::stories260k());
+    menu_options mo;
+    mo.types = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0};
+    const std::vector<tensor_menu> menus = build_menus(f, mo);
+    const int64_t gib = int64_t{1} << 30;
+    residency_plan p = plan_residency(menus, "auto", 80 * gib, 40 * gib);
+    EXPECT_TRUE(p.teacher_fits);                    // 40 + 16 (the reserve: max(16 GiB, 80/5)) ≤ 80
+    EXPECT_EQ(p.reserve, 16 * gib);
+    EXPECT_EQ(p.host_bytes, 0);                      // the candidates' few hundred KiB fit easily
+    EXPECT_EQ(p.on_host, std::vector<bool>(menus.size(), false));
+    p = plan_residency(menus, "auto", 80 * gib, 70 * gib);
+    EXPECT_FALSE(p.teacher_fits);                   // 70 + 16 > 80: the trainer refuses before any work
+    // A GPU with no room left for candidates: auto sends them all to the host, largest first.
+    p = plan_residency(menus, "auto", 20 * gib, 4 * gib);
+    EXPECT_TRUE(p.teacher_fits);
+    EXPECT_EQ(p.host_bytes, p.all_bytes);
+    p = plan_residency(menus, "gpu", 20 * gib, 4 * gib);
+    EXPECT_EQ(p.host_bytes, 0);
+    p = plan_residency(menus, "host", 80 * gib, 1);
+    EXPECT_EQ(p.host_bytes, p.all_bytes);
+    int64_t sum = 0;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        sum += static_cast<int64_t>(tensor_bytes(GGML_TYPE_Q4_0, menus[i].tensor->ne, menus[i].tensor->name) +
+                                    tensor_bytes(GGML_TYPE_Q8_0, menus[i].tensor->ne, menus[i].tensor->name));
+    }
+    EXPECT_EQ(p.all_bytes, sum);
+    // The CPU: nothing planned.
+    EXPECT_EQ(plan_residency(menus, "host", 0, 1).host_bytes, 0);
 }
 
 // Per-token quant routing (issue #22).

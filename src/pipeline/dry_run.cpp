@@ -402,7 +402,8 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
         plan["gpu_memory"] = {{"candidates_bytes", cand}, {"teacher_bytes", teacher}, {"activations_bytes_estimate", act},
                               {"total_bytes_estimate", cand + teacher + act}, {"mixture", reference ? "reference" : "fused"}};
         // Where the fused path would keep them: the trainer's rule (plan_residency) on this machine's GPU.
-        const residency_plan rp = plan_residency(menus, in.train.candidates_on, parse_train_device(in.train.device),
+        const residency_plan rp = plan_residency(menus, in.train.candidates_on,
+                                                 device_total_memory(parse_train_device(in.train.device)),
                                                  static_cast<int64_t>(teacher));
         if (!reference && rp.device_bytes > 0) {
             const int64_t device_bytes = rp.device_bytes, host_bytes = rp.host_bytes;

@@ -479,7 +479,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         for (const gguf_tensor & t : teacher.tensors()) {
             teacher_bytes += t.n_elements() * (t.n_dims >= 2 ? 2 : 4);
         }
-        const residency_plan plan = plan_residency(menus, o.candidates_on, device, teacher_bytes);
+        const residency_plan plan = plan_residency(menus, o.candidates_on, device_total_memory(device), teacher_bytes);
         const auto gib = [](int64_t b) { return static_cast<double>(b) / 1073741824.0; };
         if (!plan.teacher_fits) {
             fail("the teacher's weights in bf16 ({:.1f} GiB) and the activations' reserve ({:.1f} GiB) do not fit {} "
@@ -808,7 +808,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
 }
 
 residency_plan plan_residency(const std::vector<tensor_menu> & menus, const std::string & candidates_on,
-                              torch::Device device, int64_t teacher_bytes) {
+                              int64_t device_bytes, int64_t teacher_bytes) {
     residency_plan p;
     const candidate_residency mode = parse_candidate_residency(candidates_on);
     for (const tensor_menu & m : menus) {
@@ -819,7 +819,7 @@ residency_plan plan_residency(const std::vector<tensor_menu> & menus, const std:
         p.bytes.push_back(n);
         p.all_bytes += n;
     }
-    p.device_bytes = device_total_memory(device);
+    p.device_bytes = device_bytes;
     if (p.device_bytes == 0) {
         p.on_host.assign(menus.size(), false);
         return p;

@@ -133,8 +133,9 @@ struct residency_plan {
     int64_t reserve = 0;
     bool teacher_fits = true;       // teacher_bytes + reserve ≤ device_bytes
 };
+/// `device_bytes`: the GPU's memory (device_total_memory; 0 for the CPU: nothing is planned).
 residency_plan plan_residency(const std::vector<tensor_menu> & menus, const std::string & candidates_on,
-                              torch::Device device, int64_t teacher_bytes);
+                              int64_t device_bytes, int64_t teacher_bytes);
 
 /// Checks a --device name ("cpu", "cuda", "cuda:N") against this build without touching the GPU, so that a
 /// parent process can refuse it at once and leave CUDA to its training child. Whether cuda:N exists is known
