@@ -82,6 +82,11 @@ command add_quantize(CLI::App & app) {
                                           "else every core")
                               ->capture_default_str()->check(non_negative());
     sub->add_option("--device", o->q.train.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
+    sub->add_option("--candidates", o->q.train.candidates,
+                    "Which candidates to build: targets (those some recipe under the targets could use: a few per tensor "
+                    "probed first, the others predicted; train/prune.h) or all (every type of every menu; what "
+                    "--greedy-peer needs, and implies)")
+        ->capture_default_str()->check(CLI::IsMember({"targets", "all"}));
     sub->add_option("--candidates-on", o->q.train.candidates_on, "Fused path: where the candidates live: gpu, host (pinned host memory, each layer moved to the GPU ahead of use) or auto (the GPU while they fit beside the teacher)")->capture_default_str()->check(CLI::IsMember({"gpu", "host", "auto"}));
     sub->add_option("--mixture", o->q.train.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();

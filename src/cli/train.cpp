@@ -5,6 +5,7 @@
 #include "eval/speed_table.h"
 #include "pipeline/dry_run.h"
 #include "pipeline/quantize.h"
+#include "train/prune.h"
 #include "train/trainer.h"
 
 #include <fmt/format.h>
@@ -30,6 +31,7 @@ command add_train(CLI::App & app) {
     struct options {
         std::string model, data, out, imatrix, teacher, menu, cache, target_size, json;
         std::vector<std::string> menu_for;
+        std::vector<std::string> prune_for;
         double target_bpw = 0, ratio = 0;
         bool allow_requantize = false;
         bool dry_run = false;
@@ -95,6 +97,13 @@ command add_train(CLI::App & app) {
                   "Accept an already quantized source (as llama-quantize): it is also the teacher");
     add_json_option(sub, o->json, "The result (recipe, bytes against the limit, the final selection's measurements)");
     sub->add_option("--device", o->t.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
+    sub->add_option("--candidates", o->t.candidates,
+                    "Which candidates to build: targets (those some recipe under the targets could use: a few per tensor "
+                    "probed first, the others predicted; train/prune.h) or all (every type of every menu)")
+        ->capture_default_str()->check(CLI::IsMember({"targets", "all"}));
+    sub->add_option("--prune-for", o->prune_for,
+                    "More targets the candidates are built for (bpw=X, size=BYTES or ratio=X, comma-separated): a "
+                    "ladder's other sizes, so that its sizes share their candidates and probe")->delimiter(',');
     sub->add_option("--candidates-on", o->t.candidates_on, "Fused path: where the candidates live: gpu, host (pinned host memory, each layer moved to the GPU ahead of use) or auto (the GPU while they fit beside the teacher)")->capture_default_str()->check(CLI::IsMember({"gpu", "host", "auto"}));
     sub->add_option("--mixture", o->t.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
@@ -116,6 +125,9 @@ command add_train(CLI::App & app) {
         }
         for (const auto & spec : o->menu_for) {
             t.menu.per_role.push_back(parse_menu_for(spec));
+        }
+        for (const std::string & g : o->prune_for) {
+            t.prune_goals.push_back(parse_target_spec(g, "--prune-for"));
         }
         t.run_dir = o->out;
         t.cache_dir = o->cache;

@@ -226,7 +226,7 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
     }
     plan["candidates"] = {{"count", count}, {"bytes", bytes}, {"in_cache", in_cache}, {"in_cache_bytes", in_cache_bytes},
                           {"to_build", to_build}, {"to_build_bytes", to_build_bytes}, {"cache_dir", in.cache_dir},
-                          {"cache_known", imatrix_known}};
+                          {"cache_known", imatrix_known}, {"pruned_for_targets", in.train.candidates == "targets"}};
 
     // Sizes: the range the menus reach and each target in it.
     // Each target's range is make_budget's for that very target: the header holds the target's text
@@ -434,6 +434,11 @@ std::string dry_run_to_text(const nlohmann::json & p) {
                      c["count"].get<int64_t>(), dry_bytes_text(c["bytes"].get<double>()), c["to_build"].get<int64_t>(),
                      dry_bytes_text(c["to_build_bytes"].get<double>()), c["cache_dir"].get<std::string>(),
                      c["in_cache"].get<int64_t>(), dry_bytes_text(c["in_cache_bytes"].get<double>()));
+    if (c.value("pruned_for_targets", false)) {
+        s += "  (at most: with --candidates targets, the default, a few types per tensor are built and probed first and "
+             "only the others some recipe under the targets could use are built; the times and GPU memory below are for "
+             "every candidate)\n";
+    }
     if (!c["cache_known"].get<bool>()) {
         s += "  (no imatrix yet: a candidate's cache key holds its importance, so none can be counted as built)\n";
     }

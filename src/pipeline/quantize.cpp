@@ -200,6 +200,10 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
         args.insert(args.end(), {"--mixture", t.mixture});
     }
     args.insert(args.end(), {"--candidates-on", t.candidates_on});
+    args.insert(args.end(), {"--candidates", t.candidates});
+    for (const target & g : t.prune_goals) {
+        args.insert(args.end(), {"--prune-for", g.str()});
+    }
     if (t.resume) {
         args.push_back("--resume");
     }
@@ -408,6 +412,13 @@ nlohmann::json run_inputs(const train_options & t, const std::string & model, co
             {"probe_sequences", t.probe_sequences}, {"probe_anchors", t.probe_anchors},
             {"probe_compute", t.probe_compute}, {"compute", t.compute}, {"select_sequences", t.select_sequences},
             {"seed", t.seed}, {"smaller_sizes", priors}};
+    if (t.candidates != "all") {  // only when pruning: earlier work folders (every candidate built) stay valid
+        nlohmann::json goals = nlohmann::json::array();
+        for (const target & g : t.prune_goals) {
+            goals.push_back(g.str());
+        }
+        in["candidates"] = {{"for", goals}};
+    }
     if (t.max_token_seconds > 0) {
         in["max_token_seconds"] = t.max_token_seconds;  // only when set: earlier work folders stay valid
     }
@@ -868,6 +879,13 @@ quantize_result run_quantize(const quantize_options & opts) {
     const bool ladder = rungs.size() > 1;
 
     train_options t = o.train;
+    if (o.greedy_peer && t.candidates != "all") {
+        stage("candidates", "every type of every menu (--greedy-peer measures each tensor alone at each type)");
+        t.candidates = "all";
+    }
+    for (const rung & g : rungs) {  // every size builds the candidates of all, so they share them and one probe
+        t.prune_goals.push_back(g.goal);
+    }
     t.cache_dir = (fs::path(work) / "candidates").string();
     t.probe_file = (fs::path(work) / "probe.json").string();
     t.imatrix_path = imatrix_path;

@@ -6,6 +6,7 @@
 #include "model/replaced_weight.h"
 #include "common/file.h"
 #include "common/progress.h"
+#include "common/units.h"
 #include "data/token_file.h"
 #include "data/vocab.h"
 #include "ggml/quant.h"
@@ -16,6 +17,7 @@
 #include "train/journal.h"
 #include "train/loss.h"
 #include "train/probe.h"
+#include "train/prune.h"
 
 #include <torch/torch.h>
 
@@ -454,12 +456,16 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     if (importance) {
         menu.importance = importance;
     }
-    const std::vector<tensor_menu> menus = build_menus(src, menu);
+    if (o.candidates != "targets" && o.candidates != "all") {
+        fail("--candidates '{}': expected targets (build what the targets can use) or all (every type of every menu)",
+             o.candidates);
+    }
+    const std::vector<tensor_menu> all_menus = build_menus(src, menu);
     // The budget counts the header export will write: the same metadata, imatrix keys included.
     export_options eopts = o.export_opts;
     eopts.importance = importance;
     eopts.target = o.goal.str();
-    const budget b = make_budget(src, menus, o.goal, eopts);
+    make_budget(src, all_menus, o.goal, eopts);  // a target the menus cannot reach is refused before any work
 
     fs::create_directories(o.run_dir);
     const std::string journal_path = (fs::path(o.run_dir) / "journal.pt").string();
@@ -472,20 +478,165 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         fail("--resume: no journal in '{}' (journal.pt); start without --resume", o.run_dir);
     }
 
-    // Where the fused path's candidates live, and whether the model fits at all: decided before any work.
-    std::vector<bool> on_host(menus.size(), false);
+    // Whether the teacher fits the GPU at all: decided before any work.
+    int64_t teacher_bytes = 0;
+    for (const gguf_tensor & t : teacher.tensors()) {
+        teacher_bytes += t.n_elements() * (t.n_dims >= 2 ? 2 : 4);
+    }
+    const auto gib = [](int64_t n) { return static_cast<double>(n) / 1073741824.0; };
     if (path == mixture_path::fused) {
-        int64_t teacher_bytes = 0;
-        for (const gguf_tensor & t : teacher.tensors()) {
-            teacher_bytes += t.n_elements() * (t.n_dims >= 2 ? 2 : 4);
-        }
-        const residency_plan plan = plan_residency(menus, o.candidates_on, device_total_memory(device), teacher_bytes);
-        const auto gib = [](int64_t b) { return static_cast<double>(b) / 1073741824.0; };
+        const residency_plan plan = plan_residency(all_menus, o.candidates_on, device_total_memory(device), teacher_bytes);
         if (!plan.teacher_fits) {
             fail("the teacher's weights in bf16 ({:.1f} GiB) and the activations' reserve ({:.1f} GiB) do not fit {} "
                  "({:.1f} GiB): a larger GPU, or several (issue #17: not built yet), is what would work",
                  gib(teacher_bytes), gib(plan.reserve), device.str(), gib(plan.device_bytes));
         }
+    }
+
+    const int n_threads = resolve_threads(o.threads);
+    torch::set_num_threads(n_threads);
+    const candidate_cache cache(o.cache_dir.empty() ? (fs::path(o.run_dir) / "candidates").string() : o.cache_dir);
+    // On a GPU: bf16 compute, the teacher's matrices resident in bf16, the candidates resident as the path
+    // wants them (quantized bytes for fused, dense bf16 for reference).
+    const torch::ScalarType compute = o.compute == "f32"    ? torch::kFloat
+                                      : o.compute == "bf16" ? torch::kBFloat16
+                                      : device.is_cuda()    ? torch::kBFloat16
+                                                            : torch::kFloat;
+    std::unique_ptr<causal_lm> model = build_model(src);
+    model->set_compute_dtype(compute);
+    // On a GPU the matrices stay in bf16 (converted where an f32 forward uses them: exact for a BF16 source).
+    const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(torch::kBFloat16) : std::nullopt;
+    gguf_weights dense(src, device, 0, keep);
+    gguf_weights teacher_weights(teacher, device, 0, keep);
+    const int64_t loss_chunk = o.loss_chunk > 0 ? o.loss_chunk : distill_chunk(model->hparams().n_vocab);
+    const int64_t n_chunks = train.n_chunks();
+    // The first `len` tokens of the given chunks of `file`, [chunks, len] int64 on the device.
+    auto tokens_of = [&](const token_file & file, const std::vector<int64_t> & chunks, int64_t len) {
+        auto tokens = torch::empty({static_cast<int64_t>(chunks.size()), len}, torch::kLong);
+        auto acc = tokens.accessor<int64_t, 2>();
+        for (size_t j = 0; j < chunks.size(); ++j) {
+            const auto c = file.chunk(chunks[j]);
+            for (int64_t p = 0; p < len; ++p) {
+                acc[static_cast<int64_t>(j)][p] = c[static_cast<size_t>(p)];
+            }
+        }
+        return tokens.to(device);
+    };
+    auto chunk_tokens = [&](const std::vector<int64_t> & chunks) { return tokens_of(train, chunks, seq); };
+    const std::vector<int64_t> order0 = epoch_order(n_chunks, o.seed, 0);
+    const std::vector<int64_t> probe_chunks(order0.begin(), order0.begin() + std::min<int64_t>(o.probe_sequences, n_chunks));
+    // Whole chunks, whatever --seq the training uses: the probe and the selection judge the context the
+    // model will serve, not the training's shorter windows.
+    const torch::Tensor probe_tokens = tokens_of(train, probe_chunks, train.ctx());
+    const std::string probe_path = o.probe_file.empty() ? (fs::path(o.run_dir) / "probe.json").string() : o.probe_file;
+    const torch::ScalarType probe_dtype = o.probe_compute == "bf16" ? torch::kBFloat16 : torch::kFloat;
+    auto check_finite = [&](const std::vector<gated_tensor> & g, const std::vector<std::vector<double>> & s,
+                            const std::vector<std::vector<bool>> & plan) {
+        for (size_t i = 0; i < g.size(); ++i) {
+            for (size_t k = 0; k < g[i].types.size(); ++k) {
+                if (plan[i][k] && !std::isfinite(s[i][k])) {
+                    fail("the loss is not finite: the KL probe of tensor '{}' as {} gives {} (every tensor does when the "
+                         "teacher's or the source's own logits are not finite); nothing was trained and {}",
+                         g[i].tensor->name, type_name(g[i].types[k]), s[i][k],
+                         o.resume ? fmt::format("the last good journal is kept in '{}'", o.run_dir)
+                                  : fmt::format("'{}' holds no journal", o.run_dir));
+                }
+            }
+        }
+    };
+
+    // The candidates: every type of every menu (--candidates all), or only those some recipe under the targets could
+    // use (train/prune.h): the eager types built and probed first, the others predicted, the exact knapsack solved
+    // at every target with the unbuilt types optimistic.
+    std::vector<tensor_menu> menus = all_menus;
+    std::map<std::pair<std::string, ggml_type>, double> eager_kl;  // the eager probe's ΔKL, by (tensor, type)
+    if (o.candidates == "targets") {
+        const auto t0 = std::chrono::steady_clock::now();
+        const prune_options po;
+        const std::vector<std::vector<double>> err_hat = sampled_weighted_errors(src, all_menus, importance, po, n_threads);
+        const std::vector<std::vector<bool>> eager = eager_types(all_menus, err_hat, po);
+        std::vector<tensor_menu> eager_menus = pruned_menus(all_menus, eager);
+        std::vector<gated_tensor> eg = build_candidates(src, eager_menus, importance, cache, n_threads);
+        const std::string eager_path = (fs::path(probe_path).parent_path() /
+                                        (fs::path(probe_path).stem().string() + ".eager.json")).string();
+        const std::string eager_id = probe_identity(eg, probe_tokens, probe_dtype, po.eager);
+        std::vector<std::vector<double>> es = load_probe(eager_path, eager_id, eg);
+        if (es.empty()) {
+            std::vector<std::vector<bool>> plan(eg.size());
+            for (size_t i = 0; i < eg.size(); ++i) {
+                for (size_t k = 0; k < eg[i].types.size(); ++k) {
+                    plan[i].push_back(eg[i].types[k] != eg[i].tensor->type);
+                }
+            }
+            es = probe_sensitivity(*model, dense, teacher_weights, eg, probe_tokens, device, loss_chunk, probe_dtype, &plan);
+            check_finite(eg, es, plan);
+            for (size_t i = 0; i < eg.size(); ++i) {
+                for (size_t k = 0; k < eg[i].types.size(); ++k) {
+                    es[i][k] = plan[i][k] ? es[i][k] : 0.0;  // the source's own bytes: ΔKL 0
+                }
+            }
+            save_probe(eager_path, eager_id, eg, es);
+        } else {
+            fmt::print(stderr, "probe of the eager candidates: {} (reused)\n", eager_path);
+        }
+        std::vector<std::vector<double>> measured(all_menus.size());
+        for (size_t i = 0; i < all_menus.size(); ++i) {
+            measured[i].assign(all_menus[i].types.size(), std::numeric_limits<double>::quiet_NaN());
+            for (size_t k = 0, e = 0; k < all_menus[i].types.size(); ++k) {
+                if (eager[i][k]) {
+                    measured[i][k] = es[i][e++];
+                    eager_kl[{all_menus[i].tensor->name, all_menus[i].types[k]}] = measured[i][k];
+                }
+            }
+        }
+        // The targets: this run's, and a ladder's every size, so that its sizes build and probe the same candidates.
+        std::vector<budget> budgets;
+        std::vector<target> goals = o.prune_goals;
+        goals.push_back(o.goal);
+        std::sort(goals.begin(), goals.end(), [](const target & x, const target & y) { return x.str() < y.str(); });
+        goals.erase(std::unique(goals.begin(), goals.end(), [](const target & x, const target & y) { return x.str() == y.str(); }),
+                    goals.end());
+        for (const target & g : goals) {
+            export_options eg_opts = eopts;
+            eg_opts.target = g.str();
+            budget bg = make_budget(src, all_menus, g, eg_opts, /*check_range =*/false);
+            if (bg.limit >= bg.min_total) {
+                budgets.push_back(std::move(bg));
+            }
+        }
+        std::vector<std::vector<bool>> also(all_menus.size());
+        for (size_t i = 0; i < all_menus.size(); ++i) {
+            also[i].assign(all_menus[i].types.size(), false);
+        }
+        for (const std::string & path : o.prior_recipes) {  // a smaller size's recipe stays a candidate of the selection
+            if (!fs::exists(path)) {
+                continue;
+            }
+            std::map<std::string, ggml_type> type_of;
+            for (const recipe_tensor & t : recipe_load(path).tensors) {
+                type_of[t.name] = t.type;
+            }
+            for (size_t i = 0; i < all_menus.size(); ++i) {
+                const auto it = type_of.find(all_menus[i].tensor->name);
+                for (size_t k = 0; it != type_of.end() && k < all_menus[i].types.size(); ++k) {
+                    also[i][k] = also[i][k] || all_menus[i].types[k] == it->second;
+                }
+            }
+        }
+        const prune_plan pp = plan_pruning(all_menus, err_hat, measured, eager, budgets, also, po);
+        menus = pruned_menus(all_menus, pp.keep);
+        fmt::print(stderr, "candidates for {} target{}: {} of {} ({:.1f} of {:.1f} MiB; the others cannot be chosen unless "
+                           "their ΔKL is outside {} to {} times its prediction) in {:.1f} s\n",
+                   budgets.size(), budgets.size() == 1 ? "" : "s", pp.kept, pp.total, pp.kept_bytes / k_mib,
+                   pp.total_bytes / k_mib, po.margin, 1.0 / po.margin,
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+    const budget b = make_budget(src, menus, o.goal, eopts);
+
+    // Where the fused path's candidates live, and whether they fit: decided before they are built.
+    std::vector<bool> on_host(menus.size(), false);
+    if (path == mixture_path::fused) {
+        const residency_plan plan = plan_residency(menus, o.candidates_on, device_total_memory(device), teacher_bytes);
         // Every candidate's bytes stay in host memory too (export and the probe read them): the pinned copies come on
         // top of them.
         const int64_t host_total = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGE_SIZE));
@@ -504,22 +655,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         on_host = plan.on_host;
     }
 
-    const int n_threads = resolve_threads(o.threads);
-    torch::set_num_threads(n_threads);
-    const candidate_cache cache(o.cache_dir.empty() ? (fs::path(o.run_dir) / "candidates").string() : o.cache_dir);
     std::vector<gated_tensor> gated = build_candidates(src, menus, importance, cache, n_threads);
-    // On a GPU: bf16 compute, the teacher's matrices resident in bf16, the candidates resident as the path
-    // wants them (quantized bytes for fused, dense bf16 for reference).
-    const torch::ScalarType compute = o.compute == "f32"    ? torch::kFloat
-                                      : o.compute == "bf16" ? torch::kBFloat16
-                                      : device.is_cuda()    ? torch::kBFloat16
-                                                            : torch::kFloat;
-    std::unique_ptr<causal_lm> model = build_model(src);
-    model->set_compute_dtype(compute);
-    // On a GPU the matrices stay in bf16 (converted where an f32 forward uses them: exact for a BF16 source).
-    const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(torch::kBFloat16) : std::nullopt;
-    gguf_weights dense(src, device, 0, keep);
-    gguf_weights teacher_weights(teacher, device, 0, keep);
     // When the teacher is the source file, its resident bf16 matrices stand in for the BF16/F16 candidates
     // that equal them (fused path): those candidates then cost no GPU memory of their own.
     const bool share = path == mixture_path::fused && compute == torch::kBFloat16 && same_file(src.path(), teacher.path());
@@ -550,53 +686,49 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const torch::Tensor source = share && sixteen ? teacher_weights.get(g.tensor->name) : torch::Tensor();
         candidate_device_bytes += place_candidates(g, path, device, compute, torch::kBFloat16 == compute ? compute : torch::kFloat, source);
     }
-    const int64_t loss_chunk = o.loss_chunk > 0 ? o.loss_chunk : distill_chunk(model->hparams().n_vocab);
-    const int64_t n_chunks = train.n_chunks();
-    // The first `len` tokens of the given chunks of `file`, [chunks, len] int64 on the device.
-    auto tokens_of = [&](const token_file & file, const std::vector<int64_t> & chunks, int64_t len) {
-        auto tokens = torch::empty({static_cast<int64_t>(chunks.size()), len}, torch::kLong);
-        auto acc = tokens.accessor<int64_t, 2>();
-        for (size_t j = 0; j < chunks.size(); ++j) {
-            const auto c = file.chunk(chunks[j]);
-            for (int64_t p = 0; p < len; ++p) {
-                acc[static_cast<int64_t>(j)][p] = c[static_cast<size_t>(p)];
-            }
-        }
-        return tokens.to(device);
-    };
-    auto chunk_tokens = [&](const std::vector<int64_t> & chunks) { return tokens_of(train, chunks, seq); };
 
     // Sensitivities (kept in the probe file, shared by the sizes of a ladder), and the allocation they
     // suggest: the least total ΔKL under the budget (allocate_exact). The gates start there.
-    const std::vector<int64_t> order0 = epoch_order(n_chunks, o.seed, 0);
-    const std::vector<int64_t> probe_chunks(order0.begin(), order0.begin() + std::min<int64_t>(o.probe_sequences, n_chunks));
-    // Whole chunks, whatever --seq the training uses: the probe and the selection judge the context the
-    // model will serve, not the training's shorter windows.
-    const torch::Tensor probe_tokens = tokens_of(train, probe_chunks, train.ctx());
-    const std::string probe_path = o.probe_file.empty() ? (fs::path(o.run_dir) / "probe.json").string() : o.probe_file;
-    const torch::ScalarType probe_dtype = o.probe_compute == "bf16" ? torch::kBFloat16 : torch::kFloat;
     const std::string probe_id = probe_identity(gated, probe_tokens, probe_dtype, o.probe_anchors);
     std::vector<std::vector<double>> sens = load_probe(probe_path, probe_id, gated);
     if (sens.empty()) {
         // Every candidate equal to the source (E = 0) has ΔKL 0 without a forward; with --probe-anchors N only N
-        // types per tensor are measured and the rest predicted from their importance-weighted error.
+        // types per tensor are measured and the rest predicted from their importance-weighted error. What the
+        // eager probe measured is not measured again; with anchors, the eager types are the anchors.
         const std::vector<std::vector<double>> err = weighted_errors(dense, gated, importance, device);
-        const std::vector<std::vector<bool>> plan = anchor_plan(gated, err, o.probe_anchors);
-        sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk, probe_dtype,
-                                 &plan);
+        std::vector<std::vector<bool>> plan = anchor_plan(gated, err, o.probe_anchors);
+        std::vector<std::vector<bool>> measured_mask = plan;
+        std::vector<std::vector<double>> known(gated.size());
         for (size_t i = 0; i < gated.size(); ++i) {
+            known[i].assign(gated[i].types.size(), std::numeric_limits<double>::quiet_NaN());
+            bool any = false;
             for (size_t k = 0; k < gated[i].types.size(); ++k) {
-                if (plan[i][k] && !std::isfinite(sens[i][k])) {
-                    fail("the loss is not finite: the KL probe of tensor '{}' as {} gives {} (every tensor does when the "
-                         "teacher's or the source's own logits are not finite); nothing was trained and {}",
-                         gated[i].tensor->name, type_name(gated[i].types[k]), sens[i][k],
-                         o.resume ? fmt::format("the last good journal is kept in '{}'", o.run_dir)
-                                  : fmt::format("'{}' holds no journal", o.run_dir));
+                const auto it = eager_kl.find({gated[i].tensor->name, gated[i].types[k]});
+                if (it != eager_kl.end() && err[i][k] > 0) {
+                    known[i][k] = it->second;
+                    any = true;
+                }
+            }
+            for (size_t k = 0; any && k < gated[i].types.size(); ++k) {
+                if (!std::isnan(known[i][k]) || o.probe_anchors > 0) {
+                    measured_mask[i][k] = !std::isnan(known[i][k]);
+                    plan[i][k] = false;
                 }
             }
         }
+        sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk, probe_dtype,
+                                 &plan);
+        check_finite(gated, sens, plan);
+        for (size_t i = 0; i < gated.size(); ++i) {
+            for (size_t k = 0; k < gated[i].types.size(); ++k) {
+                if (!std::isnan(known[i][k])) {
+                    sens[i][k] = known[i][k];
+                }
+                measured_mask[i][k] = measured_mask[i][k] || plan[i][k];
+            }
+        }
         predict_from_anchors(gated, err, sens);
-        save_probe(probe_path, probe_id, gated, sens, &plan);
+        save_probe(probe_path, probe_id, gated, sens, &measured_mask);
     } else {
         fmt::print(stderr, "probe: {} (reused)\n", probe_path);
     }
@@ -794,6 +926,21 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     res.device = device.str();
     res.mixture = mixture_path_name(path);
     res.candidate_device_bytes = candidate_device_bytes;
+    for (size_t i = 0; i < all_menus.size(); ++i) {
+        for (const ggml_type type : all_menus[i].types) {
+            const double n = static_cast<double>(tensor_bytes(type, all_menus[i].tensor->shape(), all_menus[i].tensor->name));
+            const bool built = std::find(menus[i].types.begin(), menus[i].types.end(), type) != menus[i].types.end();
+            res.candidates_in_menus += 1;
+            res.candidate_bytes_in_menus += n;
+            res.candidates_built += built;
+            res.candidate_bytes_built += built ? n : 0.0;
+        }
+    }
+    if (res.candidates_built < res.candidates_in_menus) {
+        res.summary += fmt::format("  candidates built for the targets: {} of {} ({:.1f} of {:.1f} MiB; --candidates all builds every one)\n",
+                                   res.candidates_built, res.candidates_in_menus, res.candidate_bytes_built / 1048576.0,
+                                   res.candidate_bytes_in_menus / 1048576.0);
+    }
     res.candidate_host_bytes = candidate_host_bytes;
     res.stream_stats = candidate_stream_statistics(stream);
     if (stream) {

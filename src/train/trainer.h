@@ -60,6 +60,10 @@ struct train_options {
     int threads = 0;                    // 0 = every core
     std::string device = "cpu";         // "cpu", "cuda" or "cuda:N" (CUDA builds): where the student trains
     std::string mixture;                // "fused", "reference" or "cpu" ("" = fused on CUDA, cpu on the CPU)
+    std::string candidates = "targets"; // "targets": build only the candidates some recipe under the targets could use
+                                        // (train/prune.h); "all": every type of every menu
+    std::vector<target> prune_goals;    // the targets "targets" keeps candidates for (empty = goal alone): a ladder's
+                                        // every size, so that its sizes share one set of candidates and one probe
     std::string candidates_on = "auto"; // fused path: "gpu", "host" (pinned, streamed ahead of use) or "auto" (the GPU
                                         // while they fit beside the teacher; gated.h candidate_residency)
     int64_t loss_chunk = 0;             // positions per chunk of the CE/KL over the vocabulary (0 = ~512 MB of logits)
@@ -92,6 +96,9 @@ struct train_result {
     std::string device;                 // where it trained, and how the mixture was formed
     std::string mixture;
     int64_t candidate_device_bytes = 0; // what the candidates took on the device (0 on the cpu path)
+    int64_t candidates_built = 0;       // (tensor, type) pairs built and trained, of
+    int64_t candidates_in_menus = 0;    //   every type of every menu (equal with --candidates all)
+    double candidate_bytes_built = 0, candidate_bytes_in_menus = 0;
     int64_t candidate_host_bytes = 0;   // host-resident candidates' pinned bytes (fused path, candidates_on)
     candidate_stream_stats stream_stats; // what their stream copied
 };

@@ -1,0 +1,344 @@
+#include "train/prune.h"
+
+#include "common/error.h"
+#include "common/progress.h"
+#include "ggml/quant.h"
+#include "ggml/types.h"
+#include "train/candidates.h"
+#include "train/gated.h"
+#include "train/probe.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <thread>
+
+namespace voodoo {
+
+namespace {
+
+bool is_float(ggml_type t) { return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16; }
+
+// n of `live` (indices into e) spread evenly in log e from the largest (anchor_plan's rule); all when n ≥ size.
+std::vector<size_t> spread_in_log(std::vector<size_t> live, const std::vector<double> & e, int n) {
+    std::stable_sort(live.begin(), live.end(), [&](size_t x, size_t y) { return e[x] > e[y]; });
+    if (n <= 0 || static_cast<size_t>(n) >= live.size()) {
+        return live;
+    }
+    const double hi = std::log(e[live.front()]), lo = std::log(e[live.back()]);
+    std::vector<bool> used(live.size(), false);
+    std::vector<size_t> out;
+    for (int a = 0; a < n; ++a) {
+        const double want = n == 1 ? hi : hi + (lo - hi) * a / (n - 1);
+        size_t best = live.size();
+        for (size_t j = 0; j < live.size(); ++j) {
+            if (!used[j] && (best == live.size() ||
+                             std::abs(std::log(e[live[j]]) - want) < std::abs(std::log(e[live[best]]) - want))) {
+                best = j;
+            }
+        }
+        used[best] = true;
+        out.push_back(live[best]);
+    }
+    return out;
+}
+
+}  // namespace
+
+bool lattice_quantizer(ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_IQ1_S:
+        case GGML_TYPE_IQ1_M:
+        case GGML_TYPE_IQ2_XXS:
+        case GGML_TYPE_IQ2_XS:
+        case GGML_TYPE_IQ2_S:
+        case GGML_TYPE_IQ3_XXS:
+        case GGML_TYPE_IQ3_S: return true;
+        default: return false;
+    }
+}
+
+std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, const std::vector<tensor_menu> & menus,
+                                                         const importance_map * importance, const prune_options & o,
+                                                         int n_threads) {
+    // The sampled rows of every tensor in f32, with their expert's importance: one pass over the source.
+    struct sample {
+        std::vector<int64_t> rows;      // row indices (over experts × rows per expert)
+        std::vector<float> f32;         // [rows.size(), ne0]
+        std::span<const float> imp;     // ne0 · experts, or empty
+        double scale = 1;               // R / n
+    };
+    std::vector<sample> samples(menus.size());
+    for (size_t i = 0; i < menus.size(); ++i) {
+        const gguf_tensor & t = *menus[i].tensor;
+        const int64_t R = t.n_rows(), ne0 = t.ne[0];
+        const int64_t n = std::min(R, std::max(o.min_sample_rows, R / std::max<int64_t>(1, o.sample_divisor)));
+        sample & s = samples[i];
+        s.imp = importance_for(importance, t);
+        s.scale = static_cast<double>(R) / static_cast<double>(n);
+        const auto data = src.data(t);
+        const size_t row_bytes = t.n_bytes / static_cast<size_t>(R);
+        s.f32.resize(static_cast<size_t>(n * ne0));
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t r = (2 * j + 1) * R / (2 * n);  // the middle of the j-th of n equal spans
+            s.rows.push_back(r);
+            dequantize_into(t.type, data.subspan(static_cast<size_t>(r) * row_bytes, row_bytes), ne0,
+                            std::span<float>(s.f32).subspan(static_cast<size_t>(j * ne0), static_cast<size_t>(ne0)), 1, t.name);
+        }
+    }
+    std::vector<std::vector<double>> out(menus.size());
+    std::vector<std::pair<size_t, size_t>> jobs;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        out[i].assign(menus[i].types.size(), 0.0);
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            if (menus[i].types[k] != menus[i].tensor->type) {
+                jobs.emplace_back(i, k);
+            }
+        }
+    }
+    progress bar("sampled errors", static_cast<int64_t>(jobs.size()), "cand");
+    std::atomic<size_t> next{0};
+    std::exception_ptr failure;
+    std::mutex failure_mutex;
+    auto work = [&] {
+        std::vector<float> back;
+        for (size_t j; (j = next++) < jobs.size();) {
+            const auto [i, k] = jobs[j];
+            try {
+                const gguf_tensor & t = *menus[i].tensor;
+                const sample & s = samples[i];
+                const int64_t ne0 = t.ne[0], per_expert = t.ne[1];
+                const ggml_type type = menus[i].types[k];
+                double sum = 0;
+                back.resize(static_cast<size_t>(ne0));
+                for (size_t r = 0; r < s.rows.size(); ++r) {
+                    const std::span<const float> row = std::span<const float>(s.f32).subspan(r * static_cast<size_t>(ne0), static_cast<size_t>(ne0));
+                    const std::span<const float> imp =
+                        s.imp.empty() ? s.imp : s.imp.subspan(static_cast<size_t>(s.rows[r] / per_expert * ne0), static_cast<size_t>(ne0));
+                    const std::vector<uint8_t> q = quantize(type, row, ne0, imp, 1, t.name);
+                    dequantize_into(type, q, ne0, back, 1, t.name);
+                    for (int64_t c = 0; c < ne0; ++c) {
+                        const double d = static_cast<double>(back[static_cast<size_t>(c)]) - row[static_cast<size_t>(c)];
+                        sum += (imp.empty() ? 1.0 : imp[static_cast<size_t>(c)]) * d * d;
+                    }
+                }
+                out[i][k] = sum * s.scale;
+            } catch (...) {
+                std::lock_guard<std::mutex> lock(failure_mutex);
+                failure = std::current_exception();
+                next = jobs.size();
+            }
+            bar.add(1);
+        }
+    };
+    std::vector<std::thread> pool;
+    for (int t = 0; t < std::min<int>(resolve_threads(n_threads), static_cast<int>(std::max<size_t>(1, jobs.size()))); ++t) {
+        pool.emplace_back(work);
+    }
+    for (std::thread & t : pool) {
+        t.join();
+    }
+    bar.finish();
+    if (failure) {
+        std::rethrow_exception(failure);
+    }
+    return out;
+}
+
+std::vector<std::vector<bool>> eager_types(const std::vector<tensor_menu> & menus,
+                                           const std::vector<std::vector<double>> & err_hat, const prune_options & o) {
+    std::vector<std::vector<bool>> eager;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        const std::vector<ggml_type> & types = menus[i].types;
+        const std::vector<double> & e = err_hat[i];
+        std::vector<bool> row(types.size(), types.size() < o.min_menu);
+        if (types.size() >= o.min_menu) {
+            std::vector<size_t> fast, block, any;
+            for (size_t k = 0; k < types.size(); ++k) {
+                if (e[k] > 0) {
+                    any.push_back(k);
+                    if (!is_float(types[k])) {
+                        block.push_back(k);
+                        if (!lattice_quantizer(types[k])) {
+                            fast.push_back(k);
+                        }
+                    }
+                }
+            }
+            const std::vector<size_t> & live = !fast.empty() ? fast : !block.empty() ? block : any;
+            for (size_t k : spread_in_log(live, e, std::max(1, o.eager))) {
+                row[k] = true;
+            }
+        }
+        eager.push_back(std::move(row));
+    }
+    return eager;
+}
+
+namespace {
+
+// The Lagrangian choice of every tensor at multiplier λ (argmin_k loss_k + λ · cost_k; ties to the cheaper) and its
+// total bytes.
+double lagrangian_total(const budget & b, const std::vector<std::vector<double>> & loss, double lambda) {
+    double total = b.fixed;
+    for (size_t i = 0; i < loss.size(); ++i) {
+        size_t best = 0;
+        for (size_t k = 1; k < loss[i].size(); ++k) {
+            const double v = loss[i][k] + lambda * b.cost[i][k], w = loss[i][best] + lambda * b.cost[i][best];
+            if (v < w || (v == w && b.cost[i][k] < b.cost[i][best])) {
+                best = k;
+            }
+        }
+        total += b.cost[i][best];
+    }
+    return total;
+}
+
+// The least λ (loss per byte) whose Lagrangian choice fits the budget: bisection in log λ (the total falls as λ grows).
+double budget_multiplier(const budget & b, const std::vector<std::vector<double>> & loss) {
+    double lo = -80, hi = 80;  // ln λ
+    if (lagrangian_total(b, loss, std::exp(lo)) <= b.limit) {
+        return std::exp(lo);
+    }
+    for (int it = 0; it < 200; ++it) {
+        const double mid = 0.5 * (lo + hi);
+        (lagrangian_total(b, loss, std::exp(mid)) <= b.limit ? hi : lo) = mid;
+    }
+    return std::exp(hi);
+}
+
+}  // namespace
+
+prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vector<std::vector<double>> & err_hat,
+                        const std::vector<std::vector<double>> & measured, const std::vector<std::vector<bool>> & eager,
+                        const std::vector<budget> & budgets, const std::vector<std::vector<bool>> & also,
+                        const prune_options & o) {
+    if (!(o.margin > 0 && o.margin <= 1)) {
+        fail("candidate pruning: the margin must be in (0, 1] (got {})", o.margin);
+    }
+    std::vector<gated_tensor> light(menus.size());
+    for (size_t i = 0; i < menus.size(); ++i) {
+        light[i].tensor = menus[i].tensor;
+        light[i].types = menus[i].types;
+    }
+    prune_plan p;
+    p.predicted = measured;
+    predict_from_anchors(light, err_hat, p.predicted);
+    // Each unbuilt type's ΔKL lies in [margin · prediction, prediction / margin]; a measured one's, and the source's
+    // own type's (0: its bytes are copied), are known.
+    std::vector<std::vector<double>> lower = p.predicted, upper = p.predicted;
+    std::vector<std::vector<bool>> known(menus.size());
+    for (size_t i = 0; i < menus.size(); ++i) {
+        for (size_t k = 0; k < lower[i].size(); ++k) {
+            known[i].push_back(!std::isnan(measured[i][k]) || menus[i].types[k] == menus[i].tensor->type);
+            if (!known[i][k]) {
+                lower[i][k] *= o.margin;
+                upper[i][k] /= o.margin;
+            }
+        }
+    }
+    p.keep = eager;
+    for (size_t i = 0; i < also.size() && i < p.keep.size(); ++i) {
+        for (size_t k = 0; k < also[i].size() && k < p.keep[i].size(); ++k) {
+            p.keep[i][k] = p.keep[i][k] || also[i][k];
+        }
+    }
+    for (const budget & b : budgets) {
+        // The exact knapsack on the predictions, and its neighbours in the menu.
+        const std::vector<int> choice = allocate_exact(b, p.predicted);
+        for (size_t i = 0; i < menus.size(); ++i) {
+            const int n = static_cast<int>(menus[i].types.size());
+            for (int k = std::max(0, choice[i] - o.neighbours); k <= std::min(n - 1, choice[i] + o.neighbours); ++k) {
+                p.keep[i][static_cast<size_t>(k)] = true;
+            }
+        }
+        // Every type that is the Lagrangian choice of its tensor for some ΔKL within the bounds at some multiplier the
+        // budget can have: λ from the budget's multipliers of the three tables (lower, predicted, upper), each way
+        // widened by o.widen.
+        double la = budget_multiplier(b, p.predicted), lb = la;
+        for (const auto * t : {&lower, &upper}) {
+            const double l = budget_multiplier(b, *t);
+            la = std::min(la, l);
+            lb = std::max(lb, l);
+        }
+        la /= o.widen;
+        lb *= o.widen;
+        for (size_t i = 0; i < menus.size(); ++i) {
+            const std::vector<double> & c = b.cost[i];
+            for (size_t k = 0; k < c.size(); ++k) {
+                double L = la, U = lb;  // λ with lower_k + λ c_k ≤ upper_j + λ c_j for every j
+                for (size_t j = 0; j < c.size() && L <= U; ++j) {
+                    if (j == k) {
+                        continue;
+                    }
+                    const double slack = upper[i][j] - lower[i][k];
+                    if (c[k] == c[j]) {  // of two types of one size (F16, BF16), an equal known one wins
+                        U = slack > 0 || (slack == 0 && known[i][k]) ? U : -1;
+                    } else if (c[k] > c[j]) {
+                        U = std::min(U, slack / (c[k] - c[j]));
+                    } else {
+                        L = std::max(L, -slack / (c[j] - c[k]));
+                    }
+                }
+                if (L <= U) {
+                    p.keep[i][k] = true;
+                }
+            }
+        }
+    }
+    for (size_t i = 0; i < menus.size(); ++i) {
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            const double bytes = static_cast<double>(tensor_bytes(menus[i].types[k], menus[i].tensor->shape(), menus[i].tensor->name));
+            p.total += 1;
+            p.total_bytes += bytes;
+            if (p.keep[i][k]) {
+                p.kept += 1;
+                p.kept_bytes += bytes;
+            }
+        }
+    }
+    return p;
+}
+
+std::vector<tensor_menu> pruned_menus(const std::vector<tensor_menu> & menus, const std::vector<std::vector<bool>> & keep) {
+    std::vector<tensor_menu> out = menus;
+    for (size_t i = 0; i < out.size(); ++i) {
+        std::vector<ggml_type> types;
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            if (keep[i][k]) {
+                types.push_back(menus[i].types[k]);
+            }
+        }
+        if (types.empty()) {
+            fail("candidate pruning kept no type of tensor '{}'", menus[i].tensor->name);
+        }
+        out[i].types = std::move(types);
+    }
+    return out;
+}
+
+target parse_target_spec(const std::string & s, const std::string & flag) {
+    const size_t eq = s.find('=');
+    const std::string kind = eq == std::string::npos ? "" : s.substr(0, eq);
+    double value = 0;
+    try {
+        size_t used = 0;
+        value = std::stod(s.substr(eq + 1), &used);
+        if (used != s.size() - eq - 1) {
+            value = -1;
+        }
+    } catch (const std::exception &) {
+        value = -1;
+    }
+    if ((kind != "bpw" && kind != "size" && kind != "ratio") || !(value > 0)) {
+        fail("{} '{}': expected bpw=X, size=BYTES or ratio=X with a positive number", flag, s);
+    }
+    return {kind == "bpw" ? target_kind::bpw : kind == "size" ? target_kind::size : target_kind::ratio, value};
+}
+
+}  // namespace voodoo

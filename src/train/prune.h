@@ -1,0 +1,92 @@
+// Candidates for the targets (issue #16): build only the (tensor, type) pairs that some recipe under the run's
+// targets could use, instead of every type of every menu. llama.cpp's lattice quantizers (IQ1_S … IQ3_S) run at
+// 0.3–2 M weights/s per core, 10–100× slower than the rest (docs/BENCHMARKS.md, bench_quant), and an 8B model's
+// whole default menu is ≈ 90 GB of candidates: neither fits a job of minutes. The steps:
+//   1. Ê: every menu type's importance-weighted error, measured on a sample of each tensor's rows
+//      (sampled_weighted_errors: ggml_quantize_chunk of those rows, so the same quantizer as the candidate's).
+//   2. The eager types: per tensor, a few fast (non-lattice) types spread in log Ê, built in full and measured by
+//      the probe (eager_types).
+//   3. Every other type's ΔKL predicted from Ê and the measured ratios ΔKL/Ê of its tensor (the anchored probe's
+//      second-order model, probe.h predict_from_anchors) and given a band [margin · prediction, prediction / margin].
+//      At every target, a type is kept when, for some ΔKL in the bands, it is its tensor's Lagrangian choice
+//      (least ΔKL + λ · bytes) at some multiplier λ the budget can have (the λ that fits the budget with the lower
+//      bounds, the predictions and the upper bounds), and so is the exact knapsack's choice on the predictions
+//      with its `neighbours` on either side in the menu; the eager types are kept too (plan_pruning).
+// What pruning may change, and what it may not: a pruned type is never the best at any multiplier the budget can
+// have unless its true ΔKL lies outside its band. tests/test_prune.cpp checks, on mix30M's learned weights at 41
+// budgets, that every type the exact knapsack of the full menus chooses (every candidate built and probed) is kept,
+// and that training gives the same recipe either way on stories260K; the eager types being anchors, an anchored
+// probe (--probe-anchors N) predicts the others from other anchors than with --candidates all, which can move a
+// recipe by a type (docs/BENCHMARKS.md).
+#pragma once
+
+#include "ggml/gguf.h"
+#include "imatrix/imatrix.h"
+#include "train/budget.h"
+
+#include <ggml.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace voodoo {
+
+struct prune_options {
+    int eager = 2;                  // types per tensor built before the probe (spread in log Ê; ≥ 1)
+    double margin = 0.5;            // an unbuilt type's ΔKL lies in [margin, 1/margin] × its prediction (0 < margin ≤ 1)
+    int neighbours = 1;             // menu types kept on each side of every knapsack choice
+    double widen = 1.0;             // the budget's multiplier range (plan_pruning) is widened by this factor each way
+    int64_t min_sample_rows = 32;   // Ê samples max(min_sample_rows, rows / sample_divisor) rows of each tensor
+    int64_t sample_divisor = 128;   //   (every row when the tensor has fewer)
+    size_t min_menu = 5;            // a tensor whose menu has fewer types keeps them all
+};
+
+/// True for the types whose llama.cpp quantizer searches a lattice (ggml_quantize_init initializes its grid:
+/// IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; ggml.c). They are the slow ones to build.
+bool lattice_quantizer(ggml_type type);
+
+/// Ê[tensor][menu type]: the importance-weighted squared error Σ_rows Σ_j a_j (W_ij − deq(Q_k)_ij)² (probe.h
+/// weighted_errors) estimated on evenly spaced rows (R/n per sampled row, R the rows, n the sample): each sampled
+/// row quantized alone by ggml_quantize_chunk with its expert's importance (a_j = 1 without an imatrix entry), as
+/// quantize_tensor quantizes it. 0 for the source's own type (its bytes are copied). Rows quantize independently in
+/// every llama.cpp type, so a sampled row's bytes are those of the full candidate's row: Ê is exact when every row
+/// is sampled. Runs on `n_threads` (0 = every core) with a progress bar. Throws voodoo::error naming the tensor
+/// when its imatrix entry has the wrong length (importance_for).
+std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, const std::vector<tensor_menu> & menus,
+                                                         const importance_map * importance, const prune_options & o,
+                                                         int n_threads = 0);
+
+/// The eager types, [tensor][menu type]: every type of a menu shorter than o.min_menu; else o.eager types among
+/// the non-lattice block types with Ê > 0 (the lattice and float types when there are none), spread evenly in
+/// log Ê from the largest, as anchor_plan spreads the probe's anchors.
+std::vector<std::vector<bool>> eager_types(const std::vector<tensor_menu> & menus,
+                                           const std::vector<std::vector<double>> & err_hat, const prune_options & o);
+
+struct prune_plan {
+    std::vector<std::vector<bool>> keep;            // [tensor][menu type]: built and trained
+    std::vector<std::vector<double>> predicted;     // [tensor][menu type]: measured ΔKL, or the prediction (nats/token)
+    int64_t kept = 0, total = 0;                    // candidates
+    double kept_bytes = 0, total_bytes = 0;         // their bytes
+};
+
+/// Which candidates to build: `measured` holds the probe's ΔKL of the eager types ([tensor][menu type], NaN where
+/// not measured); every other type is predicted from `err_hat` (predict_from_anchors) with the band of o.margin;
+/// `budgets` are the targets' budgets over the same menus (a ladder's every size), `also` types that must stay (a
+/// prior recipe's; same shape, may be empty). Keeps the eager types, every type that is its tensor's Lagrangian
+/// choice for some ΔKL in the bands at some multiplier of a budget (widened by o.widen), and the exact knapsack's
+/// choice on the predictions with its o.neighbours on each side. Throws voodoo::error naming the tensor when one of
+/// its types cannot be predicted (no eager type measured).
+prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vector<std::vector<double>> & err_hat,
+                        const std::vector<std::vector<double>> & measured, const std::vector<std::vector<bool>> & eager,
+                        const std::vector<budget> & budgets, const std::vector<std::vector<bool>> & also,
+                        const prune_options & o);
+
+/// The menus with only the kept types (order kept).
+std::vector<tensor_menu> pruned_menus(const std::vector<tensor_menu> & menus, const std::vector<std::vector<bool>> & keep);
+
+/// Parses a target as target::str() writes it: "bpw=4.5", "size=304352", "ratio=0.45". Throws voodoo::error
+/// naming `flag`.
+target parse_target_spec(const std::string & s, const std::string & flag);
+
+}  // namespace voodoo
