@@ -1,6 +1,7 @@
 // Quantize and dequantize throughput of the ggml bridge (weights per second), all cores.
 // Run: make bench   (or build/bin/bench_quant --benchmark_filter=q4_K)
 #include "ggml/quant.h"
+#include "ggml/selection.h"
 #include "ggml/types.h"
 
 #include <benchmark/benchmark.h>
@@ -47,6 +48,29 @@ void bm_dequantize(benchmark::State & state, ggml_type type) {
     }
     state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(weights().size()));
 }
+
+// One core, 16 rows of 4096 (65,536 weights), every quantized type of the default menu: the per-core rate that sets
+// how long candidates take (docs/BENCHMARKS.md).
+void bm_quantize_one_core(benchmark::State & state, ggml_type type) {
+    const std::span<const float> part(weights().data(), static_cast<size_t>(16 * k_ne0));
+    voodoo::quantize(type, part.first(static_cast<size_t>(k_ne0)), k_ne0, imatrix(), 1);  // the IQ grids, built once
+    for (auto _ : state) {
+        auto q = voodoo::quantize(type, part, k_ne0, imatrix(), 1);
+        benchmark::DoNotOptimize(q.data());
+    }
+    state.SetItemsProcessed(state.iterations() * static_cast<int64_t>(part.size()));
+}
+
+const int registered = [] {
+    for (ggml_type t : voodoo::default_menu_types()) {
+        if (voodoo::type_info_of(t).is_quantized) {
+            benchmark::RegisterBenchmark(("quantize_1core/" + voodoo::type_name(t)).c_str(), bm_quantize_one_core, t)
+                ->Unit(benchmark::kMillisecond)
+                ->UseRealTime();
+        }
+    }
+    return 0;
+}();
 
 }  // namespace
 

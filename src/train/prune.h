@@ -1,7 +1,8 @@
 // Candidates for the targets (issue #16): build only the (tensor, type) pairs that some recipe under the run's
-// targets could use, instead of every type of every menu. llama.cpp's lattice quantizers (IQ1_S … IQ3_S) run at
-// 0.3–2 M weights/s per core, 10–100× slower than the rest (docs/BENCHMARKS.md, bench_quant), and an 8B model's
-// whole default menu is ≈ 90 GB of candidates: neither fits a job of minutes. The steps:
+// targets could use, instead of every type of every menu. The default menu costs ≈ 3.3 core-µs per weight to
+// quantize (≈ 6 min for 1.7 G weights on 16 cores), three quarters of it in llama.cpp's lattice quantizers (IQ1_S …
+// IQ3_S: 1.5–7 M weights/s per core, against 8–45 M for the K-quants and legacy types and 290 M for Q8_0;
+// bench_quant's quantize_1core, docs/BENCHMARKS.md), and an 8B model's whole menu is ≈ 90 GB of candidates. The steps:
 //   1. Ê: every menu type's importance-weighted error, measured on a sample of each tensor's rows
 //      (sampled_weighted_errors: ggml_quantize_chunk of those rows, so the same quantizer as the candidate's).
 //   2. The eager types: per tensor, a few fast (non-lattice) types spread in log Ê, built in full and measured by
