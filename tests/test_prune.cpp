@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -94,7 +95,7 @@ TEST(prune, the_sampled_error_of_every_row_is_the_exact_weighted_error_lattice_t
     }
 }
 
-TEST(prune, the_eager_types_are_fast_block_types_spread_in_error_and_a_short_menu_is_built_whole) {
+TEST(prune, the_eager_types_are_fast_block_types_spread_in_error_and_a_short_menu_is_kept_whole) {
     const gguf_file f(mix30m());
     const importance_map imp = uneven_importance(f, {"blk.0.attn_q.weight"}, 3);
     menu_options mo;
@@ -129,7 +130,20 @@ TEST(prune, the_eager_types_are_fast_block_types_spread_in_error_and_a_short_men
     ASSERT_LT(largest_fast, menus[0].types.size());
     EXPECT_TRUE(eager[0][largest_fast]) << "the fast type of largest error is eager";
     EXPECT_EQ(chosen.back(), GGML_TYPE_Q8_0) << "and the one of least error among the block types";
-    EXPECT_EQ(eager[1], std::vector<bool>(4, true));
+    EXPECT_EQ(std::count(eager[1].begin(), eager[1].end(), true), 2);
+    // The short menu is kept whole whatever the budget: pruning it saves too little to risk a choice.
+    std::vector<std::vector<double>> measured(2);
+    for (size_t i = 0; i < 2; ++i) {
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            measured[i].push_back(eager[i][k] ? hat[i][k] : std::numeric_limits<double>::quiet_NaN());
+        }
+    }
+    export_options eo;
+    budget b = make_budget(f, menus, {target_kind::size, 1e12}, eo, /*check_range =*/false);
+    b.limit = b.min_total;
+    const prune_plan p = plan_pruning(menus, hat, measured, eager, {b}, {}, prune_options{});
+    EXPECT_EQ(p.keep[1], std::vector<bool>(4, true));
+    EXPECT_LT(std::count(p.keep[0].begin(), p.keep[0].end(), true), static_cast<long>(menus[0].types.size()));
 }
 
 TEST(prune, on_mix30m_every_type_the_full_menus_exact_knapsack_chooses_is_kept_at_every_budget) {

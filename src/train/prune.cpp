@@ -156,8 +156,8 @@ std::vector<std::vector<bool>> eager_types(const std::vector<tensor_menu> & menu
     for (size_t i = 0; i < menus.size(); ++i) {
         const std::vector<ggml_type> & types = menus[i].types;
         const std::vector<double> & e = err_hat[i];
-        std::vector<bool> row(types.size(), types.size() < o.min_menu);
-        if (types.size() >= o.min_menu) {
+        std::vector<bool> row(types.size(), false);
+        {
             std::vector<size_t> fast, block, any;
             for (size_t k = 0; k < types.size(); ++k) {
                 if (e[k] > 0) {
@@ -243,6 +243,11 @@ prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vecto
         }
     }
     p.keep = eager;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        if (menus[i].types.size() < o.min_menu) {
+            p.keep[i].assign(menus[i].types.size(), true);
+        }
+    }
     for (size_t i = 0; i < also.size() && i < p.keep.size(); ++i) {
         for (size_t k = 0; k < also[i].size() && k < p.keep[i].size(); ++k) {
             p.keep[i][k] = p.keep[i][k] || also[i][k];

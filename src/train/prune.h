@@ -58,9 +58,9 @@ std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, 
                                                          const importance_map * importance, const prune_options & o,
                                                          int n_threads = 0);
 
-/// The eager types, [tensor][menu type]: every type of a menu shorter than o.min_menu; else o.eager types among
-/// the non-lattice block types with Ê > 0 (the lattice and float types when there are none), spread evenly in
-/// log Ê from the largest, as anchor_plan spreads the probe's anchors.
+/// The eager types, [tensor][menu type]: o.eager types among the non-lattice block types with Ê > 0 (the lattice and
+/// float types when there are none), spread evenly in log Ê from the largest, as anchor_plan spreads the probe's
+/// anchors.
 std::vector<std::vector<bool>> eager_types(const std::vector<tensor_menu> & menus,
                                            const std::vector<std::vector<double>> & err_hat, const prune_options & o);
 
@@ -74,7 +74,7 @@ struct prune_plan {
 /// Which candidates to build: `measured` holds the probe's ΔKL of the eager types ([tensor][menu type], NaN where
 /// not measured); every other type is predicted from `err_hat` (predict_from_anchors) with the band of o.margin;
 /// `budgets` are the targets' budgets over the same menus (a ladder's every size), `also` types that must stay (a
-/// prior recipe's; same shape, may be empty). Keeps the eager types, every type that is its tensor's Lagrangian
+/// prior recipe's; same shape, may be empty). Keeps every type of a menu shorter than o.min_menu, the eager types, every type that is its tensor's Lagrangian
 /// choice for some ΔKL in the bands at some multiplier of a budget (widened by o.widen), and the exact knapsack's
 /// choice on the predictions with its o.neighbours on each side. Throws voodoo::error naming the tensor when one of
 /// its types cannot be predicted (no eager type measured).

@@ -550,9 +550,11 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // at every target with the unbuilt types optimistic.
     std::vector<tensor_menu> menus = all_menus;
     std::map<std::pair<std::string, ggml_type>, double> eager_kl;  // the eager probe's ΔKL, by (tensor, type)
-    if (o.candidates == "targets") {
+    const prune_options po;
+    const bool prune = o.candidates == "targets" &&
+                       std::any_of(all_menus.begin(), all_menus.end(), [&](const tensor_menu & m) { return m.types.size() >= po.min_menu; });
+    if (prune) {
         const auto t0 = std::chrono::steady_clock::now();
-        const prune_options po;
         const std::vector<std::vector<double>> err_hat = sampled_weighted_errors(src, all_menus, importance, po, n_threads);
         const std::vector<std::vector<bool>> eager = eager_types(all_menus, err_hat, po);
         std::vector<tensor_menu> eager_menus = pruned_menus(all_menus, eager);
