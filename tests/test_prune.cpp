@@ -146,7 +146,7 @@ TEST(prune, the_eager_types_are_fast_block_types_spread_in_error_and_a_short_men
     EXPECT_LT(std::count(p.keep[0].begin(), p.keep[0].end(), true), static_cast<long>(menus[0].types.size()));
 }
 
-TEST(prune, on_mix30m_every_type_the_full_menus_exact_knapsack_chooses_is_kept_at_every_budget) {
+TEST(prune, on_mix30m_the_exact_knapsack_of_the_kept_types_is_the_full_menus_at_every_budget) {
     // mix30M's layer 0 (seven matrices of learned weights) with the default menu, every candidate built and probed on
     // 64 tokens of wiki.test.raw: the truth. Pruning sees only the eager types' ΔKL and the sampled errors.
     const gguf_file f(mix30m());
@@ -197,6 +197,24 @@ TEST(prune, on_mix30m_every_type_the_full_menus_exact_knapsack_chooses_is_kept_a
             EXPECT_TRUE(p.keep[i][static_cast<size_t>(full[i])])
                 << "budget " << j << "/40: " << menus[i].tensor->name << " as " << type_name(menus[i].types[static_cast<size_t>(full[i])])
                 << " was pruned";
+        }
+        // And the exact knapsack of the kept types alone, on the full menus' grid, is the same recipe.
+        const std::vector<tensor_menu> kept_menus = pruned_menus(menus, p.keep);
+        budget bp = make_budget(f, kept_menus, {target_kind::size, 1e12}, eo, /*check_range =*/false);
+        bp.limit = b.limit;
+        share_grid(bp, b);
+        std::vector<std::vector<double>> kept_truth(menus.size());
+        for (size_t i = 0; i < menus.size(); ++i) {
+            for (size_t k = 0; k < menus[i].types.size(); ++k) {
+                if (p.keep[i][k]) {
+                    kept_truth[i].push_back(truth[i][k]);
+                }
+            }
+        }
+        const std::vector<int> pruned = allocate_exact(bp, kept_truth);
+        for (size_t i = 0; i < menus.size(); ++i) {
+            EXPECT_EQ(kept_menus[i].types[static_cast<size_t>(pruned[i])], menus[i].types[static_cast<size_t>(full[i])])
+                << "budget " << j << "/40: " << menus[i].tensor->name;
         }
     }
     // It prunes: over these budgets a third of the candidates is kept (32% when written; the lattice types only at low

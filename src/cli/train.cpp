@@ -127,7 +127,12 @@ command add_train(CLI::App & app) {
             t.menu.per_role.push_back(parse_menu_for(spec));
         }
         for (const std::string & g : o->prune_for) {
-            t.prune_goals.push_back(parse_target_spec(g, "--prune-for"));
+            if (!g.empty()) {
+                t.prune_goals.push_back(parse_target_spec(g, "--prune-for"));
+            }
+        }
+        if (!t.prune_goals.empty() && t.candidates == "all") {
+            fmt::print(stderr, "warning: --prune-for has no effect with --candidates all (every candidate is built)\n");
         }
         t.run_dir = o->out;
         t.cache_dir = o->cache;

@@ -306,16 +306,28 @@ std::vector<int> allocate_exact(const budget & b, const std::vector<std::vector<
     if (est_loss.size() != n || grid < 1) {
         fail("allocate_exact: {} loss rows for {} tensors (grid {})", est_loss.size(), n, grid);
     }
-    // Costs in grid units above each tensor's cheapest type, rounded up; the capacity rounded down.
+    // Costs in grid units above each tensor's cheapest type (or the shared grid's base), rounded up; the capacity
+    // rounded down.
+    const bool shared = b.grid_unit > 0 && b.grid_base.size() == n;
     const double span = b.max_total - b.min_total;
-    const double unit = span > 0 ? span / static_cast<double>(grid) : 1.0;
-    const int64_t cap = std::min<int64_t>(grid, static_cast<int64_t>(std::floor((b.limit - b.min_total) / unit)));
+    const double unit = shared ? b.grid_unit : span > 0 ? span / static_cast<double>(grid) : 1.0;
+    double base_total = b.min_total;
+    if (shared) {
+        base_total = b.fixed;
+        for (double x : b.grid_base) {
+            base_total += x;
+        }
+    }
+    const int64_t cap = std::min<int64_t>(grid, static_cast<int64_t>(std::floor((b.limit - base_total) / unit)));
+    if (cap < 0) {
+        fail("no choice fits the budget of {:.0f} bytes on the shared grid", b.limit);
+    }
     std::vector<std::vector<int64_t>> units(n);
     for (size_t t = 0; t < n; ++t) {
         if (b.cost[t].size() > 255 || est_loss[t].size() != b.cost[t].size()) {
             fail("allocate_exact: tensor {} has {} types and {} losses (at most 255)", t, b.cost[t].size(), est_loss[t].size());
         }
-        const double lo = *std::min_element(b.cost[t].begin(), b.cost[t].end());
+        const double lo = shared ? b.grid_base[t] : *std::min_element(b.cost[t].begin(), b.cost[t].end());
         for (double c : b.cost[t]) {
             units[t].push_back(static_cast<int64_t>(std::ceil((c - lo) / unit - 1e-9)));
         }
@@ -350,6 +362,15 @@ std::vector<int> allocate_exact(const budget & b, const std::vector<std::vector<
         u -= units[t][static_cast<size_t>(k)];
     }
     return choice;
+}
+
+void share_grid(budget & pruned, const budget & full, int64_t grid) {
+    const double span = full.max_total - full.min_total;
+    pruned.grid_unit = span > 0 ? span / static_cast<double>(grid) : 1.0;
+    pruned.grid_base.clear();
+    for (const std::vector<double> & c : full.cost) {
+        pruned.grid_base.push_back(*std::min_element(c.begin(), c.end()));
+    }
 }
 
 double estimated_loss(const std::vector<std::vector<double>> & est_loss, const std::vector<int> & choice) {

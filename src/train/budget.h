@@ -76,7 +76,16 @@ struct budget {
     /// A total in the target's unit: bpw, bytes, or fraction of Q8_0.
     double in_target_unit(double total_bytes) const;
     double q8_0_bytes = 0;                    // the all-Q8_0 file's bytes (ratio targets)
+    /// allocate_exact's byte grid when it must be another budget's (a pruned menu's knapsack on the full menus'
+    /// grid, so that it is the full knapsack restricted to the kept types): grid_unit bytes per step, each tensor's
+    /// costs counted from grid_base[t]. Unset (grid_unit 0): the grid of this budget's own menus.
+    double grid_unit = 0;
+    std::vector<double> grid_base;
 };
+
+/// Gives `pruned` (a budget over a subset of `full`'s menu types, same tensors and target) the byte grid of `full`:
+/// allocate_exact(pruned, …) is then allocate_exact(full, …) restricted to the kept types (train/prune.h).
+void share_grid(budget & pruned, const budget & full, int64_t grid = int64_t(1) << 16);
 
 /// Builds the budget. Throws voodoo::error before any work when the target is outside the feasible
 /// range, giving the range in the target's unit.

@@ -340,7 +340,7 @@ target parse_target_spec(const std::string & s, const std::string & flag) {
     } catch (const std::exception &) {
         value = -1;
     }
-    if ((kind != "bpw" && kind != "size" && kind != "ratio") || !(value > 0)) {
+    if ((kind != "bpw" && kind != "size" && kind != "ratio") || !(value > 0) || !std::isfinite(value)) {
         fail("{} '{}': expected bpw=X, size=BYTES or ratio=X with a positive number", flag, s);
     }
     return {kind == "bpw" ? target_kind::bpw : kind == "size" ? target_kind::size : target_kind::ratio, value};

@@ -14,11 +14,13 @@
 //      bounds, the predictions and the upper bounds), and so is the exact knapsack's choice on the predictions
 //      with its `neighbours` on either side in the menu; the eager types are kept too (plan_pruning).
 // What pruning may change, and what it may not: a pruned type is never the best at any multiplier the budget can
-// have unless its true ΔKL lies outside its band. tests/test_prune.cpp checks, on mix30M's learned weights at 41
-// budgets, that every type the exact knapsack of the full menus chooses (every candidate built and probed) is kept,
-// and that training gives the same recipe either way on stories260K; the eager types being anchors, an anchored
-// probe (--probe-anchors N) predicts the others from other anchors than with --candidates all, which can move a
-// recipe by a type (docs/BENCHMARKS.md).
+// have unless its true ΔKL lies outside its band, and the pruned run's exact knapsack uses the full menus' byte grid
+// (budget.h share_grid), so it is the full menus' knapsack whenever that one's choice is kept. tests/test_prune.cpp
+// checks, on mix30M's learned weights at 41 budgets with every candidate built and probed, that the exact knapsack of
+// the kept types is the full menus'. The trained recipe can still differ: training moves fewer gates (the final
+// selection then measures both it and the knapsack's), and with an anchored probe (--probe-anchors N) the eager types
+// are the anchors, not the types spread in exact error, so the predictions of the others differ
+// (docs/BENCHMARKS.md measures both on mix30M and stories260K).
 #pragma once
 
 #include "ggml/gguf.h"

@@ -465,7 +465,16 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     export_options eopts = o.export_opts;
     eopts.importance = importance;
     eopts.target = o.goal.str();
-    make_budget(src, all_menus, o.goal, eopts);  // a target the menus cannot reach is refused before any work
+    const budget b_all = make_budget(src, all_menus, o.goal, eopts);  // a target out of reach is refused before any work
+    for (const target & g : o.prune_goals) {
+        export_options eg_opts = eopts;
+        eg_opts.target = g.str();
+        try {
+            make_budget(src, all_menus, g, eg_opts);
+        } catch (const error & e) {
+            fail("--prune-for {}: {}", g.str(), e.what());
+        }
+    }
 
     fs::create_directories(o.run_dir);
     const std::string journal_path = (fs::path(o.run_dir) / "journal.pt").string();
@@ -550,7 +559,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // at every target with the unbuilt types optimistic.
     std::vector<tensor_menu> menus = all_menus;
     std::map<std::pair<std::string, ggml_type>, double> eager_kl;  // the eager probe's ΔKL, by (tensor, type)
-    const prune_options po;
+    prune_options po;
+    po.eager = o.probe_anchors > 0 ? o.probe_anchors : po.eager;  // with an anchored probe, its anchors
     const bool prune = o.candidates == "targets" &&
                        std::any_of(all_menus.begin(), all_menus.end(), [&](const tensor_menu & m) { return m.types.size() >= po.min_menu; });
     if (prune) {
@@ -633,7 +643,10 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                    pp.total_bytes / k_mib, po.margin, 1.0 / po.margin,
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    const budget b = make_budget(src, menus, o.goal, eopts);
+    budget b = make_budget(src, menus, o.goal, eopts);
+    if (prune) {
+        share_grid(b, b_all);  // the exact knapsack of the kept types is the full menus' restricted to them
+    }
 
     // Where the fused path's candidates live, and whether they fit: decided before they are built.
     std::vector<bool> on_host(menus.size(), false);
@@ -718,8 +731,18 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 }
             }
         }
-        sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk, probe_dtype,
-                                 &plan);
+        const bool any_left = std::any_of(plan.begin(), plan.end(), [](const std::vector<bool> & r) {
+            return std::find(r.begin(), r.end(), true) != r.end();
+        });
+        if (any_left) {
+            sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk, probe_dtype,
+                                     &plan);
+        } else {  // the eager probe measured every anchor
+            sens.assign(gated.size(), {});
+            for (size_t i = 0; i < gated.size(); ++i) {
+                sens[i].assign(gated[i].types.size(), std::numeric_limits<double>::quiet_NaN());
+            }
+        }
         check_finite(gated, sens, plan);
         for (size_t i = 0; i < gated.size(); ++i) {
             for (size_t k = 0; k < gated[i].types.size(); ++k) {
