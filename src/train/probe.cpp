@@ -179,6 +179,30 @@ std::vector<std::vector<double>> weighted_errors(weight_source & dense, const st
     return out;
 }
 
+std::vector<size_t> spread_in_log_error(std::vector<size_t> live, const std::vector<double> & e, int n) {
+    std::stable_sort(live.begin(), live.end(), [&](size_t x, size_t y) { return e[x] > e[y]; });
+    if (n <= 0 || static_cast<size_t>(n) >= live.size()) {
+        return live;
+    }
+    // Targets evenly spaced in log e from the largest to the least (one: the largest); each takes the nearest unused.
+    const double hi = std::log(e[live.front()]), lo = std::log(e[live.back()]);
+    std::vector<bool> used(live.size(), false);
+    std::vector<size_t> out;
+    for (int a = 0; a < n; ++a) {
+        const double want = n == 1 ? hi : hi + (lo - hi) * a / (n - 1);
+        size_t best = live.size();
+        for (size_t j = 0; j < live.size(); ++j) {
+            if (!used[j] && (best == live.size() ||
+                             std::abs(std::log(e[live[j]]) - want) < std::abs(std::log(e[live[best]]) - want))) {
+                best = j;
+            }
+        }
+        used[best] = true;
+        out.push_back(live[best]);
+    }
+    return out;
+}
+
 std::vector<std::vector<bool>> anchor_plan(const std::vector<gated_tensor> & gated,
                                            const std::vector<std::vector<double>> & err, int n_anchors) {
     std::vector<std::vector<bool>> plan;
@@ -209,29 +233,9 @@ std::vector<std::vector<bool>> anchor_plan(const std::vector<gated_tensor> & gat
                 live.push_back(k);
             }
         }
-        std::stable_sort(live.begin(), live.end(), [&](size_t x, size_t y) { return e[x] > e[y]; });
         std::vector<bool> row(e.size(), false);
-        if (static_cast<size_t>(n_anchors) >= live.size()) {
-            for (size_t k : live) {
-                row[k] = true;
-            }
-        } else {
-            // Targets evenly spaced in log E from the largest to the least (one anchor: the largest); each takes
-            // the nearest unused type.
-            const double hi = std::log(e[live.front()]), lo = std::log(e[live.back()]);
-            std::vector<bool> used(live.size(), false);
-            for (int a = 0; a < n_anchors; ++a) {
-                const double want = n_anchors == 1 ? hi : hi + (lo - hi) * a / (n_anchors - 1);
-                size_t best = live.size();
-                for (size_t j = 0; j < live.size(); ++j) {
-                    if (!used[j] && (best == live.size() ||
-                                     std::abs(std::log(e[live[j]]) - want) < std::abs(std::log(e[live[best]]) - want))) {
-                        best = j;
-                    }
-                }
-                used[best] = true;
-                row[live[best]] = true;
-            }
+        for (size_t k : spread_in_log_error(live, e, n_anchors)) {
+            row[k] = true;
         }
         plan.push_back(std::move(row));
     }

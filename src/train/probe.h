@@ -38,6 +38,11 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
 std::vector<std::vector<double>> weighted_errors(weight_source & dense, const std::vector<gated_tensor> & gated,
                                                  const importance_map * importance, torch::Device device);
 
+/// Of `live` (indices into e, each e > 0), n spread evenly in log e: targets evenly spaced in log e from the largest to
+/// the least (n = 1: the largest), each taking the nearest index not yet taken. Every index (largest e first) when
+/// n ≤ 0 or n ≥ live.size(). The anchors of anchor_plan and the eager types of train/prune.h.
+std::vector<size_t> spread_in_log_error(std::vector<size_t> live, const std::vector<double> & e, int n);
+
 /// Which candidates an anchored probe measures, [tensor][menu type]: per tensor, `n_anchors` block types spread
 /// evenly in log E over those with E > 0 (the one of largest E always; with n ≥ 2 the one of least E). Float
 /// types (F16/BF16/F32) are anchors only in a menu without block types: one that differs from a float source

@@ -24,30 +24,6 @@ namespace {
 
 bool is_float(ggml_type t) { return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16; }
 
-// n of `live` (indices into e) spread evenly in log e from the largest (anchor_plan's rule); all when n ≥ size.
-std::vector<size_t> spread_in_log(std::vector<size_t> live, const std::vector<double> & e, int n) {
-    std::stable_sort(live.begin(), live.end(), [&](size_t x, size_t y) { return e[x] > e[y]; });
-    if (n <= 0 || static_cast<size_t>(n) >= live.size()) {
-        return live;
-    }
-    const double hi = std::log(e[live.front()]), lo = std::log(e[live.back()]);
-    std::vector<bool> used(live.size(), false);
-    std::vector<size_t> out;
-    for (int a = 0; a < n; ++a) {
-        const double want = n == 1 ? hi : hi + (lo - hi) * a / (n - 1);
-        size_t best = live.size();
-        for (size_t j = 0; j < live.size(); ++j) {
-            if (!used[j] && (best == live.size() ||
-                             std::abs(std::log(e[live[j]]) - want) < std::abs(std::log(e[live[best]]) - want))) {
-                best = j;
-            }
-        }
-        used[best] = true;
-        out.push_back(live[best]);
-    }
-    return out;
-}
-
 }  // namespace
 
 bool lattice_quantizer(ggml_type type) {
@@ -171,7 +147,7 @@ std::vector<std::vector<bool>> eager_types(const std::vector<tensor_menu> & menu
                 }
             }
             const std::vector<size_t> & live = !fast.empty() ? fast : !block.empty() ? block : any;
-            for (size_t k : spread_in_log(live, e, std::max(1, o.eager))) {
+            for (size_t k : spread_in_log_error(live, e, std::max(1, o.eager))) {
                 row[k] = true;
             }
         }
