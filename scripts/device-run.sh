@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -95,6 +95,30 @@ e2e-1.7b)
     cp /tmp/e2e-17b/times.json "$OUT/e2e/times-1.7b.json" 2>/dev/null
     cp /tmp/e2e-17b/eval.md "$OUT/e2e/qwen3-1.7b-eval.md" 2>/dev/null
     awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 + 0 > m) m = $2 + 0} END {print "peak GPU memory used:", m, "MiB"}' "$OUT/e2e/gpu-mem-1.7b.csv"
+    ;;
+e2e-8b)
+    # Issue #16: `voodoo quantize --device cuda` end to end on a synthetic model of Llama-3.1-8B's shape (32 layers,
+    # the full 128,256-token vocabulary, BF16, its own head; random weights: speed, memory and disk only) at stock
+    # Q4_K_M's size, beside stock Q4_K_M, both evaluated in libllama (CPU, 16 cores). MENU (default: the K-quants)
+    # and PROBE_SEQ (default 2: the f32 probe of an 8B model is ≈ 1 s a forward per 4 sequences) set the rest.
+    log e2e llama3.1-8b shape
+    mkdir -p "$OUT/e2e"
+    /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch llama --vocab "$D/llama/models/ggml-vocab-llama-bpe.gguf" \
+        --n-embd 4096 --n-layer 32 --n-head 32 --n-head-kv 8 --head-dim 128 --n-ff 14336 --type bf16 \
+        --rope-freq-base 500000 -o /tmp/llama3-8b-shape.gguf > "$OUT/e2e/fixture-8b.log" 2>&1
+    ls -la /tmp/llama3-8b-shape.gguf; df -h /tmp | tail -1
+    nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 1000 > "$OUT/e2e/gpu-mem-8b.csv" 2>&1 &
+    SMI=$!
+    /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/llama3-8b-shape.gguf --text "$D/data/text/wikitext-2-raw/wiki.valid.raw" \
+        --like Q4_K_M --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --eval-chunks 4 \
+        --probe-anchors 2 --probe-sequences "${PROBE_SEQ:-2}" --menu "${MENU:-Q3_K,Q4_K,Q5_K,Q6_K,Q8_0}" \
+        --device cuda --work /tmp/e2e-8b > "$OUT/e2e/llama3-8b.log" 2>&1
+    kill $SMI
+    grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built" "$OUT/e2e/llama3-8b.log" | cut -c1-220 | tail -40
+    du -sh /tmp/e2e-8b/* > "$OUT/e2e/disk-8b.txt" 2>&1; cat "$OUT/e2e/disk-8b.txt"
+    cp /tmp/e2e-8b/times.json "$OUT/e2e/times-8b.json" 2>/dev/null
+    cp /tmp/e2e-8b/eval.md "$OUT/e2e/llama3-8b-eval.md" 2>/dev/null; cp /tmp/e2e-8b/eval.json "$OUT/e2e/llama3-8b-eval.json" 2>/dev/null
+    awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 + 0 > m) m = $2 + 0} END {print "peak GPU memory used:", m, "MiB"}' "$OUT/e2e/gpu-mem-8b.csv"
     ;;
 bench-small)
     log bench qwen3-0.6b

@@ -9,6 +9,8 @@
 #include "model/parity.h"
 #include "model/registry.h"
 #include "model/replaced_weight.h"
+#include "train/candidates.h"
+#include "train/probe.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -824,4 +826,63 @@ TEST(arch_parity, qwen3moe_grouped_expert_products_equal_the_per_expert_loop_in_
     EXPECT_LE((lg - ll).abs().max().item<double>(), 1e-5 * ll.abs().max().item<double>());
     EXPECT_GT(gl.abs().max().item<double>(), 0.0);
     EXPECT_LE((gg - gl).abs().max().item<double>(), 1e-5 * gl.abs().max().item<double>());
+}
+
+namespace {
+
+/// What the probe measures for some of `path`'s tensors (the embedding, a head of its own, and two tensors each of
+/// layer 1 and of the last layer, as Q4_0), with the layers' streams kept at every layer and at every other one,
+/// against the KL of the same one-tensor recipes measured by whole forwards (recipe_kl). Returns how many were compared.
+int expect_the_probe_from_kept_streams_equals_whole_forwards(const std::string & path) {
+    SCOPED_TRACE(path);
+    const gguf_file f(path);
+    auto model = build_model(f);
+    gguf_weights dense(f), teacher(f);
+    const int64_t L = model->hparams().n_layer;
+    std::vector<gated_tensor> gated;
+    std::map<std::string, int> per_layer;
+    for (const gguf_tensor & t : f.tensors()) {
+        const bool layer = t.name.rfind("blk.1.", 0) == 0 || t.name.rfind(fmt::format("blk.{}.", L - 1), 0) == 0;
+        const bool ends = t.name == "token_embd.weight" || t.name == "output.weight";
+        const std::string prefix = t.name.substr(0, t.name.find('.', 4));
+        if (t.type != GGML_TYPE_F32 || t.n_dims < 2 || t.ne[0] % 32 != 0 || !(ends || (layer && per_layer[prefix]++ < 2))) {
+            continue;
+        }
+        gated_tensor g;
+        g.tensor = &t;
+        g.types = {GGML_TYPE_Q4_0, GGML_TYPE_F32};
+        for (ggml_type type : g.types) {
+            g.bytes.push_back(quantize_tensor(f, t, type, {}));
+        }
+        gated.push_back(std::move(g));
+    }
+    const std::vector<int32_t> ids = fixed_ids(96, model->hparams().n_vocab);
+    const torch::Tensor tokens = torch::tensor(std::vector<int64_t>(ids.begin(), ids.end())).view({2, 48});
+    const int64_t chunk = 40;
+    const int64_t stream = tokens.numel() * model->hparams().n_embd * 4;  // one layer's f32 stream
+    const auto every_layer = probe_sensitivity(*model, dense, teacher, gated, tokens, torch::kCPU, chunk);
+    const auto every_other = probe_sensitivity(*model, dense, teacher, gated, tokens, torch::kCPU, chunk, torch::kFloat,
+                                               nullptr, stream * ((L + 1) / 2));
+    for (size_t i = 0; i < gated.size(); ++i) {
+        std::vector<int> choice(gated.size(), 1);  // every tensor its own F32 bytes …
+        choice[i] = 0;                             // … but this one Q4_0
+        const double whole = recipe_kl(*model, dense, teacher, gated, choice, tokens, torch::kCPU, chunk);
+        EXPECT_GT(whole, 0.0) << gated[i].tensor->name;
+        EXPECT_EQ(every_layer[i][0], whole) << gated[i].tensor->name;
+        EXPECT_EQ(every_other[i][0], whole) << gated[i].tensor->name;
+        EXPECT_EQ(every_layer[i][1], 0.0) << gated[i].tensor->name;
+    }
+    return static_cast<int>(gated.size());
+}
+
+}  // namespace
+
+TEST(arch_probe, every_architecture_probes_from_the_kept_layer_streams_what_whole_forwards_measure_bit_for_bit) {
+    // The probe starts a candidate of layer l at the source's stream entering layer l (or a kept layer below it) and
+    // a separate head at the final hidden states; the arithmetic is the whole forward's, so the KL is the same double.
+    const std::vector<std::string> paths = {test::stories260k(), fixture("qwen2"), fixture("qwen3"), fixture("gemma3"),
+                                            fixture("phi3"),      lfm2_fixture(),   qwen35_fixture(),  qwen3moe_fixture()};
+    for (const std::string & path : paths) {
+        EXPECT_GE(expect_the_probe_from_kept_streams_equals_whole_forwards(path), 3);
+    }
 }

@@ -110,13 +110,65 @@ private:
     std::vector<torch::Tensor> logp_;
 };
 
+// Where a candidate's forward may start. A tensor of layer l ("blk.l.…") changes nothing before layer l, so the
+// student's hidden states are the source model's residual stream entering layer l run through layers l … n_layer − 1
+// (causal_lm::hidden_layers, the same arithmetic as hidden(), so the same bits); a head of its own changes only the
+// logits. The stream is kept at every `stride`-th layer, the stride the least that keeps it within `max_bytes`.
+class source_streams {
+public:
+    source_streams(causal_lm & model, const torch::Tensor & tokens, weight_source & dense, int64_t max_bytes)
+        : n_layer_(model.hparams().n_layer) {
+        const int64_t per_layer = tokens.numel() * model.hparams().n_embd * torch::elementSize(model.compute_dtype());
+        stride_ = std::max<int64_t>(1, (per_layer * n_layer_ + max_bytes - 1) / std::max<int64_t>(1, max_bytes));
+        torch::Tensor x;  // undefined: layer 0 starts from the token embeddings
+        for (int64_t a = 0; a < n_layer_; a += stride_) {
+            at_.push_back(x);
+            x = model.hidden_layers(tokens, x, a, std::min(n_layer_, a + stride_), dense);
+        }
+        final_ = x;
+    }
+
+    /// The hidden states (after the output norm) of `w`, the source model but for tensor `name`, which is w's.
+    torch::Tensor hidden(causal_lm & model, const torch::Tensor & tokens, const std::string & name, weight_source & w) const {
+        if (name == "output.weight" && model.head_weight() == name) {
+            return final_;
+        }
+        const int64_t l = layer_of(name);
+        if (l < stride_ || l >= n_layer_) {
+            return model.hidden(tokens, w);
+        }
+        const int64_t a = l / stride_ * stride_;
+        return model.hidden_layers(tokens, at_[static_cast<size_t>(a / stride_)], a, n_layer_, w);
+    }
+    /// The source model's own hidden states (after the output norm).
+    const torch::Tensor & final_hidden() const { return final_; }
+
+    /// l of "blk.l.…", else −1.
+    static int64_t layer_of(const std::string & name) {
+        if (name.rfind("blk.", 0) != 0) {
+            return -1;
+        }
+        int64_t l = 0;
+        size_t i = 4;
+        for (; i < name.size() && name[i] >= '0' && name[i] <= '9'; ++i) {
+            l = l * 10 + (name[i] - '0');
+        }
+        return i > 4 && i < name.size() && name[i] == '.' ? l : -1;
+    }
+
+private:
+    int64_t n_layer_ = 0, stride_ = 1;
+    std::vector<torch::Tensor> at_;
+    torch::Tensor final_;
+};
+
 }  // namespace
 
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
                                                    const torch::Tensor & tokens, torch::Device device, int64_t chunk,
                                                    torch::ScalarType dtype,
-                                                   const std::vector<std::vector<bool>> * measure) {
+                                                   const std::vector<std::vector<bool>> * measure, int64_t stream_bytes) {
     if (measure && measure->size() != gated.size()) {
         fail("probe_sensitivity: a plan of {} tensors for {} gated tensors", measure->size(), gated.size());
     }
@@ -125,10 +177,12 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
     dtype_scope scope(model, dtype);
     const torch::Tensor h_t = model.hidden(tokens, teacher);
     const teacher_logp t_logp(model, h_t, teacher, chunk);
-    auto kl = [&](weight_source & w) {
-        return t_logp.cached() ? t_logp.kl(model, model.hidden(tokens, w), w) : kl_of(model, w, h_t, teacher, tokens, chunk);
+    const source_streams streams(model, tokens, dense, stream_bytes);
+    auto kl = [&](const torch::Tensor & h_s, weight_source & w) {
+        return t_logp.cached() ? t_logp.kl(model, h_s, w)
+                               : chunked_distill(model, h_s, w, h_t, teacher, tokens, 1.0, 0.0, chunk).kl;
     };
-    const double base = kl(dense);
+    const double base = kl(streams.final_hidden(), dense);
     int64_t n_candidates = 0;
     for (size_t i = 0; i < gated.size(); ++i) {
         for (size_t k = 0; k < gated[i].types.size(); ++k) {
@@ -147,7 +201,7 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
                 continue;
             }
             swap.set(g.tensor->name, candidate_weights(g, k, device).view(torch_shape(g)));
-            row.push_back(kl(swap) - base);
+            row.push_back(kl(streams.hidden(model, tokens, g.tensor->name, swap), swap) - base);
             bar.add(1);
         }
         out.push_back(std::move(row));

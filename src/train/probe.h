@@ -21,11 +21,18 @@ namespace voodoo {
 /// Shows a progress bar.
 /// `measure` (optional, [tensor][menu type]): only the pairs marked true are measured, the others are NaN
 /// (predict_from_anchors fills them).
+/// A candidate of layer l's tensor ("blk.l.…") runs only layers l … n_layer − 1 and the head, from `dense`'s residual
+/// stream entering layer l (computed once, kept for every `stride`-th layer, the least stride that keeps those
+/// streams, f32 [B, T, n_embd] each, within `stream_bytes`; a candidate then starts at the kept layer below its own);
+/// a head of its own (output.weight, untied) runs only the head. The same arithmetic as a whole forward
+/// (causal_lm::hidden_layers), so the same ΔKL bit for bit (tests/test_arch.cpp, every architecture), in about
+/// half the time on a model whose layers outweigh its head.
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
                                                    const torch::Tensor & tokens, torch::Device device, int64_t chunk,
                                                    torch::ScalarType dtype = torch::kFloat,
-                                                   const std::vector<std::vector<bool>> * measure = nullptr);
+                                                   const std::vector<std::vector<bool>> * measure = nullptr,
+                                                   int64_t stream_bytes = int64_t(2) << 30);
 
 /// The importance-weighted squared error of every candidate, [tensor][menu type]:
 ///   E_k = Σ_rows Σ_j a_j · (W_ij − deq(Q_k)_ij)²,
