@@ -276,6 +276,11 @@ TEST(cli, quantize_train_export_and_baseline_report_as_json_to_a_file_or_alone_o
     EXPECT_EQ(jt["routing"], "mix");
     EXPECT_FALSE(jt["selection"].empty());
     EXPECT_TRUE(std::filesystem::exists(jt["recipe"].get<std::string>()));
+    // The candidates built for the targets, of every type of every menu (a two-type menu is kept whole).
+    EXPECT_GT(jt["candidates"]["built"].get<int64_t>(), 0);
+    EXPECT_EQ(jt["candidates"]["built"], jt["candidates"]["in_menus"]);
+    EXPECT_GT(jt["candidates"]["bytes_built"].get<double>(), 0.0);
+    EXPECT_EQ(jt["candidates"]["bytes_built"], jt["candidates"]["bytes_in_menus"]);
 }
 
 namespace {

@@ -194,7 +194,10 @@ command add_train(CLI::App & app) {
                                 {"steps", r.steps_done}, {"seconds", r.seconds}, {"device", r.device},
                                 {"mixture", r.mixture}, {"routing", t.routing},
                                 {"selection_tokens", {r.select_tokens_shape.first, r.select_tokens_shape.second}},
-                                {"selection_held_apart", r.select_held_apart}, {"selection", selection_to_json(r)}});
+                                {"selection_held_apart", r.select_held_apart}, {"selection", selection_to_json(r)},
+                                {"candidates", {{"built", r.candidates_built}, {"in_menus", r.candidates_in_menus},
+                                                {"bytes_built", r.candidate_bytes_built},
+                                                {"bytes_in_menus", r.candidate_bytes_in_menus}}}});
         return 0;
     }};
 }
