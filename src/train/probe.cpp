@@ -68,9 +68,10 @@ private:
     std::unordered_map<std::string, torch::Tensor> w_;
 };
 
-double kl_of(causal_lm & model, weight_source & w, const torch::Tensor & h_t, weight_source & teacher,
-             const torch::Tensor & tokens, int64_t chunk) {
-    return chunked_distill(model, model.hidden(tokens, w), w, h_t, teacher, tokens, 1.0, 0.0, chunk).kl;
+// Mean KL(teacher ‖ student) per position of the student's hidden states h_s (of weights w) against the teacher's h_t.
+double kl_of(causal_lm & model, const torch::Tensor & h_s, weight_source & w, const torch::Tensor & h_t,
+             weight_source & teacher, const torch::Tensor & tokens, int64_t chunk) {
+    return chunked_distill(model, h_s, w, h_t, teacher, tokens, 1.0, 0.0, chunk).kl;
 }
 
 // The teacher's log-probabilities on the probe tokens, computed once: every candidate's KL compares with the
@@ -173,38 +174,37 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
         fail("probe_sensitivity: a plan of {} tensors for {} gated tensors", measure->size(), gated.size());
     }
     auto wanted = [&](size_t i, size_t k) { return !measure || ((*measure)[i].size() > k && (*measure)[i][k]); };
+    int64_t n_candidates = 0;
+    std::vector<std::vector<double>> out;
+    for (size_t i = 0; i < gated.size(); ++i) {
+        out.emplace_back(gated[i].types.size(), std::numeric_limits<double>::quiet_NaN());
+        for (size_t k = 0; k < gated[i].types.size(); ++k) {
+            n_candidates += wanted(i, k);
+        }
+    }
+    if (n_candidates == 0) {
+        return out;  // nothing to measure: no forward, no progress bar
+    }
     torch::NoGradGuard no_grad;
     dtype_scope scope(model, dtype);
     const torch::Tensor h_t = model.hidden(tokens, teacher);
     const teacher_logp t_logp(model, h_t, teacher, chunk);
     const source_streams streams(model, tokens, dense, stream_bytes);
     auto kl = [&](const torch::Tensor & h_s, weight_source & w) {
-        return t_logp.cached() ? t_logp.kl(model, h_s, w)
-                               : chunked_distill(model, h_s, w, h_t, teacher, tokens, 1.0, 0.0, chunk).kl;
+        return t_logp.cached() ? t_logp.kl(model, h_s, w) : kl_of(model, h_s, w, h_t, teacher, tokens, chunk);
     };
     const double base = kl(streams.final_hidden(), dense);
-    int64_t n_candidates = 0;
-    for (size_t i = 0; i < gated.size(); ++i) {
-        for (size_t k = 0; k < gated[i].types.size(); ++k) {
-            n_candidates += wanted(i, k);
-        }
-    }
     progress bar("probe", n_candidates, "cand");
     replaced_weight swap(dense);  // the source model with one tensor as one candidate
-    std::vector<std::vector<double>> out;
     for (size_t i = 0; i < gated.size(); ++i) {
         const gated_tensor & g = gated[i];
-        std::vector<double> row;
         for (size_t k = 0; k < g.types.size(); ++k) {
-            if (!wanted(i, k)) {
-                row.push_back(std::numeric_limits<double>::quiet_NaN());
-                continue;
+            if (wanted(i, k)) {
+                swap.set(g.tensor->name, candidate_weights(g, k, device).view(torch_shape(g)));
+                out[i][k] = kl(streams.hidden(model, tokens, g.tensor->name, swap), swap) - base;
+                bar.add(1);
             }
-            swap.set(g.tensor->name, candidate_weights(g, k, device).view(torch_shape(g)));
-            row.push_back(kl(streams.hidden(model, tokens, g.tensor->name, swap), swap) - base);
-            bar.add(1);
         }
-        out.push_back(std::move(row));
     }
     bar.finish();
     return out;
@@ -436,7 +436,7 @@ double recipe_kl(causal_lm & model, weight_source & dense, weight_source & teach
               candidate_weights(gated[i], static_cast<size_t>(choice[i]), device).view(torch_shape(gated[i])));
     }
     const torch::Tensor h_t = model.hidden(tokens, teacher);
-    return kl_of(model, w, h_t, teacher, tokens, chunk);
+    return kl_of(model, model.hidden(tokens, w), w, h_t, teacher, tokens, chunk);
 }
 
 }  // namespace voodoo

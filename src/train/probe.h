@@ -20,7 +20,7 @@ namespace voodoo {
 /// what bf16 costs) whatever its compute dtype (restored after), the vocabulary `chunk` positions at a time.
 /// Shows a progress bar.
 /// `measure` (optional, [tensor][menu type]): only the pairs marked true are measured, the others are NaN
-/// (predict_from_anchors fills them).
+/// (predict_from_anchors fills them); with none marked, no forward runs.
 /// A candidate of layer l's tensor ("blk.l.…") runs only layers l … n_layer − 1 and the head, from `dense`'s residual
 /// stream entering layer l (computed once, kept for every `stride`-th layer, the least stride that keeps those
 /// streams, f32 [B, T, n_embd] each, within `stream_bytes`; a candidate then starts at the kept layer below its own);

@@ -731,18 +731,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 }
             }
         }
-        const bool any_left = std::any_of(plan.begin(), plan.end(), [](const std::vector<bool> & r) {
-            return std::find(r.begin(), r.end(), true) != r.end();
-        });
-        if (any_left) {
-            sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk, probe_dtype,
-                                     &plan);
-        } else {  // the eager probe measured every anchor
-            sens.assign(gated.size(), {});
-            for (size_t i = 0; i < gated.size(); ++i) {
-                sens[i].assign(gated[i].types.size(), std::numeric_limits<double>::quiet_NaN());
-            }
-        }
+        // When the eager probe measured every anchor, the plan is empty and this runs no forward.
+        sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk, probe_dtype,
+                                 &plan);
         check_finite(gated, sens, plan);
         for (size_t i = 0; i < gated.size(); ++i) {
             for (size_t k = 0; k < gated[i].types.size(); ++k) {
