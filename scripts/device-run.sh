@@ -24,7 +24,8 @@ build)
         -DXXHASH_INCLUDE_DIR="$D/include" -DXXHASH_LIBRARY=/lib/x86_64-linux-gnu/libxxhash.so.0 \
         -DVOODOO_SHARED_DATA="$D/data" > /tmp/configure.log 2>&1 || { tail -40 /tmp/configure.log; exit 1; }
     # -k 0: build every target that can be built, so one failing target still leaves the others to run.
-    cmake --build build-cuda -j "$(nproc)" -- -k 0 > /tmp/build.log 2>&1 || grep -E "error|Error" -A5 /tmp/build.log | head -80
+    # BUILD_TARGETS (default: all) builds only what a run needs, e.g. "voodoo voodoo-fixture" for e2e-8b.
+    cmake --build build-cuda -j "$(nproc)" ${BUILD_TARGETS:+--target $BUILD_TARGETS} -- -k 0 > /tmp/build.log 2>&1 || grep -E "error|Error" -A5 /tmp/build.log | head -80
     log built
     ;;
 hf)
@@ -112,7 +113,7 @@ e2e-8b)
     /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/llama3-8b-shape.gguf --text "$D/data/text/wikitext-2-raw/wiki.valid.raw" \
         --like Q4_K_M --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --eval-chunks 4 \
         --probe-anchors 2 --probe-sequences "${PROBE_SEQ:-2}" --menu "${MENU:-Q3_K,Q4_K,Q5_K,Q6_K,Q8_0}" \
-        --device cuda --work /tmp/e2e-8b > "$OUT/e2e/llama3-8b.log" 2>&1
+        --speed-reps "${SPEED_REPS:-1}" --device cuda --work /tmp/e2e-8b > "$OUT/e2e/llama3-8b.log" 2>&1
     kill $SMI
     grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built" "$OUT/e2e/llama3-8b.log" | cut -c1-220 | tail -40
     du -sh /tmp/e2e-8b/* > "$OUT/e2e/disk-8b.txt" 2>&1; cat "$OUT/e2e/disk-8b.txt"

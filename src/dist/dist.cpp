@@ -1,6 +1,7 @@
 #include "dist/dist.h"
 
 #include "common/error.h"
+#include "ggml/types.h"
 
 #include <fmt/format.h>
 
@@ -130,6 +131,13 @@ void process_group::all_reduce_sum(std::vector<torch::Tensor> & tensors) {
     }
 }
 
+void process_group::all_reduce_max(torch::Tensor & t) {
+    std::vector<torch::Tensor> v{t};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::MAX;
+    p_->pg->allreduce(v, opts)->wait();
+}
+
 void process_group::barrier() { p_->pg->barrier()->wait(); }
 
 #else
@@ -145,6 +153,7 @@ process_group::process_group(const launch_env & env, std::chrono::seconds) : ran
 void process_group::send(const torch::Tensor &, int, int) {}
 void process_group::recv(torch::Tensor &, int, int) {}
 void process_group::all_reduce_sum(std::vector<torch::Tensor> &) {}
+void process_group::all_reduce_max(torch::Tensor &) {}
 void process_group::barrier() {}
 
 #endif
@@ -255,6 +264,153 @@ distill_values sharded_distill_step(causal_lm & model, const torch::Tensor & tok
         pg->all_reduce_sum(vv);
         v.ce = values[0].item<double>();
         v.kl = values[1].item<double>();
+    }
+    return v;
+}
+
+namespace {
+
+process_group & group_of(const torch::autograd::AutogradContext * ctx) {
+    return *reinterpret_cast<process_group *>(static_cast<intptr_t>(ctx->saved_data.at("group").toInt()));
+}
+
+torch::Tensor summed(process_group & pg, const torch::Tensor & x) {
+    std::vector<torch::Tensor> v{x.contiguous().clone()};
+    pg.all_reduce_sum(v);
+    return v[0];
+}
+
+/// Megatron's f: identity forward, all-reduce of the gradient backward.
+struct copy_to_fn : torch::autograd::Function<copy_to_fn> {
+    static torch::Tensor forward(torch::autograd::AutogradContext * ctx, const torch::Tensor & x, int64_t group) {
+        ctx->saved_data["group"] = group;
+        return x.clone();
+    }
+    static torch::autograd::tensor_list backward(torch::autograd::AutogradContext * ctx, torch::autograd::tensor_list g) {
+        return {summed(group_of(ctx), g[0]), torch::Tensor()};
+    }
+};
+
+/// Megatron's g: all-reduce forward, identity backward.
+struct reduce_from_fn : torch::autograd::Function<reduce_from_fn> {
+    static torch::Tensor forward(torch::autograd::AutogradContext * ctx, const torch::Tensor & x, int64_t group) {
+        ctx->saved_data["group"] = group;
+        return summed(*reinterpret_cast<process_group *>(static_cast<intptr_t>(group)), x);
+    }
+    static torch::autograd::tensor_list backward(torch::autograd::AutogradContext *, torch::autograd::tensor_list g) {
+        return {g[0], torch::Tensor()};
+    }
+};
+
+}  // namespace
+
+torch::Tensor group_tensor_parallel::copy_to(const torch::Tensor & x) const {
+    return copy_to_fn::apply(x, static_cast<int64_t>(reinterpret_cast<intptr_t>(&pg_)));
+}
+
+torch::Tensor group_tensor_parallel::reduce_from(const torch::Tensor & x) const {
+    return reduce_from_fn::apply(x, static_cast<int64_t>(reinterpret_cast<intptr_t>(&pg_)));
+}
+
+torch::Tensor group_tensor_parallel::max_over(const torch::Tensor & x) const {
+    torch::Tensor y = x.detach().contiguous().clone();
+    pg_.all_reduce_max(y);
+    return y;
+}
+
+torch::Tensor tp_shard(const std::string & name, const torch::Tensor & t, int rank, int size) {
+    switch (tp_split_of(name)) {
+    case tp_split::column_parallel:
+    case tp_split::vocab_parallel: {
+        const auto [lo, hi] = tp_range(t.size(0), rank, size);
+        return t.narrow(0, lo, hi - lo);
+    }
+    case tp_split::row_parallel: {
+        const auto [lo, hi] = tp_range(t.size(-1), rank, size);
+        return t.narrow(-1, lo, hi - lo);
+    }
+    case tp_split::replicated:
+        break;
+    }
+    return t;
+}
+
+torch::Tensor tp_shard_source::get(const std::string & name) { return tp_shard(name, full_.get(name), rank_, size_); }
+
+torch::Tensor tp_shard_source::rows(const std::string & name, const torch::Tensor & ids) {
+    if (tp_split_of(name) == tp_split::vocab_parallel) {
+        return full_.rows(name, ids + tp_range(n_vocab_, rank_, size_).first);
+    }
+    return full_.rows(name, ids);
+}
+
+gated_tensor shard_gated_tensor(const gated_tensor & full, int rank, int size, std::deque<gguf_tensor> & shapes) {
+    const gguf_tensor & t = *full.tensor;
+    if (t.n_dims != 2) {
+        fail("tensor '{}' {}: tensor parallelism splits 2-D weights only", t.name, shape_str(t.shape()));
+    }
+    gguf_tensor shard = t;
+    gated_tensor out;
+    out.types = full.types;
+    out.n_threads = full.n_threads;
+    const tp_split split = tp_split_of(t.name);
+    for (size_t k = 0; k < full.types.size(); ++k) {
+        const ggml_type type = full.types[k];
+        const std::vector<uint8_t> & b = full.bytes[k];
+        const size_t row_bytes = tensor_bytes(type, std::array<int64_t, 1>{t.ne[0]}, t.name);
+        std::vector<uint8_t> part;
+        if (split == tp_split::column_parallel || split == tp_split::vocab_parallel) {
+            const auto [lo, hi] = tp_range(t.ne[1], rank, size);
+            shard.ne[1] = hi - lo;
+            part.assign(b.begin() + static_cast<std::ptrdiff_t>(lo * static_cast<int64_t>(row_bytes)),
+                        b.begin() + static_cast<std::ptrdiff_t>(hi * static_cast<int64_t>(row_bytes)));
+        } else if (split == tp_split::row_parallel) {
+            const auto [lo, hi] = tp_range(t.ne[0], rank, size);
+            const type_info & info = type_info_of(type);
+            if (lo % info.blck_size != 0 || hi % info.blck_size != 0) {
+                fail("tensor '{}' {}: rank {} of {} holds columns [{}, {}), which {} ({}-weight blocks) cannot split; "
+                     "use a menu whose blocks divide {} or fewer ranks", t.name, shape_str(t.shape()), rank, size, lo,
+                     hi, type_name(type), info.blck_size, hi - lo);
+            }
+            shard.ne[0] = hi - lo;
+            const size_t from = static_cast<size_t>(lo / info.blck_size) * info.type_size;
+            const size_t n = static_cast<size_t>((hi - lo) / info.blck_size) * info.type_size;
+            part.reserve(n * static_cast<size_t>(t.ne[1]));
+            for (int64_t r = 0; r < t.ne[1]; ++r) {
+                const auto row = b.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(r) * row_bytes + from);
+                part.insert(part.end(), row, row + static_cast<std::ptrdiff_t>(n));
+            }
+        } else {
+            fail("tensor '{}': tensor parallelism splits attn_q/k/v, attn_output, ffn_gate/up/down, token_embd and "
+                 "output; a menu for this tensor cannot be split", t.name);
+        }
+        out.bytes.push_back(std::move(part));
+    }
+    shard.n_bytes = out.bytes.empty() ? 0 : out.bytes[0].size();
+    shapes.push_back(shard);
+    out.tensor = &shapes.back();
+    return out;
+}
+
+distill_values tp_distill_step(causal_lm & model, const torch::Tensor & tokens, weight_source & teacher,
+                               weight_source & student, const group_tensor_parallel * tp, double lambda_kl,
+                               int64_t chunk, std::vector<torch::Tensor> & gates) {
+    torch::Tensor h_t;
+    {
+        torch::NoGradGuard no_grad;
+        h_t = model.hidden(tokens, teacher);
+    }
+    const torch::Tensor h_s = model.hidden(tokens, student);
+    const distill_values v = chunked_distill(model, h_s, student, h_t, teacher, tokens, lambda_kl, 1.0, chunk);
+    if (tp && tp->size() > 1) {
+        std::vector<torch::Tensor> grads;
+        for (torch::Tensor & g : gates) {
+            if (!g.grad().defined()) {
+                g.mutable_grad() = torch::zeros_like(g);
+            }
+            grads.push_back(g.grad());
+        }
+        tp->group().all_reduce_sum(grads);
     }
     return v;
 }

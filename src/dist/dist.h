@@ -3,12 +3,15 @@
 // its activations forward and their gradients back).
 #pragma once
 
+#include "ggml/gguf.h"
 #include "model/model.h"
+#include "train/gated.h"
 #include "train/loss.h"
 
 #include <torch/torch.h>
 
 #include <chrono>
+#include <deque>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -55,6 +58,8 @@ public:
     void recv(torch::Tensor & t, int src, int tag);
     /// In-place sum over every rank of each tensor (CPU), element by element (one flat buffer per dtype on the wire).
     void all_reduce_sum(std::vector<torch::Tensor> & tensors);
+    /// In-place element-wise maximum over every rank of `t` (CPU, contiguous).
+    void all_reduce_max(torch::Tensor & t);
     void barrier();
 
 private:
@@ -87,5 +92,66 @@ std::vector<std::pair<int64_t, int64_t>> balance_layers(const std::vector<int64_
 distill_values sharded_distill_step(causal_lm & model, const torch::Tensor & tokens, weight_source & teacher,
                                     weight_source & student, process_group * pg, std::pair<int64_t, int64_t> layers,
                                     double lambda_kl, int64_t chunk, std::vector<torch::Tensor> & gates);
+
+/// Tensor parallelism (issue #17) over a process group: Megatron's f and g as autograd functions whose collectives
+/// are c10d's (Gloo on the CPU). Every rank must run the same forwards and backwards in the same order (the
+/// collectives pair up by order). The group must outlive every graph built with it.
+class group_tensor_parallel : public tensor_parallel {
+public:
+    explicit group_tensor_parallel(process_group & pg) : pg_(pg) {}
+    int rank() const override { return pg_.rank(); }
+    int size() const override { return pg_.size(); }
+    torch::Tensor copy_to(const torch::Tensor & x) const override;
+    torch::Tensor reduce_from(const torch::Tensor & x) const override;
+    torch::Tensor max_over(const torch::Tensor & x) const override;
+    process_group & group() const { return pg_; }
+
+private:
+    process_group & pg_;
+};
+
+/// The shard of a full tensor `t` (PyTorch layout, as weight_source::get gives it) that rank `rank` of `size` holds
+/// under tp_split_of(name): column- and vocabulary-parallel tensors keep rows tp_range(rows), row-parallel ones
+/// columns tp_range(ne0); replicated ones whole. A view of `t`, so gradients flow back into the full tensor.
+torch::Tensor tp_shard(const std::string & name, const torch::Tensor & t, int rank, int size);
+
+/// One rank's view of a full weight_source under tensor parallelism: get() gives tp_shard of the full tensor,
+/// rows() of a vocabulary-parallel tensor takes ids local to the rank's part of the vocabulary. For dense weights
+/// (the teacher, the student's tensors without a menu); the gated tensors are sharded by shard_gated_tensor, so a
+/// rank holds only its part of the candidates.
+class tp_shard_source : public weight_source {
+public:
+    /// n_vocab: rows of the vocabulary-parallel tensors (model_hparams::n_vocab).
+    tp_shard_source(weight_source & full, int64_t n_vocab, int rank, int size)
+        : full_(full), n_vocab_(n_vocab), rank_(rank), size_(size) {}
+    torch::Tensor get(const std::string & name) override;
+    torch::Tensor rows(const std::string & name, const torch::Tensor & ids) override;
+    bool has(const std::string & name) const override { return full_.has(name); }
+
+private:
+    weight_source & full_;
+    int64_t n_vocab_;
+    int rank_, size_;
+};
+
+/// The candidates of rank `rank` of `size` for one gated tensor under tensor parallelism: the same menu, each
+/// candidate's bytes cut to the rank's shard (tp_split_of: whole rows for column- and vocabulary-parallel tensors;
+/// for row-parallel ones the blocks of each row inside the rank's columns), so that deq of the shard's bytes is the
+/// shard of deq of the whole: the bytes llama.cpp quantized, not a re-quantization. The shard's gguf_tensor (name,
+/// type, shape) is appended to `shapes`, which must outlive the result. The gate is not copied (set it).
+/// Throws voodoo::error naming the tensor and the type when a row-parallel shard does not start and end on a block
+/// boundary of a type of the menu (what would: a menu whose blocks divide the shard, or fewer ranks).
+gated_tensor shard_gated_tensor(const gated_tensor & full, int rank, int size, std::deque<gguf_tensor> & shapes);
+
+/// One forward and backward of the distillation loss under tensor parallelism: `model` set_tensor_parallel(tp),
+/// `teacher` and `student` this rank's shards (tp_shard_source, gated_weights over shard_gated_tensor). Returns the
+/// replicated CE and KL; then every gate's gradient (`gates`, the same leaves on every rank; every gated tensor is
+/// split, so each rank holds the gradient of its shard) is summed over the ranks, so each rank ends with the whole
+/// gradient. With a null or 1-rank tp, chunked_distill after hidden().
+/// Exactness: the values and gradients are the single process's up to the order of sums (row-parallel products,
+/// the gradient sums of f, the cross-rank log-sum-exp, the gates' sums over ranks). Tests: tests/test_dist.cpp.
+distill_values tp_distill_step(causal_lm & model, const torch::Tensor & tokens, weight_source & teacher,
+                               weight_source & student, const group_tensor_parallel * tp, double lambda_kl,
+                               int64_t chunk, std::vector<torch::Tensor> & gates);
 
 }  // namespace voodoo::dist

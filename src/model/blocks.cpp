@@ -16,7 +16,43 @@ namespace voodoo {
 
 std::string layer_tensor(int64_t il, const char * name) { return fmt::format("blk.{}.{}", il, name); }
 
+tp_split tp_split_of(const std::string & name) {
+    if (name == "token_embd.weight" || name == "output.weight" || name == "output.bias") {
+        return tp_split::vocab_parallel;
+    }
+    if (!name.starts_with("blk.")) {
+        return tp_split::replicated;
+    }
+    const std::string_view rest = std::string_view(name).substr(name.find('.', 4) + 1);
+    for (const char * col : {"attn_q.", "attn_k.", "attn_v.", "ffn_gate.", "ffn_up."}) {
+        if (rest.starts_with(col)) {
+            return tp_split::column_parallel;
+        }
+    }
+    if (rest == "attn_output.weight" || rest == "ffn_down.weight") {
+        return tp_split::row_parallel;
+    }
+    return tp_split::replicated;  // norms and the biases of row-parallel layers (added once, after g)
+}
+
+std::pair<int64_t, int64_t> tp_range(int64_t n, int rank, int size) {
+    const int64_t q = n / size, r = n % size;
+    const int64_t first = rank * q + std::min<int64_t>(rank, r);
+    return {first, first + q + (rank < r ? 1 : 0)};
+}
+
 torch::Tensor token_embeddings(forward_context & ctx, const torch::Tensor & tokens, int64_t n_embd) {
+    if (ctx.tp) {
+        // Vocabulary-parallel (Megatron's VocabParallelEmbedding): each rank looks up the ids of its shard, zeros for
+        // the others, and g sums: one non-zero term per position, so the sum is exact.
+        const torch::Tensor ids = tokens.reshape({-1});
+        const auto [lo, hi] = tp_range(ctx.n_vocab, ctx.tp->rank(), ctx.tp->size());
+        const torch::Tensor mine = (ids >= lo).logical_and(ids < hi);
+        const torch::Tensor local = torch::where(mine, ids - lo, torch::zeros_like(ids));
+        torch::Tensor x = ctx.w.rows("token_embd.weight", local).to(tokens.device(), ctx.dtype);
+        x = x * mine.unsqueeze(1).to(x.device(), x.scalar_type());
+        return ctx.tp->reduce_from(x).view({tokens.size(0), tokens.size(1), n_embd});
+    }
     const torch::Tensor x = ctx.w.rows("token_embd.weight", tokens.reshape({-1})).to(tokens.device(), ctx.dtype);
     return x.view({tokens.size(0), tokens.size(1), n_embd});
 }
@@ -25,7 +61,16 @@ torch::Tensor linear(forward_context & ctx, const std::string & name, const torc
     if (ctx.observer && *ctx.observer) {
         (*ctx.observer)(name, x, -1);
     }
-    torch::Tensor y = ctx.w.product(name, x, ctx.dtype);
+    const tp_split split = ctx.tp ? tp_split_of(name) : tp_split::replicated;
+    if (ctx.tp && name.find(".attn_qkv.") != std::string::npos) {
+        fail("tensor '{}': tensor parallelism splits attn_q, attn_k and attn_v, not a fused attn_qkv; train this model "
+             "on one GPU or with layer sharding", name);
+    }
+    torch::Tensor y = ctx.w.product(name, split == tp_split::column_parallel || split == tp_split::vocab_parallel
+                                              ? ctx.tp->copy_to(x) : x, ctx.dtype);
+    if (split == tp_split::row_parallel) {
+        y = ctx.tp->reduce_from(y);  // the partial products of every rank's input features; the bias after, once
+    }
     const std::string stem = name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
     if (ctx.w.has(stem + ".bias")) {
         y = y + ctx.w.get(stem + ".bias").to(x.device(), ctx.dtype);

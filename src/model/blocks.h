@@ -9,6 +9,7 @@
 
 #include <functional>
 #include <string>
+#include <utility>
 
 namespace voodoo {
 
@@ -23,6 +24,37 @@ using matmul_observer =
 struct expert_routing {
     std::vector<torch::Tensor> experts;  // [N, n_expert_used] int64 per layer (N = B·T tokens), largest weight first
     std::vector<torch::Tensor> probs;    // [N, n_expert] f32 per layer: the router's softmax
+};
+
+/// Tensor parallelism (issue #17), Megatron-LM's scheme (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
+/// Parameter Language Models Using Model Parallelism", section 3): how one rank of `size` holds a weight.
+enum class tp_split {
+    replicated,       // every rank holds all of it (norms, rope factors, the biases of row-parallel layers)
+    column_parallel,  // the output features (PyTorch rows) split: attn_q/k/v, ffn_gate, ffn_up and their biases
+    row_parallel,     // the input features (PyTorch columns, GGUF ne0) split: attn_output, ffn_down
+    vocab_parallel,   // the vocabulary split: token_embd (embedding lookup and tied head) and output
+};
+/// The split of a GGUF tensor name under tensor parallelism, by its llama.cpp name (blk.N.attn_q.weight, …).
+tp_split tp_split_of(const std::string & name);
+
+/// [first, end) of `n` items that rank `rank` of `size` holds: contiguous, the first n mod size ranks one more.
+std::pair<int64_t, int64_t> tp_range(int64_t n, int rank, int size);
+
+/// The communication of one tensor-parallel group, seen by the blocks (src/dist implements it over c10d). Megatron's
+/// conjugate pair f and g make every gradient exact: f where a replicated tensor enters rank-local work (the input of
+/// a column-parallel layer, the head, the log-sum-exp every rank's logits use), g where rank-local partial results
+/// become one replicated tensor (after a row-parallel layer, the vocabulary-parallel embedding, the losses' sums).
+class tensor_parallel {
+public:
+    virtual ~tensor_parallel() = default;
+    virtual int rank() const = 0;
+    virtual int size() const = 0;
+    /// f: identity forward; backward sums the gradient over the ranks.
+    virtual torch::Tensor copy_to(const torch::Tensor & x) const = 0;
+    /// g: sum over the ranks forward; identity backward.
+    virtual torch::Tensor reduce_from(const torch::Tensor & x) const = 0;
+    /// Element-wise maximum over the ranks, without gradient (the log-sum-exp's shift).
+    virtual torch::Tensor max_over(const torch::Tensor & x) const = 0;
 };
 
 /// What the blocks of one forward share.
@@ -42,6 +74,12 @@ struct forward_context {
     const torch::Tensor * input = nullptr;
     int64_t first_layer = 0;
     int64_t end_layer = -1;              // -1: hp.n_layer
+    /// Tensor parallelism (issue #17): this rank's group, or nullptr (a single process). With it, `w` answers with
+    /// this rank's shards (tp_split_of), the hyper-parameters hold this rank's heads and FFN width, `linear` applies
+    /// f before column- and vocabulary-parallel layers and g after row-parallel ones, and the embedding lookup is
+    /// vocabulary-parallel.
+    const tensor_parallel * tp = nullptr;
+    int64_t n_vocab = 0;                 // the whole vocabulary (the vocabulary-parallel lookup's split)
     int64_t layer_end(const model_hparams & hp) const { return end_layer < 0 ? hp.n_layer : end_layer; }
     bool last_stage(const model_hparams & hp) const { return layer_end(hp) == hp.n_layer; }
 };

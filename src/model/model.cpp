@@ -43,6 +43,33 @@ torch::Tensor causal_lm::head(const torch::Tensor & x, weight_source & w) {
     return linear(ctx, head_weight(), x).to(torch::kFloat);
 }
 
+void causal_lm::set_tensor_parallel(const tensor_parallel * tp) {
+    if (tp_ != nullptr) {
+        fail("{} model: tensor parallelism is already set (rank {} of {})", hp_.arch, tp_->rank(), tp_->size());
+    }
+    if (tp == nullptr || tp->size() == 1) {
+        tp_ = tp;
+        return;
+    }
+    const int n = tp->size();
+    if ((hp_.arch != "llama" && hp_.arch != "qwen2" && hp_.arch != "qwen3") || hp_.n_expert > 0) {
+        fail("tensor parallelism over {} ranks: architecture '{}'{} is not split yet (llama, qwen2 and qwen3 are); "
+             "train it on one GPU or with layer sharding", n, hp_.arch, hp_.n_expert > 0 ? " with experts" : "");
+    }
+    for (const auto & [key, value] : {std::pair{"attention.head_count", hp_.n_head},
+                                      std::pair{"attention.head_count_kv", hp_.n_head_kv},
+                                      std::pair{"feed_forward_length", hp_.n_ff}}) {
+        if (value % n != 0) {
+            fail("tensor parallelism over {} ranks: {}.{} = {} is not a multiple of {}; use a number of ranks that "
+                 "divides it", n, hp_.arch, key, value, n);
+        }
+    }
+    hp_.n_head /= n;
+    hp_.n_head_kv /= n;
+    hp_.n_ff /= n;
+    tp_ = tp;
+}
+
 void causal_lm::set_compute_dtype(torch::ScalarType dtype) {
     if (dtype != torch::kFloat && dtype != torch::kBFloat16) {
         fail("compute dtype {} is not supported; use float32 or bfloat16", c10::toString(dtype));

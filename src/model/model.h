@@ -43,6 +43,15 @@ public:
 
     const model_hparams & hparams() const { return hp_; }
 
+    /// Tensor parallelism (issue #17): from now on this model is rank tp->rank()'s part of a tensor-parallel group of
+    /// tp->size(): its hyper-parameters hold this rank's heads (n_head, n_head_kv) and FFN width (n_ff), each divided
+    /// by the size, every forward asks its weight_source for this rank's shards (tp_split_of; dist::tp_shard_source
+    /// gives them) and communicates through `tp` (forward_context::tp). `tp` must outlive the model's forwards.
+    /// For the dense architectures llama, qwen2 and qwen3. Throws voodoo::error naming the architecture, or the key
+    /// whose count the size does not divide (what would: a size that divides it).
+    void set_tensor_parallel(const tensor_parallel * tp);
+    const tensor_parallel * tensor_parallel_group() const { return tp_; }
+
     /// Compute dtype of activations and weights inside the forward: torch::kFloat (default) or
     /// torch::kBFloat16 (norms, rope and softmax stay f32). Throws voodoo::error for other dtypes.
     void set_compute_dtype(torch::ScalarType dtype);
@@ -64,6 +73,8 @@ protected:
         forward_context c{w, dtype_, observer_ ? &observer_ : nullptr, forced_experts_.empty() ? nullptr : &forced_experts_,
                           routing_log_};
         c.input = range_input_.defined() ? &range_input_ : nullptr;
+        c.tp = tp_;
+        c.n_vocab = hp_.n_vocab;
         c.first_layer = range_first_;
         c.end_layer = range_end_;
         c.moe_layer = hp_.n_expert > 0 ? range_first_ : 0;  // every layer of the MoE architectures is MoE
@@ -79,6 +90,7 @@ private:
     matmul_observer observer_;
     std::vector<torch::Tensor> forced_experts_;
     expert_routing * routing_log_ = nullptr;
+    const tensor_parallel * tp_ = nullptr;
     torch::Tensor range_input_;   // hidden_layers' range, for the duration of one call
     int64_t range_first_ = 0;
     int64_t range_end_ = -1;

@@ -45,6 +45,31 @@ distill_values chunked_distill(causal_lm & model, const torch::Tensor & h_s, wei
     }
     replaced_weight s_head(student, head, w_leaf);  // the head: a leaf the chunks backpropagate into
 
+    // Tensor parallelism (issue #17): each rank's head gives the logits of its part of the vocabulary; the log-softmax
+    // over the whole vocabulary takes a cross-rank log-sum-exp (a max over ranks, then g of the local sums of exp, then
+    // f so that the gradient reaching it from every rank's terms is summed), and CE and KL are g of each rank's terms:
+    // the same values and gradients as the single process up to the order of the sums (Megatron's vocabulary-parallel
+    // cross-entropy, extended to the KL term).
+    const tensor_parallel * tp = model.tensor_parallel_group();
+    const auto [v_lo, v_hi] = tp ? tp_range(model.hparams().n_vocab, tp->rank(), tp->size()) : std::pair<int64_t, int64_t>{0, 0};
+    const auto log_softmax = [&](const torch::Tensor & z) {
+        if (!tp) {
+            return torch::log_softmax(z, -1);
+        }
+        const torch::Tensor m = tp->max_over(std::get<0>(z.detach().max(-1, true)));
+        const torch::Tensor lse = tp->copy_to(torch::log(tp->reduce_from((z - m).exp().sum(-1, true))) + m);
+        return z - lse;
+    };
+    const auto nll_sum = [&](const torch::Tensor & logp, const torch::Tensor & tgt) {
+        if (!tp) {
+            return torch::nll_loss(logp, tgt, {}, at::Reduction::Sum, -100);
+        }
+        const torch::Tensor mine = (tgt >= v_lo).logical_and(tgt < v_hi);
+        const torch::Tensor local = torch::where(mine, tgt - v_lo, torch::full_like(tgt, -100));
+        return tp->reduce_from(torch::nll_loss(logp, local, {}, at::Reduction::Sum, -100));
+    };
+    const auto total = [&](const torch::Tensor & x) { return tp ? tp->reduce_from(x) : x; };
+
     torch::Tensor ce_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kDouble).device(h_s.device()));
     torch::Tensor kl_sum = ce_sum.clone();
     for (int64_t a = 0; a < N; a += chunk) {
@@ -52,12 +77,12 @@ distill_values chunked_distill(causal_lm & model, const torch::Tensor & h_s, wei
         torch::Tensor t_logp;
         {
             torch::NoGradGuard no_grad;
-            t_logp = torch::log_softmax(model.head(ht.slice(0, a, b), teacher).to(torch::kFloat), -1);
+            t_logp = log_softmax(model.head(ht.slice(0, a, b), teacher).to(torch::kFloat));
         }
         torch::AutoGradMode grad_mode(backward);
-        const torch::Tensor s_logp = torch::log_softmax(model.head(hs_leaf.slice(0, a, b), s_head).to(torch::kFloat), -1);
-        const torch::Tensor ce = torch::nll_loss(s_logp, target.slice(0, a, b), {}, at::Reduction::Sum, -100);
-        const torch::Tensor kl = (t_logp.exp() * (t_logp - s_logp)).sum();
+        const torch::Tensor s_logp = log_softmax(model.head(hs_leaf.slice(0, a, b), s_head).to(torch::kFloat));
+        const torch::Tensor ce = nll_sum(s_logp, target.slice(0, a, b));
+        const torch::Tensor kl = total((t_logp.exp() * (t_logp - s_logp)).sum());
         if (backward) {
             ((lambda_ce * ce / n_ce + lambda_kl * kl / n_kl) * scale).backward();
         }
