@@ -101,7 +101,8 @@ e2e-8b)
     # Issue #16: `voodoo quantize --device cuda` end to end on a synthetic model of Llama-3.1-8B's shape (32 layers,
     # the full 128,256-token vocabulary, BF16, its own head; random weights: speed, memory and disk only) at stock
     # Q4_K_M's size, beside stock Q4_K_M, both evaluated in libllama (CPU, 16 cores). MENU (default: the K-quants)
-    # and PROBE_SEQ (default 2: the f32 probe of an 8B model is ≈ 1 s a forward per 4 sequences) set the rest.
+    # and PROBE_SEQ (default 2: the f32 probe of an 8B model is ≈ 1 s a forward per 4 sequences) set the rest;
+    # E2E_ARGS adds flags (a short run: "--steps 20").
     log e2e llama3.1-8b shape
     mkdir -p "$OUT/e2e"
     /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch llama --vocab "$D/llama/models/ggml-vocab-llama-bpe.gguf" \
@@ -111,9 +112,9 @@ e2e-8b)
     nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 1000 > "$OUT/e2e/gpu-mem-8b.csv" 2>&1 &
     SMI=$!
     /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/llama3-8b-shape.gguf --text "$D/data/text/wikitext-2-raw/wiki.valid.raw" \
-        --like Q4_K_M --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --eval-chunks 4 \
+        --like Q4_K_M --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --eval-chunks "${EVAL_CHUNKS:-4}" \
         --probe-anchors 2 --probe-sequences "${PROBE_SEQ:-2}" --menu "${MENU:-Q3_K,Q4_K,Q5_K,Q6_K,Q8_0}" \
-        --speed-reps "${SPEED_REPS:-1}" --device cuda --work /tmp/e2e-8b > "$OUT/e2e/llama3-8b.log" 2>&1
+        --speed-reps "${SPEED_REPS:-1}" ${E2E_ARGS:-} --device cuda --work /tmp/e2e-8b > "$OUT/e2e/llama3-8b.log" 2>&1
     kill $SMI
     grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built" "$OUT/e2e/llama3-8b.log" | cut -c1-220 | tail -40
     du -sh /tmp/e2e-8b/* > "$OUT/e2e/disk-8b.txt" 2>&1; cat "$OUT/e2e/disk-8b.txt"

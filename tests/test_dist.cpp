@@ -386,3 +386,65 @@ TEST(dist, a_ranks_candidate_shard_holds_llamas_own_bytes_of_its_part_and_misali
     const std::string m = test::error_of([&] { model->set_tensor_parallel(&three); });
     EXPECT_NE(m.find("llama.attention.head_count = 4 is not a multiple of 3"), std::string::npos) << m;
 }
+
+TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_recipe_with_tp_and_with_layers) {
+    if (!dist::have_gloo()) {
+        GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";
+    }
+    // `voodoo train` started as torchrun starts it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; two processes) trains
+    // the recipe one process trains: with --parallel layers the same log bit for bit (layer sharding changes no
+    // arithmetic), with --parallel tp the same recipe (the losses differ only in the order of sums: the test above
+    // bounds them). Rank 0 alone writes the run directory.
+    test::temp_dir dir;
+    std::string text;
+    {
+        std::ifstream in(test::shared_data() + "/text/tinystories/tinystories_val.txt");
+        text.resize(200000);
+        in.read(text.data(), static_cast<std::streamsize>(text.size()));
+        text.resize(static_cast<size_t>(in.gcount()));
+    }
+    std::ofstream(dir.file("t.txt")) << text;
+    const std::string model = test::stories260k();
+    const auto made = test::run_voodoo(fmt::format("data --model {} --text {} --ctx 64 --val-fraction 0.1 --out {}", model,
+                                                   dir.file("t.txt"), dir.file("d")));
+    ASSERT_EQ(made.exit_code, 0) << made.output;
+    const std::string args = fmt::format("train --model {} --data {} --target-size 420000 --menu Q4_0,Q8_0 --steps 6 "
+                                         "--probe-sequences 2 --select-sequences 2 -t 1", model, dir.file("d"));
+    const auto one = test::run_shell(fmt::format("env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} --out {} 2>&1", VOODOO_BIN, args,
+                                                 dir.file("one")));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    const auto recipe_of = [](const std::string & path) {
+        std::vector<std::pair<std::string, std::string>> out;
+        for (const auto & t : read_json(path)["tensors"]) {
+            out.emplace_back(t["name"].get<std::string>(), t["type"].get<std::string>());
+        }
+        return out;
+    };
+    const auto log_of = [](const std::string & path) {
+        std::vector<std::pair<double, double>> out;
+        std::ifstream in(path);
+        for (std::string line; std::getline(in, line);) {
+            const auto j = nlohmann::json::parse(line);
+            out.emplace_back(j["ce"].get<double>(), j["kl"].get<double>());
+        }
+        return out;
+    };
+    for (const std::string mode : {"tp", "layers"}) {
+        SCOPED_TRACE(mode);
+        const std::string out = dir.file("two-" + mode);
+        const auto two = test::run_shell(fmt::format(
+            "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
+            "RANK=1 {1} {2} --out {3} --parallel {4} > {3}.rank1.log 2>&1 & p=$!; "
+            "RANK=0 {1} {2} --out {3} --parallel {4} 2>&1; s=$?; wait $p || s=1; cat {3}.rank1.log; exit $s",
+            free_port(), VOODOO_BIN, args, out, mode));
+        ASSERT_EQ(two.exit_code, 0) << two.output;
+        EXPECT_NE(two.output.find("rank 1 of 2 (cpu), --parallel " + mode), std::string::npos) << two.output;
+        EXPECT_EQ(recipe_of(out + "/recipe.json"), recipe_of(dir.file("one/recipe.json")));
+        const auto a = log_of(dir.file("one/log.jsonl")), b = log_of(out + "/log.jsonl");
+        ASSERT_EQ(a.size(), 6u);
+        ASSERT_EQ(b.size(), 6u);
+        if (mode == "layers") {
+            EXPECT_EQ(a, b);
+        }
+    }
+}

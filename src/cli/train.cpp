@@ -1,6 +1,7 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "data/dataset.h"
+#include "dist/dist.h"
 #include "export/export.h"
 #include "eval/speed_table.h"
 #include "pipeline/dry_run.h"
@@ -109,6 +110,10 @@ command add_train(CLI::App & app) {
     sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
     sub->add_option("--seed", o->t.seed, "Seed (data order, Gumbel noise)")->capture_default_str();
     sub->add_option("-t,--threads", o->t.threads, "Threads (0 = all cores)")->capture_default_str()->check(non_negative());
+    sub->add_option("--parallel", o->t.parallel,
+                    "Under torchrun (WORLD_SIZE > 1): how the ranks split the training step: tp (tensor parallelism: "
+                    "every layer split, Megatron style; llama, qwen2, qwen3) or layers (contiguous layers per rank)")
+        ->capture_default_str()->check(CLI::IsMember({"tp", "layers"}));
     return {sub, [o, bpw, size, ratio, sub] {
         train_options t = o->t;
         if (bpw->count()) {
@@ -176,12 +181,28 @@ command add_train(CLI::App & app) {
             t.speed_table = default_speed_table_path(t.threads);
         }
         t.should_stop = stop_on_sigint();
+        // torchrun's ranks (issue #17): `torchrun --no-python --nproc-per-node N voodoo train …`, or a SLURM job that
+        // sets the same variables. Each rank trains on cuda:LOCAL_RANK when --device cuda names no index.
+        std::unique_ptr<dist::process_group> group;
+        const std::optional<dist::launch_env> env = dist::launch_env_from_environment();
+        if (env && env->world_size > 1) {
+            if (t.device == "cuda") {
+                t.device = fmt::format("cuda:{}", env->local_rank);
+            }
+            group = std::make_unique<dist::process_group>(*env);
+            t.group = group.get();
+            fmt::print(stderr, "rank {} of {} ({}), --parallel {}\n", env->rank, env->world_size, t.device, t.parallel);
+        }
+        const bool rank0 = !env || env->rank == 0;
         const train_result r = train_gates(src, teacher ? *teacher : src, data.train(),
                                            o->imatrix.empty() ? nullptr : &importance, t, &data.val());
         if (!r.finished) {
             fmt::print(stderr, "interrupted after step {}: journal written to {}/journal.pt; continue with --resume\n",
                        r.steps_done, o->out);
             return 130;
+        }
+        if (!rank0) {
+            return 0;  // rank 0 reports and writes
         }
         if (o->json != "-") {
             fmt::print("{}", r.summary);

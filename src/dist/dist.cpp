@@ -96,13 +96,16 @@ process_group::process_group(const launch_env & env, std::chrono::seconds timeou
 }
 
 void process_group::send(const torch::Tensor & t, int dst, int tag) {
-    std::vector<torch::Tensor> v{t.contiguous()};
+    std::vector<torch::Tensor> v{t.to(torch::kCPU).contiguous()};  // Gloo's point to point carries host memory
     p_->pg->send(v, dst, tag)->wait();
 }
 
 void process_group::recv(torch::Tensor & t, int src, int tag) {
-    std::vector<torch::Tensor> v{t};
+    std::vector<torch::Tensor> v{t.is_cpu() && t.is_contiguous() ? t : torch::empty(t.sizes(), t.options().device(torch::kCPU))};
     p_->pg->recv(v, src, tag)->wait();
+    if (!v[0].is_same(t)) {
+        t.copy_(v[0]);
+    }
 }
 
 void process_group::all_reduce_sum(std::vector<torch::Tensor> & tensors) {
@@ -203,7 +206,8 @@ std::vector<std::pair<int64_t, int64_t>> balance_layers(const std::vector<int64_
 
 distill_values sharded_distill_step(causal_lm & model, const torch::Tensor & tokens, weight_source & teacher,
                                     weight_source & student, process_group * pg, std::pair<int64_t, int64_t> layers,
-                                    double lambda_kl, int64_t chunk, std::vector<torch::Tensor> & gates) {
+                                    double lambda_kl, int64_t chunk, std::vector<torch::Tensor> & gates,
+                                    double scale, const torch::Tensor & extra, double lambda_ce, bool reduce_gates) {
     const int rank = pg ? pg->rank() : 0, size = pg ? pg->size() : 1;
     const model_hparams & hp = model.hparams();
     const auto [first, end] = layers;
@@ -213,7 +217,7 @@ distill_values sharded_distill_step(causal_lm & model, const torch::Tensor & tok
     }
     const torch::IntArrayRef bt = tokens.sizes();
     const auto stream = [&] {
-        return torch::empty({bt[0], bt[1], hp.n_embd}, torch::TensorOptions().dtype(model.compute_dtype()));
+        return torch::empty({bt[0], bt[1], hp.n_embd}, torch::TensorOptions().dtype(model.compute_dtype()).device(tokens.device()));
     };
     enum : int { teacher_tag = 1, student_tag = 2, grad_tag = 3 };
     // The teacher's stream, without autograd.
@@ -245,20 +249,22 @@ distill_values sharded_distill_step(causal_lm & model, const torch::Tensor & tok
         pg->recv(g, rank + 1, grad_tag);
         h_s.backward(g);
     } else {
-        v = chunked_distill(model, h_s, student, h_t, teacher, tokens, lambda_kl, 1.0, chunk);
+        v = chunked_distill(model, h_s, student, h_t, teacher, tokens, lambda_kl, scale, chunk, extra, lambda_ce);
     }
     if (rank > 0) {
         pg->send(in.grad(), rank - 1, grad_tag);
     }
     if (size > 1) {
-        std::vector<torch::Tensor> grads;
-        for (torch::Tensor & g : gates) {
-            if (!g.grad().defined()) {
-                g.mutable_grad() = torch::zeros_like(g);
+        if (reduce_gates) {
+            std::vector<torch::Tensor> grads;
+            for (torch::Tensor & g : gates) {
+                if (!g.grad().defined()) {
+                    g.mutable_grad() = torch::zeros_like(g);
+                }
+                grads.push_back(g.grad());
             }
-            grads.push_back(g.grad());
+            pg->all_reduce_sum(grads);
         }
-        pg->all_reduce_sum(grads);
         torch::Tensor values = torch::tensor({v.ce, v.kl}, torch::kDouble);
         std::vector<torch::Tensor> vv{values};
         pg->all_reduce_sum(vv);

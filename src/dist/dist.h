@@ -89,9 +89,13 @@ std::vector<std::pair<int64_t, int64_t>> balance_layers(const std::vector<int64_
 /// where one gate is used on two ranks (a head tied to the embedding): there the two parts are summed once, a + b,
 /// which is what the single process does too. Tests: tests/test_dist.cpp.
 /// tokens [B, T] int64 (CPU); the compute dtype of `model` is that of the streams sent.
+/// `scale`, `extra` and `lambda_ce` as chunked_distill's (the last rank backpropagates `extra`); with reduce_gates
+/// false the gate gradients stay this rank's part (the trainer sums them once after accumulating micro-batches).
 distill_values sharded_distill_step(causal_lm & model, const torch::Tensor & tokens, weight_source & teacher,
                                     weight_source & student, process_group * pg, std::pair<int64_t, int64_t> layers,
-                                    double lambda_kl, int64_t chunk, std::vector<torch::Tensor> & gates);
+                                    double lambda_kl, int64_t chunk, std::vector<torch::Tensor> & gates,
+                                    double scale = 1.0, const torch::Tensor & extra = {}, double lambda_ce = 1.0,
+                                    bool reduce_gates = true);
 
 /// Tensor parallelism (issue #17) over a process group: Megatron's f and g as autograd functions whose collectives
 /// are c10d's (Gloo on the CPU). Every rank must run the same forwards and backwards in the same order (the

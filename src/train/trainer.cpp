@@ -9,6 +9,7 @@
 #include "common/units.h"
 #include "data/token_file.h"
 #include "data/vocab.h"
+#include "dist/dist.h"
 #include "ggml/quant.h"
 #include "ggml/types.h"
 #include "model/gguf_weights.h"
@@ -29,6 +30,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -413,6 +415,18 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         fail("--st-gumbel-fraction must be in [0, 1] (got {})", o.st_gumbel_fraction);
     }
     const routing_mode routing = parse_routing(o.routing);
+    const int ranks = o.group ? o.group->size() : 1;
+    const int rank = o.group ? o.group->rank() : 0;
+    const bool writer = rank == 0;  // several ranks: rank 0 alone writes the run directory
+    if (o.parallel != "tp" && o.parallel != "layers") {
+        fail("--parallel '{}': expected tp (tensor parallelism) or layers (layer sharding)", o.parallel);
+    }
+    const bool tensor_parallel = ranks > 1 && o.parallel == "tp";
+    const bool layer_sharding = ranks > 1 && o.parallel == "layers";
+    if (ranks > 1 && routing == routing_mode::ptqr) {
+        fail("--routing ptqr is not split over several ranks yet (WORLD_SIZE={}); use --routing mix, or one process",
+             ranks);
+    }
     if (routing == routing_mode::ptqr && o.st_gumbel_fraction > 0) {
         fail("--routing ptqr and --st-gumbel-fraction {} are exclusive: per-token routing already gives the forward "
              "one candidate per token; drop one of them", o.st_gumbel_fraction);
@@ -479,7 +493,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     fs::create_directories(o.run_dir);
     const std::string journal_path = (fs::path(o.run_dir) / "journal.pt").string();
     const std::string log_path = (fs::path(o.run_dir) / "log.jsonl").string();
-    if (!o.resume && fs::exists(journal_path)) {
+    if (!o.resume && fs::exists(journal_path) && writer) {
         fail("run directory '{}' already holds a journal: pass --resume to continue it, or choose another --out",
              o.run_dir);
     }
@@ -587,7 +601,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                     es[i][k] = plan[i][k] ? es[i][k] : 0.0;  // the source's own bytes: ΔKL 0
                 }
             }
-            save_probe(eager_path, eager_id, eg, es);
+            if (writer) {
+                save_probe(eager_path, eager_id, eg, es);
+            }
         } else {
             fmt::print(stderr, "probe of the eager candidates: {} (reused)\n", eager_path);
         }
@@ -744,12 +760,16 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             }
         }
         predict_from_anchors(gated, err, sens);
-        save_probe(probe_path, probe_id, gated, sens, &measured_mask);
+        if (writer) {
+            save_probe(probe_path, probe_id, gated, sens, &measured_mask);
+        }
     } else {
         fmt::print(stderr, "probe: {} (reused)\n", probe_path);
     }
     const std::vector<int> start = allocate_exact(b, sens);
-    save_sensitivity((fs::path(o.run_dir) / "sensitivity.json").string(), gated, sens, start);
+    if (writer) {
+        save_sensitivity((fs::path(o.run_dir) / "sensitivity.json").string(), gated, sens, start);
+    }
 
     // Every gate is a slice of one leaf: one AdamW update per step instead of one per tensor (on a GPU each
     // update is a dozen kernel launches; elementwise, the result is the same).
@@ -793,11 +813,59 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 kept += line + "\n";
             }
         }
-        write_file_atomic(log_path, kept);
-    } else {
+        if (writer) {
+            write_file_atomic(log_path, kept);
+        }
+    } else if (writer) {
         write_file_atomic(log_path, std::string());
     }
-    std::ofstream log(log_path, std::ios::app);
+    std::ofstream log;
+    if (writer) {
+        log.open(log_path, std::ios::app);
+    }
+
+    // Several ranks (issue #17). Tensor parallelism: a second model of this rank's heads and FFN width, the teacher's
+    // and the dense weights' shards, and each gated tensor's candidates cut to this rank's shard, sharing the gates.
+    // Layer sharding: this rank's contiguous layers, balanced by the bytes of their weights and candidates.
+    std::unique_ptr<dist::group_tensor_parallel> tp_group;
+    std::unique_ptr<causal_lm> tp_model;
+    std::unique_ptr<dist::tp_shard_source> tp_teacher, tp_dense;
+    std::deque<gguf_tensor> shard_shapes;
+    std::vector<gated_tensor> shards;
+    std::unique_ptr<gated_weights> tp_student;
+    if (tensor_parallel) {
+        tp_group = std::make_unique<dist::group_tensor_parallel>(*o.group);
+        tp_model = build_model(src);
+        tp_model->set_compute_dtype(compute);
+        tp_model->set_tensor_parallel(tp_group.get());
+        const int64_t n_vocab = model->hparams().n_vocab;
+        tp_teacher = std::make_unique<dist::tp_shard_source>(teacher_weights, n_vocab, rank, ranks);
+        tp_dense = std::make_unique<dist::tp_shard_source>(dense, n_vocab, rank, ranks);
+        for (gated_tensor & g : gated) {
+            shards.push_back(dist::shard_gated_tensor(g, rank, ranks, shard_shapes));
+            place_candidates(shards.back(), path, device, compute, torch::kBFloat16 == compute ? compute : torch::kFloat);
+            shards.back().gate = g.gate;
+            shards.back().n_threads = 1;
+        }
+        tp_student = std::make_unique<gated_weights>(*tp_dense, shards);
+    }
+    std::pair<int64_t, int64_t> my_layers{0, model->hparams().n_layer};
+    if (layer_sharding) {
+        std::vector<int64_t> layer_bytes(static_cast<size_t>(model->hparams().n_layer), 0);
+        int64_t first_extra = 0, last_extra = 0;
+        for (const gguf_tensor & t : src.tensors()) {
+            const int64_t n = t.n_elements();
+            if (t.name.starts_with("blk.")) {
+                layer_bytes[static_cast<size_t>(std::stoll(t.name.substr(4)))] += n;
+            } else if (t.name.starts_with("token_embd")) {
+                first_extra += n;
+            } else {
+                last_extra += n;
+            }
+        }
+        my_layers = dist::balance_layers(layer_bytes, ranks, first_extra, last_extra)[static_cast<size_t>(rank)];
+        fmt::print(stderr, "rank {} of {}: layers [{}, {})\n", rank, ranks, my_layers.first, my_layers.second);
+    }
 
     const int64_t per_step = static_cast<int64_t>(o.batch) * o.accum;
     // The order of the epoch being read, shuffled once per epoch rather than once per sequence.
@@ -830,6 +898,10 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         student.set_temperature(tau);
         student.set_straight_through(step >= st_from, o.seed * 1000003ull + static_cast<uint64_t>(step));
         student.set_routing(routing, o.seed * 2000003ull + static_cast<uint64_t>(step));
+        if (tp_student) {  // the same temperature and noise seeds: the same p on every rank
+            tp_student->set_temperature(tau);
+            tp_student->set_straight_through(step >= st_from, o.seed * 1000003ull + static_cast<uint64_t>(step));
+        }
         opt.zero_grad();
         for (auto & g : gated) {
             g.grad_p = torch::Tensor();
@@ -837,12 +909,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         double ce_sum = 0, kl_sum = 0, size_term = 0, bytes = 0;
         for (int micro = 0; micro < o.accum; ++micro) {
             const torch::Tensor tokens = batch_tokens(step, micro);
-            torch::Tensor h_t;
-            {
-                torch::NoGradGuard no_grad;  // the teacher: no autograd, compute dtype (bf16 on a GPU)
-                h_t = model->hidden(tokens, teacher_weights);
-            }
-            const torch::Tensor h_s = model->hidden(tokens, student);
             std::vector<torch::Tensor> probs;
             for (size_t i = 0; i < gated.size(); ++i) {
                 probs.push_back(student.probs(i));
@@ -850,14 +916,36 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             const torch::Tensor expected = torch::dot(torch::cat(probs).to(torch::kDouble), costs) + b.fixed;
             const torch::Tensor rel = expected / b.limit - 1.0;
             const torch::Tensor pen = torch::relu(rel.abs() - o.size_tol).pow(2);
-            // (CE + λ_KL·KL + λ_size·penalty) / accum, the vocabulary a chunk at a time, in one backward.
-            const distill_values v = chunked_distill(*model, h_s, student, h_t, teacher_weights, tokens, o.lambda_kl,
-                                                     1.0 / o.accum, loss_chunk, pen * (o.lambda_size / o.accum),
-                                                     o.lambda_ce);
+            // (CE + λ_KL·KL + λ_size·penalty) / accum, the vocabulary a chunk at a time, in one backward. The penalty
+            // depends on the gates alone: one rank backpropagates it (the gradients are summed over the ranks).
+            const torch::Tensor extra = rank == (layer_sharding ? ranks - 1 : 0) ? pen * (o.lambda_size / o.accum) : torch::Tensor();
+            distill_values v;
+            if (layer_sharding) {
+                v = dist::sharded_distill_step(*model, tokens, teacher_weights, student, o.group, my_layers, o.lambda_kl,
+                                               loss_chunk, params, 1.0 / o.accum, extra, o.lambda_ce, false);
+            } else {
+                causal_lm & m = tensor_parallel ? *tp_model : *model;
+                weight_source & tw = tensor_parallel ? static_cast<weight_source &>(*tp_teacher) : teacher_weights;
+                weight_source & sw = tensor_parallel ? static_cast<weight_source &>(*tp_student) : student;
+                torch::Tensor h_t;
+                {
+                    torch::NoGradGuard no_grad;  // the teacher: no autograd, compute dtype (bf16 on a GPU)
+                    h_t = m.hidden(tokens, tw);
+                }
+                const torch::Tensor h_s = m.hidden(tokens, sw);
+                v = chunked_distill(m, h_s, sw, h_t, tw, tokens, o.lambda_kl, 1.0 / o.accum, loss_chunk, extra, o.lambda_ce);
+            }
             ce_sum += v.ce / o.accum;
             kl_sum += v.kl / o.accum;
             size_term = pen.item<double>();
             bytes = expected.item<double>();
+        }
+        if (ranks > 1) {  // every rank's part of every gate's gradient, summed: the same gates on every rank
+            if (!all_gates.grad().defined()) {
+                all_gates.mutable_grad() = torch::zeros_like(all_gates);
+            }
+            std::vector<torch::Tensor> grads{all_gates.grad()};
+            o.group->all_reduce_sum(grads);
         }
         if (!std::isfinite(ce_sum) || !std::isfinite(kl_sum)) {
             std::string culprit = "none found";
@@ -879,10 +967,17 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                                      {"size_term", size_term}, {"tau", tau},
                                      {"bytes", bytes},      {"budget", b.limit},
                                      {"lr", lr},            {"tokens_per_s", static_cast<double>(per_step * seq) / dt}};
-        log << line.dump() << "\n" << std::flush;
+        if (writer) {
+            log << line.dump() << "\n" << std::flush;
+        }
         bar.add(1, fmt::format("KL {:.4f} size {:.4f}", kl_sum, bytes / b.limit));
-        const bool stop = o.should_stop && o.should_stop(step);
-        if ((step + 1) % o.journal_every == 0 || step + 1 == o.steps || stop) {
+        bool stop = o.should_stop && o.should_stop(step);
+        if (ranks > 1) {  // every rank stops after the same step (any rank asked to), or none
+            torch::Tensor any = torch::tensor({stop ? 1.0f : 0.0f});
+            o.group->all_reduce_max(any);
+            stop = any.item<float>() > 0;
+        }
+        if (writer && ((step + 1) % o.journal_every == 0 || step + 1 == o.steps || stop)) {
             save_journal(journal_path, fp, step + 1, gated, opt);
         }
         if (stop) {
@@ -926,7 +1021,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         res.summary += fmt::format("{}{} {:.6g}{}", i ? ", " : "", e.name, e.val_kl, i ? "" : " (chosen)");
     }
     res.summary += "\n";
-    if (res.finished) {
+    if (res.finished && writer) {
         recipe_save(res.final_recipe, (fs::path(o.run_dir) / "recipe.json").string());
         write_file_atomic((fs::path(o.run_dir) / "recipe.tensor-types.txt").string(),
                           recipe_tensor_types(res.final_recipe));

@@ -17,6 +17,10 @@
 
 namespace voodoo {
 
+namespace dist {
+class process_group;
+}
+
 class token_file;
 
 struct train_options {
@@ -71,6 +75,15 @@ struct train_options {
                                         // may not exceed this; recipes over it are left out of the final selection
                                         // and the speed-constrained exact knapsack is added (quantize --max-slowdown)
     std::string speed_table;            // the type speed table's file (load_or_measure_type_speeds) with it
+    /// Several processes (issue #17): the ranks of `group` (torchrun's, dist::launch_env_from_environment) train one
+    /// student together, `parallel` saying how: "tp" (tensor parallelism: every layer split over the ranks, Megatron
+    /// style; llama, qwen2, qwen3) or "layers" (layer sharding: contiguous layers per rank, balanced by bytes). Every
+    /// rank reads the same data, builds the candidates, runs the probe and the final selection; the training step is
+    /// split, the gate gradients summed over the ranks, so every rank holds the same gates; rank 0 alone writes the
+    /// run directory (log, journal, probe, recipe). The journal holds whole gates, so a run resumes with any number of
+    /// ranks. null: one process.
+    dist::process_group * group = nullptr;
+    std::string parallel = "tp";
     /// Asked after every step; true stops the run after writing a journal (Ctrl-C uses it too).
     std::function<bool(int step)> should_stop;
 };
