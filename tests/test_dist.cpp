@@ -19,7 +19,9 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <tuple>
 
 using namespace voodoo;
 
@@ -447,4 +449,57 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
             EXPECT_EQ(a, b);
         }
     }
+}
+
+TEST(dist, a_journal_written_by_one_process_resumes_on_two_ranks_with_the_same_steps_bit_for_bit) {
+    if (!dist::have_gloo()) {
+        GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";
+    }
+    // The journal holds whole gates and the AdamW state, never a rank's part: a run stopped (Ctrl-C) as one process
+    // continues as two torchrun-style ranks with layer sharding and ends as the uninterrupted run does, every logged
+    // step and the recipe bit for bit.
+    test::temp_dir dir;
+    std::string text;
+    {
+        std::ifstream in(test::shared_data() + "/text/tinystories/tinystories_val.txt");
+        text.resize(200000);
+        in.read(text.data(), static_cast<std::streamsize>(text.size()));
+        text.resize(static_cast<size_t>(in.gcount()));
+    }
+    std::ofstream(dir.file("t.txt")) << text;
+    const std::string model = test::stories260k();
+    ASSERT_EQ(test::run_voodoo(fmt::format("data --model {} --text {} --ctx 64 --val-fraction 0.1 --out {}", model,
+                                           dir.file("t.txt"), dir.file("d"))).exit_code, 0);
+    const std::string args = fmt::format("train --model {} --data {} --target-size 420000 --menu Q4_0,Q8_0 --steps 60 "
+                                         "--probe-sequences 2 --select-sequences 2 -t 1", model, dir.file("d"));
+    const auto whole = test::run_shell(fmt::format("env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} --out {} 2>&1", VOODOO_BIN,
+                                                   args, dir.file("whole")));
+    ASSERT_EQ(whole.exit_code, 0) << whole.output;
+    // Interrupted once its log holds 5 steps: SIGINT stops it after the step in progress, with a journal.
+    const std::string part = dir.file("part");
+    const auto stopped = test::run_shell(fmt::format(
+        "env -u WORLD_SIZE VOODOO_PROGRESS=0 {0} {1} --out {2} > {2}.log 2>&1 & p=$!; "
+        "while [ \"$(cat {2}/log.jsonl 2>/dev/null | wc -l)\" -lt 5 ] && kill -0 $p 2>/dev/null; do sleep 0.02; done; "
+        "kill -INT $p; wait $p; s=$?; cat {2}.log; exit $s", VOODOO_BIN, args, part));
+    ASSERT_EQ(stopped.exit_code, 130) << stopped.output;
+    ASSERT_TRUE(std::filesystem::exists(part + "/journal.pt"));
+    const auto resumed = test::run_shell(fmt::format(
+        "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
+        "RANK=1 {1} {2} --out {3} --parallel layers --resume > {3}.rank1.log 2>&1 & p=$!; "
+        "RANK=0 {1} {2} --out {3} --parallel layers --resume 2>&1; s=$?; wait $p || s=1; cat {3}.rank1.log; exit $s",
+        free_port(), VOODOO_BIN, args, part));
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    const auto steps_of = [](const std::string & path) {
+        std::vector<std::tuple<int64_t, double, double, double>> out;
+        std::ifstream in(path);
+        for (std::string line; std::getline(in, line);) {
+            const auto j = nlohmann::json::parse(line);
+            out.emplace_back(j["step"].get<int64_t>(), j["ce"].get<double>(), j["kl"].get<double>(), j["bytes"].get<double>());
+        }
+        return out;
+    };
+    const auto a = steps_of(dir.file("whole/log.jsonl")), b = steps_of(part + "/log.jsonl");
+    ASSERT_EQ(a.size(), 60u);
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(read_json(dir.file("whole/recipe.json"))["tensors"], read_json(part + "/recipe.json")["tensors"]);
 }
