@@ -396,7 +396,7 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
     // `voodoo train` started as torchrun starts it (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; two processes) trains
     // the recipe one process trains: with --parallel layers the same log bit for bit (layer sharding changes no
     // arithmetic), with --parallel tp the same recipe (the losses differ only in the order of sums: the test above
-    // bounds them). Rank 0 alone writes the run directory.
+    // bounds them). Rank 0 alone writes the run directory; the probe's candidates are measured half by each rank.
     test::temp_dir dir;
     std::string text;
     {
@@ -441,6 +441,8 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
             free_port(), VOODOO_BIN, args, out, mode));
         ASSERT_EQ(two.exit_code, 0) << two.output;
         EXPECT_NE(two.output.find("rank 1 of 2 (cpu), --parallel " + mode), std::string::npos) << two.output;
+        // The probe's measurements split over the ranks (the same values: the layer-sharded log is equal bit for bit).
+        EXPECT_NE(two.output.find("probe: rank 1 of 2 measures"), std::string::npos) << two.output;
         EXPECT_EQ(recipe_of(out + "/recipe.json"), recipe_of(dir.file("one/recipe.json")));
         const auto a = log_of(dir.file("one/log.jsonl")), b = log_of(out + "/log.jsonl");
         ASSERT_EQ(a.size(), 6u);

@@ -568,6 +568,44 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
     };
 
+    // The probe, its measurements split over the ranks (issue #17): rank r measures the planned candidates r, r + N,
+    // r + 2N, … (in tensor order, so every rank gets some of every layer), and one all-reduce gives every rank every
+    // value. Each value is measured by one rank with one process's arithmetic, so the result is the single process's.
+    auto probe_over_ranks = [&](std::vector<gated_tensor> & g, const std::vector<std::vector<bool>> & plan) {
+        if (ranks == 1) {
+            std::vector<std::vector<bool>> p = plan;
+            return probe_sensitivity(*model, dense, teacher_weights, g, probe_tokens, device, loss_chunk, probe_dtype, &p);
+        }
+        std::vector<std::vector<bool>> mine = plan;
+        int64_t n = 0;
+        for (auto & row : mine) {
+            for (size_t k = 0; k < row.size(); ++k) {
+                if (row[k]) {
+                    row[k] = n++ % ranks == rank;
+                }
+            }
+        }
+        fmt::print(stderr, "probe: rank {} of {} measures {} of the {} candidates planned\n", rank, ranks,
+                   n / ranks + (n % ranks > rank ? 1 : 0), n);
+        std::vector<std::vector<double>> out =
+            probe_sensitivity(*model, dense, teacher_weights, g, probe_tokens, device, loss_chunk, probe_dtype, &mine);
+        std::vector<double> flat;
+        for (size_t i = 0; i < out.size(); ++i) {
+            for (size_t k = 0; k < out[i].size(); ++k) {
+                flat.push_back(mine[i][k] ? out[i][k] : 0.0);
+            }
+        }
+        std::vector<torch::Tensor> all{torch::tensor(flat, torch::kDouble)};
+        o.group->all_reduce_sum(all);
+        const double * v = all[0].data_ptr<double>();
+        for (size_t i = 0, at = 0; i < out.size(); ++i) {
+            for (size_t k = 0; k < out[i].size(); ++k, ++at) {
+                out[i][k] = plan[i][k] ? v[at] : out[i][k];
+            }
+        }
+        return out;
+    };
+
     // The candidates: every type of every menu (--candidates all), or only those some recipe under the targets could
     // use (train/prune.h): the eager types built and probed first, the others predicted, the exact knapsack solved
     // at every target with the unbuilt types optimistic.
@@ -594,7 +632,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                     plan[i].push_back(eg[i].types[k] != eg[i].tensor->type);
                 }
             }
-            es = probe_sensitivity(*model, dense, teacher_weights, eg, probe_tokens, device, loss_chunk, probe_dtype, &plan);
+            es = probe_over_ranks(eg, plan);
             check_finite(eg, es, plan);
             for (size_t i = 0; i < eg.size(); ++i) {
                 for (size_t k = 0; k < eg[i].types.size(); ++k) {
@@ -748,8 +786,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             }
         }
         // When the eager probe measured every anchor, the plan is empty and this runs no forward.
-        sens = probe_sensitivity(*model, dense, teacher_weights, gated, probe_tokens, device, loss_chunk, probe_dtype,
-                                 &plan);
+        sens = probe_over_ranks(gated, plan);
         check_finite(gated, sens, plan);
         for (size_t i = 0; i < gated.size(); ++i) {
             for (size_t k = 0; k < gated[i].types.size(); ++k) {
