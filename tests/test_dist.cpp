@@ -505,3 +505,41 @@ TEST(dist, a_journal_written_by_one_process_resumes_on_two_ranks_with_the_same_s
     EXPECT_EQ(a, b);
     EXPECT_EQ(read_json(dir.file("whole/recipe.json"))["tensors"], read_json(part + "/recipe.json")["tensors"]);
 }
+
+TEST(dist, voodoo_quantize_gpus_runs_the_train_stage_as_ranks_and_writes_the_same_file) {
+    if (!dist::have_gloo()) {
+        GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";
+    }
+    // `voodoo quantize --gpus 2` starts the train stage as two ranks itself (torchrun's variables, a free port), here
+    // on the CPU: with --parallel layers the whole job writes the file one process writes, byte for byte (both jobs
+    // run from their own folder with the same relative --work, since the file records the imatrix's path).
+    test::temp_dir dir;
+    std::string text;
+    {
+        std::ifstream in(test::shared_data() + "/text/tinystories/tinystories_val.txt");
+        text.resize(200000);
+        in.read(text.data(), static_cast<std::streamsize>(text.size()));
+        text.resize(static_cast<size_t>(in.gcount()));
+    }
+    std::ofstream(dir.file("t.txt")) << text;
+    std::filesystem::create_directories(dir.file("one"));
+    std::filesystem::create_directories(dir.file("two"));
+    const std::string job = fmt::format("quantize {} --text {} --like Q4_0 --steps 20 --eval-chunks 0 --work w -o out.gguf",
+                                        test::stories260k(), dir.file("t.txt"));
+    const auto one = test::run_shell(fmt::format("cd {} && env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} 2>&1", dir.file("one"),
+                                                 VOODOO_BIN, job));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    const auto two = test::run_shell(fmt::format("cd {} && env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} --gpus 2 --parallel layers 2>&1",
+                                                 dir.file("two"), VOODOO_BIN, job));
+    ASSERT_EQ(two.exit_code, 0) << two.output;
+    EXPECT_NE(two.output.find("rank 0 of 2 (cpu), --parallel layers"), std::string::npos) << two.output;
+    EXPECT_NE(test::read_file(dir.file("two/w/run-Q4_0/rank1.log")).find("rank 1 of 2 (cpu), --parallel layers"),
+              std::string::npos);
+    const std::string a = test::read_file(dir.file("one/out.gguf")), b = test::read_file(dir.file("two/out.gguf"));
+    ASSERT_GT(a.size(), 0u);
+    EXPECT_TRUE(a == b) << "the files differ";
+
+    const auto bad = test::run_voodoo(job + " --gpus 2 --device cuda:1");
+    EXPECT_NE(bad.exit_code, 0);
+    EXPECT_NE(bad.output.find("--gpus 2 with --device cuda:1"), std::string::npos) << bad.output;
+}

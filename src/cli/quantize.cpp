@@ -82,6 +82,14 @@ command add_quantize(CLI::App & app) {
                                           "else every core")
                               ->capture_default_str()->check(non_negative());
     sub->add_option("--device", o->q.train.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
+    sub->add_option("--gpus", o->q.gpus,
+                    "Train on this many GPUs of this host (cuda:0 …): the train stage runs as that many ranks with "
+                    "torchrun's variables (with --device cpu: that many CPU processes)")
+        ->capture_default_str()->check(CLI::PositiveNumber);
+    sub->add_option("--parallel", o->q.train.parallel,
+                    "With --gpus > 1: tp (tensor parallelism, Megatron style; llama, qwen2, qwen3) or layers "
+                    "(contiguous layers per GPU)")
+        ->capture_default_str()->check(CLI::IsMember({"tp", "layers"}));
     sub->add_option("--candidates", o->q.train.candidates,
                     "Which candidates to build: targets (those some recipe under the targets could use: a few per tensor "
                     "probed first, the others predicted; train/prune.h) or all (every type of every menu; what "
@@ -135,8 +143,12 @@ command add_quantize(CLI::App & app) {
         if (q.train.device == "cpu") {
             cpu_defaults = apply_cpu_defaults(q.train, [&](const std::string & f) { return sub->count(f) > 0; }, q.ctx);
         }
-        if (q.train.device != "cpu") {
-            q.train_exe = "/proc/self/exe";  // the GPU only in the train stage's own process
+        if (q.train.device != "cpu" || q.gpus > 1) {
+            q.train_exe = "/proc/self/exe";  // the GPU only in the train stage's own process(es)
+        }
+        if (q.gpus > 1 && (q.train.device.starts_with("cuda:"))) {
+            fail("--gpus {} with --device {}: the ranks take cuda:0 … cuda:{}; pass --device cuda (CUDA_VISIBLE_DEVICES "
+                 "chooses which GPUs)", q.gpus, q.train.device, q.gpus - 1);
         }
         // One target or a comma list of them (a ladder).
         auto goals_of = [](const std::string & list, target_kind kind, const char * flag) {

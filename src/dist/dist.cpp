@@ -10,7 +10,14 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #endif
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cstdlib>
 #include <limits>
 #include <map>
@@ -66,6 +73,26 @@ std::optional<launch_env> launch_env_from_environment() {
         fail("MASTER_PORT={} is not a TCP port (1 to 65535)", e.master_port);
     }
     return e;
+}
+
+int free_tcp_port() {
+    const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = 0;
+    socklen_t len = sizeof a;
+    const bool ok = s >= 0 && ::bind(s, reinterpret_cast<sockaddr *>(&a), sizeof a) == 0 &&
+                    ::getsockname(s, reinterpret_cast<sockaddr *>(&a), &len) == 0;
+    const int err = errno;
+    if (s >= 0) {
+        ::close(s);
+    }
+    if (!ok) {
+        fail("cannot find a free TCP port on 127.0.0.1 for MASTER_PORT: {}; set MASTER_PORT and start the ranks with "
+             "torchrun instead", std::strerror(err));
+    }
+    return ntohs(a.sin_port);
 }
 
 #if defined(VOODOO_HAVE_GLOO)

@@ -35,6 +35,10 @@ struct launch_env {
 /// the variable when one is malformed or missing beside WORLD_SIZE, or RANK is outside [0, WORLD_SIZE).
 std::optional<launch_env> launch_env_from_environment();
 
+/// A TCP port on 127.0.0.1 that nobody listens on now (the kernel's pick for port 0): MASTER_PORT for ranks this
+/// process starts itself. Throws voodoo::error when no socket can be bound.
+int free_tcp_port();
+
 /// True when this build has c10d's Gloo process group (its gloo headers were found at configure time).
 bool have_gloo();
 

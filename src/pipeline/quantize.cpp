@@ -1,4 +1,6 @@
 #include "pipeline/quantize.h"
+
+#include "dist/dist.h"
 #include "pipeline/hf_source.h"
 #include "pipeline/dry_run.h"
 #include "eval/speed_table.h"
@@ -32,6 +34,7 @@
 #include <optional>
 #include <set>
 
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -140,6 +143,67 @@ void run_child(std::vector<std::string> args, const std::string & what, const st
     }
 }
 
+// `args` as `ranks` processes of one torchrun-style group (RANK = LOCAL_RANK = r, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+// in each child's environment); rank 0 writes to stderr, rank r > 0 to `log_prefix`r.log. Waits for all; throws
+// voodoo::error naming the first rank that failed (and its log), or `stopped` when one was interrupted.
+void run_ranks(std::vector<std::string> args, int ranks, const std::string & log_prefix, const std::string & what,
+               const std::string & stopped) {
+    std::vector<char *> argv;
+    for (auto & a : args) {
+        argv.push_back(a.data());
+    }
+    argv.push_back(nullptr);
+    const int port = dist::free_tcp_port();
+    std::fflush(nullptr);
+    std::vector<pid_t> pids;
+    for (int r = 0; r < ranks; ++r) {
+        const std::string log = fmt::format("{}{}.log", log_prefix, r);
+        const pid_t pid = fork();
+        if (pid < 0) {
+            fail("{}: cannot start rank {}: {}", what, r, std::strerror(errno));
+        }
+        if (pid == 0) {
+            if (r > 0) {
+                const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+                if (fd >= 0) {
+                    dup2(fd, STDERR_FILENO);
+                }
+            }
+            dup2(STDERR_FILENO, STDOUT_FILENO);
+            setenv("RANK", std::to_string(r).c_str(), 1);
+            setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+            setenv("WORLD_SIZE", std::to_string(ranks).c_str(), 1);
+            setenv("LOCAL_WORLD_SIZE", std::to_string(ranks).c_str(), 1);
+            setenv("MASTER_ADDR", "127.0.0.1", 1);
+            setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+            execv(argv[0], argv.data());
+            std::fprintf(stderr, "cannot run %s: %s\n", argv[0], std::strerror(errno));
+            _exit(127);
+        }
+        pids.push_back(pid);
+    }
+    std::string failed;
+    bool interrupted = false;
+    for (int r = 0; r < ranks; ++r) {
+        int status = 0;
+        while (waitpid(pids[static_cast<size_t>(r)], &status, 0) < 0 && errno == EINTR) {
+        }
+        interrupted = interrupted || (WIFEXITED(status) && WEXITSTATUS(status) == 130);
+        if (failed.empty() && !(WIFEXITED(status) && (WEXITSTATUS(status) == 0 || WEXITSTATUS(status) == 130))) {
+            failed = fmt::format("{} failed on rank {} of {}{}{}", what, r, ranks,
+                                 WIFSIGNALED(status) ? fmt::format(" with signal {}", WTERMSIG(status))
+                                                     : fmt::format(" (exit {})", WEXITSTATUS(status)),
+                                 r > 0 ? fmt::format("; its output: {}{}.log", log_prefix, r) : std::string());
+        }
+    }
+    if (!failed.empty()) {
+        fail("{}", failed);
+    }
+    if (interrupted) {
+        fail("{}", stopped);
+    }
+}
+
 // `exe train …` with the same options, in a child process; returns when it has finished. Throws
 // voodoo::error when it cannot start, was interrupted, or failed (its own error is on stderr).
 void train_in_child(const std::string & exe, const quantize_options & o, const train_options & t,
@@ -206,6 +270,13 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     }
     if (t.resume) {
         args.push_back("--resume");
+    }
+    if (o.gpus > 1) {
+        args.insert(args.end(), {"--parallel", t.parallel});
+        run_ranks(args, o.gpus, (fs::path(t.run_dir) / "rank").string(),
+                  fmt::format("train stage ('{} train' as {} ranks on {}, --parallel {})", exe, o.gpus, t.device, t.parallel),
+                  "training stopped; run the same command again to resume");
+        return;
     }
     run_child(args, fmt::format("train stage ('{} train' on {})", exe, t.device),
               "training stopped; run the same command again to resume");

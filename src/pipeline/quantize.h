@@ -46,6 +46,11 @@ struct quantize_options {
     /// this process's libllama work (eval) loads models. (A crash first blamed on libllama sharing a process with
     /// CUDA was libtorch.so's own std::filesystem::remove_all: common/file.h, remove_tree.)
     std::string train_exe;
+    /// Ranks of the train stage on this host (issue #17): > 1 runs `train_exe train … --parallel P` as that many
+    /// processes with torchrun's variables (RANK = LOCAL_RANK = 0 … gpus − 1, WORLD_SIZE, MASTER_ADDR 127.0.0.1, a free
+    /// MASTER_PORT), each on cuda:LOCAL_RANK (with --device cuda) or the CPU; rank 0's output on stderr, the others' in
+    /// <run>/rank<N>.log. Needs train_exe.
+    int gpus = 1;
     bool dry_run = false;                   // make nothing: plan_dry_run's report in quantize_result::plan
 };
 
