@@ -150,7 +150,9 @@ void process_group::all_reduce_sum(std::vector<torch::Tensor> & tensors) {
         for (const size_t i : which) {
             parts.push_back(tensors[i].reshape({-1}));
         }
-        std::vector<torch::Tensor> flat{torch::cat(parts)};
+        // On the wire: host memory (Gloo's transport), and f32 for 16-bit floats (summed in f32, rounded once after).
+        const bool narrow = dtype == torch::kBFloat16 || dtype == torch::kHalf;
+        std::vector<torch::Tensor> flat{torch::cat(parts).to(torch::kCPU, narrow ? torch::kFloat : dtype).contiguous()};
         p_->pg->allreduce(flat)->wait();
         int64_t at = 0;
         for (const size_t i : which) {
@@ -162,10 +164,14 @@ void process_group::all_reduce_sum(std::vector<torch::Tensor> & tensors) {
 }
 
 void process_group::all_reduce_max(torch::Tensor & t) {
-    std::vector<torch::Tensor> v{t};
+    const bool narrow = t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
+    std::vector<torch::Tensor> v{t.to(torch::kCPU, narrow ? torch::kFloat : t.scalar_type()).contiguous()};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::MAX;
     p_->pg->allreduce(v, opts)->wait();
+    if (!v[0].is_same(t)) {
+        t.copy_(v[0]);
+    }
 }
 
 void process_group::barrier() { p_->pg->barrier()->wait(); }
