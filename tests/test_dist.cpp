@@ -337,6 +337,13 @@ TEST(dist, a_ranks_candidate_shard_holds_llamas_own_bytes_of_its_part_and_misali
     EXPECT_EQ(tp_range(10, 0, 3), (std::pair<int64_t, int64_t>{0, 4}));
     EXPECT_EQ(tp_range(10, 1, 3), (std::pair<int64_t, int64_t>{4, 7}));
     EXPECT_EQ(tp_range(10, 2, 3), (std::pair<int64_t, int64_t>{7, 10}));
+    // The FFN's width in whole 256-weight units, one split for gate/up rows and down columns: 1280 = 5 units over 2.
+    EXPECT_EQ(tp_range_of("blk.2.ffn_down.weight", 1280, 0, 2), (std::pair<int64_t, int64_t>{0, 768}));
+    EXPECT_EQ(tp_range_of("blk.2.ffn_up.weight", 1280, 1, 2), (std::pair<int64_t, int64_t>{768, 1280}));
+    EXPECT_EQ(tp_range_of("blk.2.attn_output.weight", 1280, 1, 2), (std::pair<int64_t, int64_t>{640, 1280}));
+    gguf_tensor down1280{"blk.0.ffn_down.weight", GGML_TYPE_BF16, 2, {1280, 512, 1, 1}, 0, 0};
+    EXPECT_EQ(dist::tp_split_problem(down1280, {GGML_TYPE_Q4_K, GGML_TYPE_Q8_0}, 2), "");
+    EXPECT_NE(dist::tp_split_problem(down1280, {GGML_TYPE_Q4_K}, 8).find("cannot split"), std::string::npos);
 
     test::temp_dir dir;
     fixture_spec spec = small_fixture("llama", false, 1);

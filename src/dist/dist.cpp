@@ -361,11 +361,11 @@ torch::Tensor tp_shard(const std::string & name, const torch::Tensor & t, int ra
     switch (tp_split_of(name)) {
     case tp_split::column_parallel:
     case tp_split::vocab_parallel: {
-        const auto [lo, hi] = tp_range(t.size(0), rank, size);
+        const auto [lo, hi] = tp_range_of(name, t.size(0), rank, size);
         return t.narrow(0, lo, hi - lo);
     }
     case tp_split::row_parallel: {
-        const auto [lo, hi] = tp_range(t.size(-1), rank, size);
+        const auto [lo, hi] = tp_range_of(name, t.size(-1), rank, size);
         return t.narrow(-1, lo, hi - lo);
     }
     case tp_split::replicated:
@@ -383,6 +383,24 @@ torch::Tensor tp_shard_source::rows(const std::string & name, const torch::Tenso
     return full_.rows(name, ids);
 }
 
+std::string tp_split_problem(const gguf_tensor & t, const std::vector<ggml_type> & types, int size) {
+    if (tp_split_of(t.name) != tp_split::row_parallel) {
+        return {};
+    }
+    for (int rank = 0; rank < size; ++rank) {
+        const auto [lo, hi] = tp_range_of(t.name, t.ne[0], rank, size);
+        for (const ggml_type type : types) {
+            const int64_t blck = type_info_of(type).blck_size;
+            if (lo % blck != 0 || hi % blck != 0) {
+                return fmt::format("tensor '{}' {}: rank {} of {} holds columns [{}, {}), which {} ({}-weight blocks) "
+                                   "cannot split; use a menu whose blocks divide {}, fewer ranks, or --parallel layers",
+                                   t.name, shape_str(t.shape()), rank, size, lo, hi, type_name(type), blck, hi - lo);
+            }
+        }
+    }
+    return {};
+}
+
 gated_tensor shard_gated_tensor(const gated_tensor & full, int rank, int size, std::deque<gguf_tensor> & shapes) {
     const gguf_tensor & t = *full.tensor;
     if (t.n_dims != 2) {
@@ -393,24 +411,22 @@ gated_tensor shard_gated_tensor(const gated_tensor & full, int rank, int size, s
     out.types = full.types;
     out.n_threads = full.n_threads;
     const tp_split split = tp_split_of(t.name);
+    if (const std::string problem = tp_split_problem(t, full.types, size); !problem.empty()) {
+        fail("{}", problem);
+    }
     for (size_t k = 0; k < full.types.size(); ++k) {
         const ggml_type type = full.types[k];
         const std::vector<uint8_t> & b = full.bytes[k];
         const size_t row_bytes = tensor_bytes(type, std::array<int64_t, 1>{t.ne[0]}, t.name);
         std::vector<uint8_t> part;
         if (split == tp_split::column_parallel || split == tp_split::vocab_parallel) {
-            const auto [lo, hi] = tp_range(t.ne[1], rank, size);
+            const auto [lo, hi] = tp_range_of(t.name, t.ne[1], rank, size);
             shard.ne[1] = hi - lo;
             part.assign(b.begin() + static_cast<std::ptrdiff_t>(lo * static_cast<int64_t>(row_bytes)),
                         b.begin() + static_cast<std::ptrdiff_t>(hi * static_cast<int64_t>(row_bytes)));
         } else if (split == tp_split::row_parallel) {
-            const auto [lo, hi] = tp_range(t.ne[0], rank, size);
+            const auto [lo, hi] = tp_range_of(t.name, t.ne[0], rank, size);
             const type_info & info = type_info_of(type);
-            if (lo % info.blck_size != 0 || hi % info.blck_size != 0) {
-                fail("tensor '{}' {}: rank {} of {} holds columns [{}, {}), which {} ({}-weight blocks) cannot split; "
-                     "use a menu whose blocks divide {} or fewer ranks", t.name, shape_str(t.shape()), rank, size, lo,
-                     hi, type_name(type), info.blck_size, hi - lo);
-            }
             shard.ne[0] = hi - lo;
             const size_t from = static_cast<size_t>(lo / info.blck_size) * info.type_size;
             const size_t n = static_cast<size_t>((hi - lo) / info.blck_size) * info.type_size;

@@ -142,6 +142,12 @@ private:
     int rank_, size_;
 };
 
+/// Under tensor parallelism over `size` ranks: "" when every type of `types` fits every rank's part of tensor `t`
+/// (row-parallel tensors are cut inside their rows, which must fall on the types' block boundaries), else the first
+/// that does not, naming the tensor, the type, the rank's columns and what would work. The trainer asks before any
+/// work.
+std::string tp_split_problem(const gguf_tensor & t, const std::vector<ggml_type> & types, int size);
+
 /// The candidates of rank `rank` of `size` for one gated tensor under tensor parallelism: the same menu, each
 /// candidate's bytes cut to the rank's shard (tp_split_of: whole rows for column- and vocabulary-parallel tensors;
 /// for row-parallel ones the blocks of each row inside the rank's columns), so that deq of the shard's bytes is the

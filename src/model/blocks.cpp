@@ -41,6 +41,17 @@ std::pair<int64_t, int64_t> tp_range(int64_t n, int rank, int size) {
     return {first, first + q + (rank < r ? 1 : 0)};
 }
 
+std::pair<int64_t, int64_t> tp_range_of(const std::string & name, int64_t n, int rank, int size) {
+    const size_t dot = name.starts_with("blk.") ? name.find('.', 4) : std::string::npos;
+    const bool ffn = dot != std::string::npos && std::string_view(name).substr(dot + 1).starts_with("ffn_");
+    if (!ffn) {
+        return tp_range(n, rank, size);
+    }
+    const int64_t unit = n % 256 == 0 && n / 256 >= size ? 256 : n % 32 == 0 && n / 32 >= size ? 32 : 1;
+    const auto [a, b] = tp_range(n / unit, rank, size);
+    return {a * unit, b * unit};
+}
+
 torch::Tensor token_embeddings(forward_context & ctx, const torch::Tensor & tokens, int64_t n_embd) {
     if (ctx.tp) {
         // Vocabulary-parallel (Megatron's VocabParallelEmbedding): each rank looks up the ids of its shard, zeros for

@@ -40,6 +40,13 @@ tp_split tp_split_of(const std::string & name);
 /// [first, end) of `n` items that rank `rank` of `size` holds: contiguous, the first n mod size ranks one more.
 std::pair<int64_t, int64_t> tp_range(int64_t n, int rank, int size);
 
+/// The part of tensor `name` that rank `rank` of `size` holds along its split, `n` rows or columns in all: the FFN's
+/// intermediate width (ffn_gate/ffn_up rows and biases, ffn_down columns; one split for all three) in whole units of
+/// 256 weights when n is a multiple of 256 (every llama.cpp block size divides 256), else of 32, else of 1, so a type
+/// that fits the whole tensor fits every rank's part whenever the units allow; everything else as tp_range (heads
+/// split evenly).
+std::pair<int64_t, int64_t> tp_range_of(const std::string & name, int64_t n, int rank, int size);
+
 /// The communication of one tensor-parallel group, seen by the blocks (src/dist implements it over c10d). Megatron's
 /// conjugate pair f and g make every gradient exact: f where a replicated tensor enters rank-local work (the input of
 /// a column-parallel layer, the head, the log-sum-exp every rank's logits use), g where rank-local partial results

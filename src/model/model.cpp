@@ -57,16 +57,20 @@ void causal_lm::set_tensor_parallel(const tensor_parallel * tp) {
              "train it on one GPU or with layer sharding", n, hp_.arch, hp_.n_expert > 0 ? " with experts" : "");
     }
     for (const auto & [key, value] : {std::pair{"attention.head_count", hp_.n_head},
-                                      std::pair{"attention.head_count_kv", hp_.n_head_kv},
-                                      std::pair{"feed_forward_length", hp_.n_ff}}) {
+                                      std::pair{"attention.head_count_kv", hp_.n_head_kv}}) {
         if (value % n != 0) {
             fail("tensor parallelism over {} ranks: {}.{} = {} is not a multiple of {}; use a number of ranks that "
                  "divides it", n, hp_.arch, key, value, n);
         }
     }
+    if (hp_.n_ff < n) {
+        fail("tensor parallelism over {} ranks: {}.feed_forward_length = {} gives some rank no FFN width; use fewer ranks",
+             n, hp_.arch, hp_.n_ff);
+    }
     hp_.n_head /= n;
     hp_.n_head_kv /= n;
-    hp_.n_ff /= n;
+    const auto [ff_first, ff_end] = tp_range_of("blk.0.ffn_up.weight", hp_.n_ff, tp->rank(), n);
+    hp_.n_ff = ff_end - ff_first;
     tp_ = tp;
 }
 

@@ -44,8 +44,8 @@ public:
     const model_hparams & hparams() const { return hp_; }
 
     /// Tensor parallelism (issue #17): from now on this model is rank tp->rank()'s part of a tensor-parallel group of
-    /// tp->size(): its hyper-parameters hold this rank's heads (n_head, n_head_kv) and FFN width (n_ff), each divided
-    /// by the size, every forward asks its weight_source for this rank's shards (tp_split_of; dist::tp_shard_source
+    /// tp->size(): its hyper-parameters hold this rank's heads (n_head, n_head_kv: divided by the size) and FFN width
+    /// (n_ff: its part by tp_range_of), every forward asks its weight_source for this rank's shards (tp_split_of; dist::tp_shard_source
     /// gives them) and communicates through `tp` (forward_context::tp). `tp` must outlive the model's forwards.
     /// For the dense architectures llama, qwen2 and qwen3. Throws voodoo::error naming the architecture, or the key
     /// whose count the size does not divide (what would: a size that divides it).

@@ -475,6 +475,12 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
              o.candidates);
     }
     const std::vector<tensor_menu> all_menus = build_menus(src, menu);
+    for (size_t i = 0; tensor_parallel && i < all_menus.size(); ++i) {
+        if (const std::string problem = dist::tp_split_problem(*all_menus[i].tensor, all_menus[i].types, ranks);
+            !problem.empty()) {
+            fail("--parallel tp over {} ranks: {}", ranks, problem);
+        }
+    }
     // The budget counts the header export will write: the same metadata, imatrix keys included.
     export_options eopts = o.export_opts;
     eopts.importance = importance;
