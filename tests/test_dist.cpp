@@ -458,6 +458,16 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
             EXPECT_EQ(a, b);
         }
     }
+    // A split the model does not allow is refused on every rank before any work (no probe), naming the key.
+    const std::string out = dir.file("three");
+    const auto three = test::run_shell(fmt::format(
+        "export VOODOO_PROGRESS=0 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; pids=; "
+        "for r in 1 2; do RANK=$r {1} {2} --out {3} --parallel tp > {3}.rank$r.log 2>&1 & pids=\"$pids $!\"; done; "
+        "RANK=0 {1} {2} --out {3} --parallel tp 2>&1; s=$?; for p in $pids; do wait $p && s=0; done; "
+        "cat {3}.rank*.log; exit $s", free_port(), VOODOO_BIN, args, out));
+    EXPECT_NE(three.exit_code, 0) << three.output;
+    EXPECT_NE(three.output.find("llama.attention.head_count = 8 is not a multiple of 3"), std::string::npos) << three.output;
+    EXPECT_EQ(three.output.find("probe:"), std::string::npos) << three.output;
 }
 
 TEST(dist, a_journal_written_by_one_process_resumes_on_two_ranks_with_the_same_steps_bit_for_bit) {

@@ -189,7 +189,9 @@ command add_train(CLI::App & app) {
             if (t.device == "cuda") {
                 t.device = fmt::format("cuda:{}", env->local_rank);
             }
-            group = std::make_unique<dist::process_group>(*env);
+            // Ranks may reach a collective minutes apart (a probe's share, a candidate build): PyTorch's default
+            // timeout, 30 minutes, for the rendezvous and every collective.
+            group = std::make_unique<dist::process_group>(*env, std::chrono::minutes(30));
             t.group = group.get();
             fmt::print(stderr, "rank {} of {} ({}), --parallel {}\n", env->rank, env->world_size, t.device, t.parallel);
         }

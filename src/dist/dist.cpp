@@ -114,7 +114,13 @@ process_group::process_group(const launch_env & env, std::chrono::seconds timeou
         so.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
         auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
         auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::duration_cast<std::chrono::milliseconds>(timeout));
-        opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr));
+        // The transport's interface: GLOO_SOCKET_IFNAME when set (as PyTorch reads it), the loopback when the master
+        // is this host's loopback (one host), else the interface this host's name resolves to (several hosts).
+        const std::optional<std::string> ifname = env_string("GLOO_SOCKET_IFNAME");
+        const bool loopback = env.master_addr == "localhost" || env.master_addr.starts_with("127.");
+        opts->devices.push_back(ifname     ? c10d::ProcessGroupGloo::createDeviceForInterface(*ifname)
+                                : loopback ? c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr)
+                                           : c10d::ProcessGroupGloo::createDefaultDevice());
         p_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, opts);
     } catch (const std::exception & e) {
         fail("rank {} of {}: the c10d rendezvous at MASTER_ADDR={} MASTER_PORT={} failed: {}", env.rank, env.world_size,
@@ -280,7 +286,9 @@ distill_values sharded_distill_step(causal_lm & model, const torch::Tensor & tok
         pg->send(h_s.detach(), rank + 1, student_tag);
         torch::Tensor g = stream();
         pg->recv(g, rank + 1, grad_tag);
-        h_s.backward(g);
+        if (h_s.requires_grad()) {  // else nothing on this rank learns (no gated tensor in its layers)
+            h_s.backward(g);
+        }
     } else {
         v = chunked_distill(model, h_s, student, h_t, teacher, tokens, lambda_kl, scale, chunk, extra, lambda_ce);
     }
@@ -384,7 +392,13 @@ torch::Tensor tp_shard_source::rows(const std::string & name, const torch::Tenso
 }
 
 std::string tp_split_problem(const gguf_tensor & t, const std::vector<ggml_type> & types, int size) {
-    if (tp_split_of(t.name) != tp_split::row_parallel) {
+    const tp_split split = tp_split_of(t.name);
+    if (t.n_dims != 2 || split == tp_split::replicated) {
+        return fmt::format("tensor '{}' {} is not split by tensor parallelism (it splits the 2-D attn_q/k/v, "
+                           "attn_output, ffn_gate/up/down, token_embd and output); use --parallel layers",
+                           t.name, shape_str(t.shape()));
+    }
+    if (split != tp_split::row_parallel) {
         return {};
     }
     for (int rank = 0; rank < size; ++rank) {
@@ -393,8 +407,9 @@ std::string tp_split_problem(const gguf_tensor & t, const std::vector<ggml_type>
             const int64_t blck = type_info_of(type).blck_size;
             if (lo % blck != 0 || hi % blck != 0) {
                 return fmt::format("tensor '{}' {}: rank {} of {} holds columns [{}, {}), which {} ({}-weight blocks) "
-                                   "cannot split; use a menu whose blocks divide {}, fewer ranks, or --parallel layers",
-                                   t.name, shape_str(t.shape()), rank, size, lo, hi, type_name(type), blck, hi - lo);
+                                   "cannot split; use a menu whose blocks divide the columns each rank holds, fewer "
+                                   "ranks, or --parallel layers",
+                                   t.name, shape_str(t.shape()), rank, size, lo, hi, type_name(type), blck);
             }
         }
     }
@@ -403,9 +418,6 @@ std::string tp_split_problem(const gguf_tensor & t, const std::vector<ggml_type>
 
 gated_tensor shard_gated_tensor(const gated_tensor & full, int rank, int size, std::deque<gguf_tensor> & shapes) {
     const gguf_tensor & t = *full.tensor;
-    if (t.n_dims != 2) {
-        fail("tensor '{}' {}: tensor parallelism splits 2-D weights only", t.name, shape_str(t.shape()));
-    }
     gguf_tensor shard = t;
     gated_tensor out;
     out.types = full.types;
@@ -435,9 +447,6 @@ gated_tensor shard_gated_tensor(const gated_tensor & full, int rank, int size, s
                 const auto row = b.begin() + static_cast<std::ptrdiff_t>(static_cast<size_t>(r) * row_bytes + from);
                 part.insert(part.end(), row, row + static_cast<std::ptrdiff_t>(n));
             }
-        } else {
-            fail("tensor '{}': tensor parallelism splits attn_q/k/v, attn_output, ffn_gate/up/down, token_embd and "
-                 "output; a menu for this tensor cannot be split", t.name);
         }
         out.bytes.push_back(std::move(part));
     }

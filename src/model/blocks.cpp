@@ -77,8 +77,15 @@ torch::Tensor linear(forward_context & ctx, const std::string & name, const torc
         fail("tensor '{}': tensor parallelism splits attn_q, attn_k and attn_v, not a fused attn_qkv; train this model "
              "on one GPU or with layer sharding", name);
     }
-    torch::Tensor y = ctx.w.product(name, split == tp_split::column_parallel || split == tp_split::vocab_parallel
-                                              ? ctx.tp->copy_to(x) : x, ctx.dtype);
+    torch::Tensor in = x;
+    if (split == tp_split::column_parallel || split == tp_split::vocab_parallel) {
+        if (!ctx.f_in.defined() || !ctx.f_in.is_same(x)) {
+            ctx.f_in = x;
+            ctx.f_out = ctx.tp->copy_to(x);
+        }
+        in = ctx.f_out;
+    }
+    torch::Tensor y = ctx.w.product(name, in, ctx.dtype);
     if (split == tp_split::row_parallel) {
         y = ctx.tp->reduce_from(y);  // the partial products of every rank's input features; the bias after, once
     }

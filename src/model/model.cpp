@@ -48,8 +48,7 @@ void causal_lm::set_tensor_parallel(const tensor_parallel * tp) {
         fail("{} model: tensor parallelism is already set (rank {} of {})", hp_.arch, tp_->rank(), tp_->size());
     }
     if (tp == nullptr || tp->size() == 1) {
-        tp_ = tp;
-        return;
+        return;  // one rank: the whole model, no communication
     }
     const int n = tp->size();
     if ((hp_.arch != "llama" && hp_.arch != "qwen2" && hp_.arch != "qwen3") || hp_.n_expert > 0) {

@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cerrno>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -182,18 +183,38 @@ void run_ranks(std::vector<std::string> args, int ranks, const std::string & log
         }
         pids.push_back(pid);
     }
+    // In the order they end: the first rank to fail is the one to name (the others then fail waiting for it), and
+    // the rest are stopped rather than left waiting for a collective that cannot come.
     std::string failed;
     bool interrupted = false;
-    for (int r = 0; r < ranks; ++r) {
+    std::vector<bool> running(static_cast<size_t>(ranks), true);
+    for (int left = ranks; left > 0;) {
         int status = 0;
-        while (waitpid(pids[static_cast<size_t>(r)], &status, 0) < 0 && errno == EINTR) {
+        const pid_t pid = waitpid(-1, &status, 0);
+        if (pid < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            break;
         }
+        const auto it = std::find(pids.begin(), pids.end(), pid);
+        if (it == pids.end()) {
+            continue;
+        }
+        const int r = static_cast<int>(it - pids.begin());
+        running[static_cast<size_t>(r)] = false;
+        --left;
         interrupted = interrupted || (WIFEXITED(status) && WEXITSTATUS(status) == 130);
         if (failed.empty() && !(WIFEXITED(status) && (WEXITSTATUS(status) == 0 || WEXITSTATUS(status) == 130))) {
             failed = fmt::format("{} failed on rank {} of {}{}{}", what, r, ranks,
                                  WIFSIGNALED(status) ? fmt::format(" with signal {}", WTERMSIG(status))
                                                      : fmt::format(" (exit {})", WEXITSTATUS(status)),
                                  r > 0 ? fmt::format("; its output: {}{}.log", log_prefix, r) : std::string());
+            for (int q = 0; q < ranks; ++q) {
+                if (running[static_cast<size_t>(q)]) {
+                    kill(pids[static_cast<size_t>(q)], SIGTERM);
+                }
+            }
         }
     }
     if (!failed.empty()) {

@@ -475,11 +475,50 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
              o.candidates);
     }
     const std::vector<tensor_menu> all_menus = build_menus(src, menu);
-    for (size_t i = 0; tensor_parallel && i < all_menus.size(); ++i) {
-        if (const std::string problem = dist::tp_split_problem(*all_menus[i].tensor, all_menus[i].types, ranks);
-            !problem.empty()) {
-            fail("--parallel tp over {} ranks: {}", ranks, problem);
+    // Several ranks: whether the model splits as asked, before any work. Tensor parallelism: a model of this rank's
+    // heads and FFN width (set_tensor_parallel refuses what it cannot split), every menu's types fitting every rank's
+    // part. Layer sharding: this rank's contiguous layers, balanced by the bytes of their weights.
+    std::unique_ptr<dist::group_tensor_parallel> tp_group;
+    std::unique_ptr<causal_lm> tp_model;
+    if (tensor_parallel) {
+        tp_group = std::make_unique<dist::group_tensor_parallel>(*o.group);
+        tp_model = build_model(src);
+        tp_model->set_tensor_parallel(tp_group.get());
+        for (const tensor_menu & m : all_menus) {
+            if (const std::string problem = dist::tp_split_problem(*m.tensor, m.types, ranks); !problem.empty()) {
+                fail("--parallel tp over {} ranks: {}", ranks, problem);
+            }
         }
+    }
+    std::pair<int64_t, int64_t> my_layers{0, 0};
+    if (layer_sharding) {
+        if (o.st_gumbel_fraction > 0) {
+            fail("--st-gumbel-fraction {} with --parallel layers: the Gumbel noise is drawn per process in the order of "
+                 "use, so layer-sharded ranks would not draw the single process's noise; use --parallel tp, or 0",
+                 o.st_gumbel_fraction);
+        }
+        int64_t n_layer = 0;
+        for (const gguf_tensor & t : src.tensors()) {
+            n_layer = t.name.starts_with("blk.") ? std::max<int64_t>(n_layer, std::stoll(t.name.substr(4)) + 1) : n_layer;
+        }
+        if (n_layer < ranks) {
+            fail("--parallel layers over {} ranks (WORLD_SIZE, or quantize --gpus): the model has {} layers, fewer than "
+                 "the ranks; use at most {} ranks, or --parallel tp", ranks, n_layer, n_layer);
+        }
+        std::vector<int64_t> layer_bytes(static_cast<size_t>(n_layer), 0);
+        int64_t first_extra = 0, last_extra = 0;
+        for (const gguf_tensor & t : src.tensors()) {
+            const int64_t n = t.n_elements();
+            if (t.name.starts_with("blk.")) {
+                layer_bytes[static_cast<size_t>(std::stoll(t.name.substr(4)))] += n;
+            } else if (t.name.starts_with("token_embd")) {
+                first_extra += n;
+            } else {
+                last_extra += n;
+            }
+        }
+        my_layers = dist::balance_layers(layer_bytes, ranks, first_extra, last_extra)[static_cast<size_t>(rank)];
+        fmt::print(stderr, "rank {} of {}: layers [{}, {})\n", rank, ranks, my_layers.first, my_layers.second);
     }
     // The budget counts the header export will write: the same metadata, imatrix keys included.
     export_options eopts = o.export_opts;
@@ -499,7 +538,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     fs::create_directories(o.run_dir);
     const std::string journal_path = (fs::path(o.run_dir) / "journal.pt").string();
     const std::string log_path = (fs::path(o.run_dir) / "log.jsonl").string();
-    if (!o.resume && fs::exists(journal_path) && writer) {
+    if (!o.resume && fs::exists(journal_path)) {
         fail("run directory '{}' already holds a journal: pass --resume to continue it, or choose another --out",
              o.run_dir);
     }
@@ -574,6 +613,16 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
     };
 
+    // Whether `mine` holds on every rank (one all-reduce; true with one rank).
+    auto every_rank_has = [&](bool mine) {
+        if (ranks == 1) {
+            return mine;
+        }
+        torch::Tensor missing = torch::tensor({mine ? 0.0f : 1.0f});
+        o.group->all_reduce_max(missing);
+        return missing.item<float>() == 0.0f;
+    };
+
     // The probe, its measurements split over the ranks (issue #17): rank r measures the planned candidates r, r + N,
     // r + 2N, … (in tensor order, so every rank gets some of every layer), and one all-reduce gives every rank every
     // value. Each value is measured by one rank with one process's arithmetic, so the result is the single process's.
@@ -631,6 +680,10 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                                         (fs::path(probe_path).stem().string() + ".eager.json")).string();
         const std::string eager_id = probe_identity(eg, probe_tokens, probe_dtype, po.eager);
         std::vector<std::vector<double>> es = load_probe(eager_path, eager_id, eg);
+        if (!every_rank_has(!es.empty())) {
+            es.clear();  // a rank without the file (another host's folder): every rank measures, or the probe's
+                         // all-reduce would wait for ranks that skipped it
+        }
         if (es.empty()) {
             std::vector<std::vector<bool>> plan(eg.size());
             for (size_t i = 0; i < eg.size(); ++i) {
@@ -766,6 +819,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // suggest: the least total ΔKL under the budget (allocate_exact). The gates start there.
     const std::string probe_id = probe_identity(gated, probe_tokens, probe_dtype, o.probe_anchors);
     std::vector<std::vector<double>> sens = load_probe(probe_path, probe_id, gated);
+    if (!every_rank_has(!sens.empty())) {
+        sens.clear();
+    }
     if (sens.empty()) {
         // Every candidate equal to the source (E = 0) has ΔKL 0 without a forward; with --probe-anchors N only N
         // types per tensor are measured and the rest predicted from their importance-weighted error. What the
@@ -870,17 +926,12 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // Several ranks (issue #17). Tensor parallelism: a second model of this rank's heads and FFN width, the teacher's
     // and the dense weights' shards, and each gated tensor's candidates cut to this rank's shard, sharing the gates.
     // Layer sharding: this rank's contiguous layers, balanced by the bytes of their weights and candidates.
-    std::unique_ptr<dist::group_tensor_parallel> tp_group;
-    std::unique_ptr<causal_lm> tp_model;
     std::unique_ptr<dist::tp_shard_source> tp_teacher, tp_dense;
     std::deque<gguf_tensor> shard_shapes;
     std::vector<gated_tensor> shards;
     std::unique_ptr<gated_weights> tp_student;
     if (tensor_parallel) {
-        tp_group = std::make_unique<dist::group_tensor_parallel>(*o.group);
-        tp_model = build_model(src);
         tp_model->set_compute_dtype(compute);
-        tp_model->set_tensor_parallel(tp_group.get());
         const int64_t n_vocab = model->hparams().n_vocab;
         tp_teacher = std::make_unique<dist::tp_shard_source>(teacher_weights, n_vocab, rank, ranks);
         tp_dense = std::make_unique<dist::tp_shard_source>(dense, n_vocab, rank, ranks);
@@ -892,23 +943,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         tp_student = std::make_unique<gated_weights>(*tp_dense, shards);
     }
-    std::pair<int64_t, int64_t> my_layers{0, model->hparams().n_layer};
-    if (layer_sharding) {
-        std::vector<int64_t> layer_bytes(static_cast<size_t>(model->hparams().n_layer), 0);
-        int64_t first_extra = 0, last_extra = 0;
-        for (const gguf_tensor & t : src.tensors()) {
-            const int64_t n = t.n_elements();
-            if (t.name.starts_with("blk.")) {
-                layer_bytes[static_cast<size_t>(std::stoll(t.name.substr(4)))] += n;
-            } else if (t.name.starts_with("token_embd")) {
-                first_extra += n;
-            } else {
-                last_extra += n;
-            }
-        }
-        my_layers = dist::balance_layers(layer_bytes, ranks, first_extra, last_extra)[static_cast<size_t>(rank)];
-        fmt::print(stderr, "rank {} of {}: layers [{}, {})\n", rank, ranks, my_layers.first, my_layers.second);
-    }
+
 
     const int64_t per_step = static_cast<int64_t>(o.batch) * o.accum;
     // The order of the epoch being read, shuffled once per epoch rather than once per sequence.
@@ -952,18 +987,24 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         double ce_sum = 0, kl_sum = 0, size_term = 0, bytes = 0;
         for (int micro = 0; micro < o.accum; ++micro) {
             const torch::Tensor tokens = batch_tokens(step, micro);
-            std::vector<torch::Tensor> probs;
-            for (size_t i = 0; i < gated.size(); ++i) {
-                probs.push_back(student.probs(i));
-            }
-            const torch::Tensor expected = torch::dot(torch::cat(probs).to(torch::kDouble), costs) + b.fixed;
-            const torch::Tensor rel = expected / b.limit - 1.0;
-            const torch::Tensor pen = torch::relu(rel.abs() - o.size_tol).pow(2);
-            // (CE + λ_KL·KL + λ_size·penalty) / accum, the vocabulary a chunk at a time, in one backward. The penalty
-            // depends on the gates alone: one rank backpropagates it (the gradients are summed over the ranks).
-            const torch::Tensor extra = rank == (layer_sharding ? ranks - 1 : 0) ? pen * (o.lambda_size / o.accum) : torch::Tensor();
+            // The size penalty from the gates (made after the student's forward, as the single process always has:
+            // the autograd engine sums a tied gate's gradients in the order its nodes were made).
+            torch::Tensor expected, pen;
+            auto size_penalty = [&] {
+                std::vector<torch::Tensor> probs;
+                for (size_t i = 0; i < gated.size(); ++i) {
+                    probs.push_back(student.probs(i));
+                }
+                expected = torch::dot(torch::cat(probs).to(torch::kDouble), costs) + b.fixed;
+                const torch::Tensor rel = expected / b.limit - 1.0;
+                pen = torch::relu(rel.abs() - o.size_tol).pow(2);
+                // (CE + λ_KL·KL + λ_size·penalty) / accum, the vocabulary a chunk at a time, in one backward. The
+                // penalty depends on the gates alone: one rank backpropagates it (the gradients are summed over ranks).
+                return rank == (layer_sharding ? ranks - 1 : 0) ? pen * (o.lambda_size / o.accum) : torch::Tensor();
+            };
             distill_values v;
             if (layer_sharding) {
+                const torch::Tensor extra = size_penalty();
                 v = dist::sharded_distill_step(*model, tokens, teacher_weights, student, o.group, my_layers, o.lambda_kl,
                                                loss_chunk, params, 1.0 / o.accum, extra, o.lambda_ce, false);
             } else {
@@ -976,6 +1017,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                     h_t = m.hidden(tokens, tw);
                 }
                 const torch::Tensor h_s = m.hidden(tokens, sw);
+                const torch::Tensor extra = size_penalty();
                 v = chunked_distill(m, h_s, sw, h_t, tw, tokens, o.lambda_kl, 1.0 / o.accum, loss_chunk, extra, o.lambda_ce);
             }
             ce_sum += v.ce / o.accum;
