@@ -396,6 +396,33 @@ TEST(dist, a_ranks_candidate_shard_holds_llamas_own_bytes_of_its_part_and_misali
     EXPECT_NE(m.find("llama.attention.head_count = 4 is not a multiple of 3"), std::string::npos) << m;
 }
 
+namespace {
+
+/// The first 200 kB of TinyStories' validation text, written to `path`: calibration text for the CLI tests.
+void write_calibration_text(const std::string & path) {
+    std::string text(200000, '\0');
+    std::ifstream in(test::shared_data() + "/text/tinystories/tinystories_val.txt");
+    in.read(text.data(), static_cast<std::streamsize>(text.size()));
+    text.resize(static_cast<size_t>(in.gcount()));
+    std::ofstream(path) << text;
+}
+
+/// Calibration data for stories260K in `dir` (write_calibration_text, then `voodoo data` into dir/d: 64-token chunks,
+/// a tenth held apart), and the `voodoo train` arguments of a short run on it: `steps` steps over Q4_0 and Q8_0, one
+/// thread. "" (and a failure recorded) when `voodoo data` failed.
+std::string stories_train_args(const test::temp_dir & dir, int steps) {
+    write_calibration_text(dir.file("t.txt"));
+    const std::string model = test::stories260k();
+    const auto made = test::run_voodoo(fmt::format("data --model {} --text {} --ctx 64 --val-fraction 0.1 --out {}", model,
+                                                   dir.file("t.txt"), dir.file("d")));
+    EXPECT_EQ(made.exit_code, 0) << made.output;
+    return made.exit_code != 0 ? std::string()
+                               : fmt::format("train --model {} --data {} --target-size 420000 --menu Q4_0,Q8_0 --steps {} "
+                                             "--probe-sequences 2 --select-sequences 2 -t 1", model, dir.file("d"), steps);
+}
+
+}  // namespace
+
 TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_recipe_with_tp_and_with_layers) {
     if (!dist::have_gloo()) {
         GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";
@@ -405,20 +432,8 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
     // arithmetic), with --parallel tp the same recipe (the losses differ only in the order of sums: the test above
     // bounds them). Rank 0 alone writes the run directory; the probe's candidates are measured half by each rank.
     test::temp_dir dir;
-    std::string text;
-    {
-        std::ifstream in(test::shared_data() + "/text/tinystories/tinystories_val.txt");
-        text.resize(200000);
-        in.read(text.data(), static_cast<std::streamsize>(text.size()));
-        text.resize(static_cast<size_t>(in.gcount()));
-    }
-    std::ofstream(dir.file("t.txt")) << text;
-    const std::string model = test::stories260k();
-    const auto made = test::run_voodoo(fmt::format("data --model {} --text {} --ctx 64 --val-fraction 0.1 --out {}", model,
-                                                   dir.file("t.txt"), dir.file("d")));
-    ASSERT_EQ(made.exit_code, 0) << made.output;
-    const std::string args = fmt::format("train --model {} --data {} --target-size 420000 --menu Q4_0,Q8_0 --steps 6 "
-                                         "--probe-sequences 2 --select-sequences 2 -t 1", model, dir.file("d"));
+    const std::string args = stories_train_args(dir, 6);
+    ASSERT_FALSE(args.empty());
     const auto one = test::run_shell(fmt::format("env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} --out {} 2>&1", VOODOO_BIN, args,
                                                  dir.file("one")));
     ASSERT_EQ(one.exit_code, 0) << one.output;
@@ -478,19 +493,8 @@ TEST(dist, a_journal_written_by_one_process_resumes_on_two_ranks_with_the_same_s
     // continues as two torchrun-style ranks with layer sharding and ends as the uninterrupted run does, every logged
     // step and the recipe bit for bit.
     test::temp_dir dir;
-    std::string text;
-    {
-        std::ifstream in(test::shared_data() + "/text/tinystories/tinystories_val.txt");
-        text.resize(200000);
-        in.read(text.data(), static_cast<std::streamsize>(text.size()));
-        text.resize(static_cast<size_t>(in.gcount()));
-    }
-    std::ofstream(dir.file("t.txt")) << text;
-    const std::string model = test::stories260k();
-    ASSERT_EQ(test::run_voodoo(fmt::format("data --model {} --text {} --ctx 64 --val-fraction 0.1 --out {}", model,
-                                           dir.file("t.txt"), dir.file("d"))).exit_code, 0);
-    const std::string args = fmt::format("train --model {} --data {} --target-size 420000 --menu Q4_0,Q8_0 --steps 60 "
-                                         "--probe-sequences 2 --select-sequences 2 -t 1", model, dir.file("d"));
+    const std::string args = stories_train_args(dir, 60);
+    ASSERT_FALSE(args.empty());
     const auto whole = test::run_shell(fmt::format("env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} --out {} 2>&1", VOODOO_BIN,
                                                    args, dir.file("whole")));
     ASSERT_EQ(whole.exit_code, 0) << whole.output;
@@ -531,14 +535,7 @@ TEST(dist, voodoo_quantize_gpus_runs_the_train_stage_as_ranks_and_writes_the_sam
     // on the CPU: with --parallel layers the whole job writes the file one process writes, byte for byte (both jobs
     // run from their own folder with the same relative --work, since the file records the imatrix's path).
     test::temp_dir dir;
-    std::string text;
-    {
-        std::ifstream in(test::shared_data() + "/text/tinystories/tinystories_val.txt");
-        text.resize(200000);
-        in.read(text.data(), static_cast<std::streamsize>(text.size()));
-        text.resize(static_cast<size_t>(in.gcount()));
-    }
-    std::ofstream(dir.file("t.txt")) << text;
+    write_calibration_text(dir.file("t.txt"));
     std::filesystem::create_directories(dir.file("one"));
     std::filesystem::create_directories(dir.file("two"));
     const std::string job = fmt::format("quantize {} --text {} --like Q4_0 --steps 20 --eval-chunks 0 --work w -o out.gguf",
