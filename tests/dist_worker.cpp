@@ -151,14 +151,9 @@ int main(int argc, char ** argv) try {
     }
     gated_weights student(teacher, gated);
 
-    // Layer sharding: the layers by bytes (each layer's weights; the same for teacher and candidates up to a factor).
-    std::vector<int64_t> layer_bytes(static_cast<size_t>(hp.n_layer), 0);
-    for (const gguf_tensor & t : file.tensors()) {
-        if (t.name.rfind("blk.", 0) == 0) {
-            layer_bytes[static_cast<size_t>(std::stoll(t.name.substr(4)))] += t.n_elements();
-        }
-    }
-    const auto plan = dist::balance_layers(layer_bytes, tensor_parallel ? 1 : size);
+    // Layer sharding: the layers balanced by the elements of their weights (the same for teacher and candidates up to a
+    // factor).
+    const auto plan = dist::balance_layers_of(file, tensor_parallel ? 1 : size);
 
     std::vector<int64_t> ids;
     for (int64_t i = 0; i < 2 * 48; ++i) {

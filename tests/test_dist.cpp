@@ -13,11 +13,6 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -26,20 +21,6 @@
 using namespace voodoo;
 
 namespace {
-
-/// A TCP port nobody listens on now (the kernel's choice for port 0).
-int free_port() {
-    const int s = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = 0;
-    socklen_t len = sizeof a;
-    bind(s, reinterpret_cast<sockaddr *>(&a), sizeof a);
-    getsockname(s, reinterpret_cast<sockaddr *>(&a), &len);
-    close(s);
-    return ntohs(a.sin_port);
-}
 
 nlohmann::json read_json(const std::string & path) {
     std::ifstream in(path);
@@ -149,7 +130,7 @@ std::pair<nlohmann::json, nlohmann::json> single_and_sharded(const std::string &
         test::run_shell(fmt::format("env -u WORLD_SIZE {} {} {} 3 {} 2>&1", worker, model, dir.file("one.json"), mode));
     EXPECT_EQ(single.exit_code, 0) << single.output;
     // Ranks 1.. in the background (their output to files), rank 0 in the foreground; every exit status counts.
-    std::string cmd = fmt::format("export WORLD_SIZE={} MASTER_ADDR=127.0.0.1 MASTER_PORT={}; pids=; ", ranks, free_port());
+    std::string cmd = fmt::format("export WORLD_SIZE={} MASTER_ADDR=127.0.0.1 MASTER_PORT={}; pids=; ", ranks, dist::free_tcp_port());
     for (int r = 1; r < ranks; ++r) {
         cmd += fmt::format("RANK={} {} {} {} 3 {} > {} 2>&1 & pids=\"$pids $!\"; ", r, worker, model, dir.file("many.json"),
                            mode, dir.file(fmt::format("rank{}.log", r)));
@@ -460,7 +441,7 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
             "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
             "RANK=1 {1} {2} --out {3} --parallel {4} > {3}.rank1.log 2>&1 & p=$!; "
             "RANK=0 {1} {2} --out {3} --parallel {4} 2>&1; s=$?; wait $p || s=1; cat {3}.rank1.log; exit $s",
-            free_port(), VOODOO_BIN, args, out, mode));
+            dist::free_tcp_port(), VOODOO_BIN, args, out, mode));
         ASSERT_EQ(two.exit_code, 0) << two.output;
         EXPECT_NE(two.output.find("rank 1 of 2 (cpu), --parallel " + mode), std::string::npos) << two.output;
         // The probe's measurements split over the ranks (the same values: the layer-sharded log is equal bit for bit).
@@ -479,7 +460,7 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
         "export VOODOO_PROGRESS=0 WORLD_SIZE=3 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; pids=; "
         "for r in 1 2; do RANK=$r {1} {2} --out {3} --parallel tp > {3}.rank$r.log 2>&1 & pids=\"$pids $!\"; done; "
         "RANK=0 {1} {2} --out {3} --parallel tp 2>&1; s=$?; for p in $pids; do wait $p && s=0; done; "
-        "cat {3}.rank*.log; exit $s", free_port(), VOODOO_BIN, args, out));
+        "cat {3}.rank*.log; exit $s", dist::free_tcp_port(), VOODOO_BIN, args, out));
     EXPECT_NE(three.exit_code, 0) << three.output;
     EXPECT_NE(three.output.find("llama.attention.head_count = 8 is not a multiple of 3"), std::string::npos) << three.output;
     EXPECT_EQ(three.output.find("probe:"), std::string::npos) << three.output;
@@ -510,7 +491,7 @@ TEST(dist, a_journal_written_by_one_process_resumes_on_two_ranks_with_the_same_s
         "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
         "RANK=1 {1} {2} --out {3} --parallel layers --resume > {3}.rank1.log 2>&1 & p=$!; "
         "RANK=0 {1} {2} --out {3} --parallel layers --resume 2>&1; s=$?; wait $p || s=1; cat {3}.rank1.log; exit $s",
-        free_port(), VOODOO_BIN, args, part));
+        dist::free_tcp_port(), VOODOO_BIN, args, part));
     ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
     const auto steps_of = [](const std::string & path) {
         std::vector<std::tuple<int64_t, double, double, double>> out;

@@ -141,6 +141,17 @@ void process_group::recv(torch::Tensor & t, int src, int tag) {
     }
 }
 
+namespace {
+
+/// What a collective sends of `t`: host memory (Gloo's transport), f32 for 16-bit floats (summed or compared in f32,
+/// rounded once after). `t` itself when it already is that.
+torch::Tensor on_the_wire(const torch::Tensor & t) {
+    const bool narrow = t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
+    return t.to(torch::kCPU, narrow ? torch::kFloat : t.scalar_type()).contiguous();
+}
+
+}  // namespace
+
 void process_group::all_reduce_sum(std::vector<torch::Tensor> & tensors) {
     if (tensors.empty()) {
         return;
@@ -156,9 +167,7 @@ void process_group::all_reduce_sum(std::vector<torch::Tensor> & tensors) {
         for (const size_t i : which) {
             parts.push_back(tensors[i].reshape({-1}));
         }
-        // On the wire: host memory (Gloo's transport), and f32 for 16-bit floats (summed in f32, rounded once after).
-        const bool narrow = dtype == torch::kBFloat16 || dtype == torch::kHalf;
-        std::vector<torch::Tensor> flat{torch::cat(parts).to(torch::kCPU, narrow ? torch::kFloat : dtype).contiguous()};
+        std::vector<torch::Tensor> flat{on_the_wire(torch::cat(parts))};
         p_->pg->allreduce(flat)->wait();
         int64_t at = 0;
         for (const size_t i : which) {
@@ -170,8 +179,7 @@ void process_group::all_reduce_sum(std::vector<torch::Tensor> & tensors) {
 }
 
 void process_group::all_reduce_max(torch::Tensor & t) {
-    const bool narrow = t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
-    std::vector<torch::Tensor> v{t.to(torch::kCPU, narrow ? torch::kFloat : t.scalar_type()).contiguous()};
+    std::vector<torch::Tensor> v{on_the_wire(t)};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::MAX;
     p_->pg->allreduce(v, opts)->wait();
@@ -243,6 +251,34 @@ std::vector<std::pair<int64_t, int64_t>> balance_layers(const std::vector<int64_
     return out;
 }
 
+std::vector<std::pair<int64_t, int64_t>> balance_layers_of(const gguf_file & file, int ranks) {
+    std::vector<int64_t> layer_bytes;
+    int64_t first_extra = 0, last_extra = 0;
+    for (const gguf_tensor & t : file.tensors()) {
+        if (t.name.starts_with("blk.")) {
+            const size_t il = static_cast<size_t>(std::stoll(t.name.substr(4)));
+            layer_bytes.resize(std::max(layer_bytes.size(), il + 1), 0);
+            layer_bytes[il] += t.n_elements();
+        } else if (t.name.starts_with("token_embd")) {
+            first_extra += t.n_elements();
+        } else {
+            last_extra += t.n_elements();
+        }
+    }
+    return balance_layers(layer_bytes, ranks, first_extra, last_extra);
+}
+
+void sum_gate_gradients(process_group & pg, std::vector<torch::Tensor> & gates) {
+    std::vector<torch::Tensor> grads;
+    for (torch::Tensor & g : gates) {
+        if (!g.grad().defined()) {
+            g.mutable_grad() = torch::zeros_like(g);
+        }
+        grads.push_back(g.grad());
+    }
+    pg.all_reduce_sum(grads);
+}
+
 distill_values sharded_distill_step(causal_lm & model, const torch::Tensor & tokens, weight_source & teacher,
                                     weight_source & student, process_group * pg, std::pair<int64_t, int64_t> layers,
                                     double lambda_kl, int64_t chunk, std::vector<torch::Tensor> & gates,
@@ -297,14 +333,7 @@ distill_values sharded_distill_step(causal_lm & model, const torch::Tensor & tok
     }
     if (size > 1) {
         if (reduce_gates) {
-            std::vector<torch::Tensor> grads;
-            for (torch::Tensor & g : gates) {
-                if (!g.grad().defined()) {
-                    g.mutable_grad() = torch::zeros_like(g);
-                }
-                grads.push_back(g.grad());
-            }
-            pg->all_reduce_sum(grads);
+            sum_gate_gradients(*pg, gates);
         }
         torch::Tensor values = torch::tensor({v.ce, v.kl}, torch::kDouble);
         std::vector<torch::Tensor> vv{values};
@@ -467,14 +496,7 @@ distill_values tp_distill_step(causal_lm & model, const torch::Tensor & tokens, 
     const torch::Tensor h_s = model.hidden(tokens, student);
     const distill_values v = chunked_distill(model, h_s, student, h_t, teacher, tokens, lambda_kl, 1.0, chunk);
     if (tp && tp->size() > 1) {
-        std::vector<torch::Tensor> grads;
-        for (torch::Tensor & g : gates) {
-            if (!g.grad().defined()) {
-                g.mutable_grad() = torch::zeros_like(g);
-            }
-            grads.push_back(g.grad());
-        }
-        tp->group().all_reduce_sum(grads);
+        sum_gate_gradients(tp->group(), gates);
     }
     return v;
 }

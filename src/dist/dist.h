@@ -80,6 +80,14 @@ private:
 std::vector<std::pair<int64_t, int64_t>> balance_layers(const std::vector<int64_t> & layer_bytes, int ranks,
                                                         int64_t extra_first = 0, int64_t extra_last = 0);
 
+/// balance_layers for a GGUF: layer i weighs the elements of its blk.i.* tensors, the first rank also token_embd's and
+/// the last every other tensor (the output norm and head). Throws voodoo::error as balance_layers does.
+std::vector<std::pair<int64_t, int64_t>> balance_layers_of(const gguf_file & file, int ranks);
+
+/// Sums every gate's gradient over the ranks of `pg` (one all-reduce; an undefined gradient counts as 0), so every
+/// rank ends with the whole gradient of every gate.
+void sum_gate_gradients(process_group & pg, std::vector<torch::Tensor> & gates);
+
 /// One forward and backward of the distillation loss with the model's layers sharded over the ranks of `pg` (a
 /// pipeline, GPipe's schedule with one micro-batch): rank r holds layers `layers` = [first, end) of its
 /// balance_layers entry, the first rank also the embedding, the last the output norm, the head and the loss. The

@@ -89,7 +89,7 @@ struct forward_context {
     int64_t n_vocab = 0;                 // the whole vocabulary (the vocabulary-parallel lookup's split)
     /// f's last input and output: products sharing one input (Q, K and V; gate and up) share one f, so its backward
     /// all-reduces their summed gradient once.
-    torch::Tensor f_in, f_out;
+    torch::Tensor f_in{}, f_out{};
     int64_t layer_end(const model_hparams & hp) const { return end_layer < 0 ? hp.n_layer : end_layer; }
     bool last_stage(const model_hparams & hp) const { return layer_end(hp) == hp.n_layer; }
 };

@@ -31,6 +31,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <thread>
 #include <optional>
 #include <set>
@@ -115,7 +116,10 @@ std::string types_list(const std::vector<ggml_type> & types) {
 
 // Runs args[0] with args and waits for it. Throws voodoo::error naming `what` when it cannot start, when it
 // exits 130 (interrupted: `stopped`), or when it fails (its own error is on stderr).
-void run_child(std::vector<std::string> args, const std::string & what, const std::string & stopped) {
+// Starts args[0] with args in a child process whose stdout goes to its stderr (a stage's report is progress here:
+// stdout is for the job's result); in the child, `prepare` runs first (redirections, environment). Throws
+// voodoo::error naming `what` when no process can be started.
+pid_t start_child(std::vector<std::string> & args, const std::string & what, const std::function<void()> & prepare) {
     std::vector<char *> argv;
     for (auto & a : args) {
         argv.push_back(a.data());
@@ -127,11 +131,19 @@ void run_child(std::vector<std::string> args, const std::string & what, const st
         fail("{}: cannot start a child process: {}", what, std::strerror(errno));
     }
     if (pid == 0) {
-        dup2(STDERR_FILENO, STDOUT_FILENO);  // a stage's report is progress here: stdout is for the job's result
+        if (prepare) {
+            prepare();
+        }
+        dup2(STDERR_FILENO, STDOUT_FILENO);
         execv(argv[0], argv.data());
         std::fprintf(stderr, "cannot run %s: %s\n", argv[0], std::strerror(errno));
         _exit(127);
     }
+    return pid;
+}
+
+void run_child(std::vector<std::string> args, const std::string & what, const std::string & stopped) {
+    const pid_t pid = start_child(args, what, {});
     int status = 0;
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
@@ -149,39 +161,24 @@ void run_child(std::vector<std::string> args, const std::string & what, const st
 // voodoo::error naming the first rank that failed (and its log), or `stopped` when one was interrupted.
 void run_ranks(std::vector<std::string> args, int ranks, const std::string & log_prefix, const std::string & what,
                const std::string & stopped) {
-    std::vector<char *> argv;
-    for (auto & a : args) {
-        argv.push_back(a.data());
-    }
-    argv.push_back(nullptr);
     const int port = dist::free_tcp_port();
-    std::fflush(nullptr);
     std::vector<pid_t> pids;
     for (int r = 0; r < ranks; ++r) {
         const std::string log = fmt::format("{}{}.log", log_prefix, r);
-        const pid_t pid = fork();
-        if (pid < 0) {
-            fail("{}: cannot start rank {}: {}", what, r, std::strerror(errno));
-        }
-        if (pid == 0) {
+        pids.push_back(start_child(args, fmt::format("{} (rank {})", what, r), [&] {
             if (r > 0) {
                 const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
                 if (fd >= 0) {
                     dup2(fd, STDERR_FILENO);
                 }
             }
-            dup2(STDERR_FILENO, STDOUT_FILENO);
             setenv("RANK", std::to_string(r).c_str(), 1);
             setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
             setenv("WORLD_SIZE", std::to_string(ranks).c_str(), 1);
             setenv("LOCAL_WORLD_SIZE", std::to_string(ranks).c_str(), 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
             setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-            execv(argv[0], argv.data());
-            std::fprintf(stderr, "cannot run %s: %s\n", argv[0], std::strerror(errno));
-            _exit(127);
-        }
-        pids.push_back(pid);
+        }));
     }
     // In the order they end: the first rank to fail is the one to name (the others then fail waiting for it), and
     // the rest are stopped rather than left waiting for a collective that cannot come.

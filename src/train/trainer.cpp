@@ -497,27 +497,12 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                  "use, so layer-sharded ranks would not draw the single process's noise; use --parallel tp, or 0",
                  o.st_gumbel_fraction);
         }
-        int64_t n_layer = 0;
-        for (const gguf_tensor & t : src.tensors()) {
-            n_layer = t.name.starts_with("blk.") ? std::max<int64_t>(n_layer, std::stoll(t.name.substr(4)) + 1) : n_layer;
+        try {
+            my_layers = dist::balance_layers_of(src, ranks)[static_cast<size_t>(rank)];
+        } catch (const error & e) {
+            fail("--parallel layers over {} ranks (WORLD_SIZE, or quantize --gpus): {}; use fewer ranks, or --parallel tp",
+                 ranks, e.what());
         }
-        if (n_layer < ranks) {
-            fail("--parallel layers over {} ranks (WORLD_SIZE, or quantize --gpus): the model has {} layers, fewer than "
-                 "the ranks; use at most {} ranks, or --parallel tp", ranks, n_layer, n_layer);
-        }
-        std::vector<int64_t> layer_bytes(static_cast<size_t>(n_layer), 0);
-        int64_t first_extra = 0, last_extra = 0;
-        for (const gguf_tensor & t : src.tensors()) {
-            const int64_t n = t.n_elements();
-            if (t.name.starts_with("blk.")) {
-                layer_bytes[static_cast<size_t>(std::stoll(t.name.substr(4)))] += n;
-            } else if (t.name.starts_with("token_embd")) {
-                first_extra += n;
-            } else {
-                last_extra += n;
-            }
-        }
-        my_layers = dist::balance_layers(layer_bytes, ranks, first_extra, last_extra)[static_cast<size_t>(rank)];
         fmt::print(stderr, "rank {} of {}: layers [{}, {})\n", rank, ranks, my_layers.first, my_layers.second);
     }
     // The budget counts the header export will write: the same metadata, imatrix keys included.
@@ -923,9 +908,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         log.open(log_path, std::ios::app);
     }
 
-    // Several ranks (issue #17). Tensor parallelism: a second model of this rank's heads and FFN width, the teacher's
-    // and the dense weights' shards, and each gated tensor's candidates cut to this rank's shard, sharing the gates.
-    // Layer sharding: this rank's contiguous layers, balanced by the bytes of their weights and candidates.
+    // Tensor parallelism (issue #17): the teacher's and the dense weights' shards, and each gated tensor's candidates
+    // cut to this rank's shard, sharing the gates, for the model of this rank's heads and FFN width.
     std::unique_ptr<dist::tp_shard_source> tp_teacher, tp_dense;
     std::deque<gguf_tensor> shard_shapes;
     std::vector<gated_tensor> shards;
@@ -943,7 +927,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         tp_student = std::make_unique<gated_weights>(*tp_dense, shards);
     }
-
 
     const int64_t per_step = static_cast<int64_t>(o.batch) * o.accum;
     // The order of the epoch being read, shuffled once per epoch rather than once per sequence.
@@ -1026,11 +1009,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             bytes = expected.item<double>();
         }
         if (ranks > 1) {  // every rank's part of every gate's gradient, summed: the same gates on every rank
-            if (!all_gates.grad().defined()) {
-                all_gates.mutable_grad() = torch::zeros_like(all_gates);
-            }
-            std::vector<torch::Tensor> grads{all_gates.grad()};
-            o.group->all_reduce_sum(grads);
+            dist::sum_gate_gradients(*o.group, params);
         }
         if (!std::isfinite(ce_sum) || !std::isfinite(kl_sum)) {
             std::string culprit = "none found";
@@ -1056,12 +1035,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             log << line.dump() << "\n" << std::flush;
         }
         bar.add(1, fmt::format("KL {:.4f} size {:.4f}", kl_sum, bytes / b.limit));
-        bool stop = o.should_stop && o.should_stop(step);
-        if (ranks > 1) {  // every rank stops after the same step (any rank asked to), or none
-            torch::Tensor any = torch::tensor({stop ? 1.0f : 0.0f});
-            o.group->all_reduce_max(any);
-            stop = any.item<float>() > 0;
-        }
+        // Every rank stops after the same step (any rank asked to), or none.
+        const bool stop = !every_rank_has(!(o.should_stop && o.should_stop(step)));
         if (writer && ((step + 1) % o.journal_every == 0 || step + 1 == o.steps || stop)) {
             save_journal(journal_path, fp, step + 1, gated, opt);
         }
