@@ -464,6 +464,20 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
     EXPECT_NE(three.exit_code, 0) << three.output;
     EXPECT_NE(three.output.find("llama.attention.head_count = 8 is not a multiple of 3"), std::string::npos) << three.output;
     EXPECT_EQ(three.output.find("probe:"), std::string::npos) << three.output;
+    // What is not split over ranks yet is refused on every rank, naming the flag.
+    const std::vector<std::pair<std::string, std::string>> not_split = {
+        {"--parallel tp --routing ptqr", "--routing ptqr is not split over several ranks yet"},
+        {"--parallel layers --st-gumbel-fraction 0.2", "--st-gumbel-fraction 0.2 with --parallel layers"}};
+    for (const auto & [flags, message] : not_split) {
+        const std::string run = dir.file("refused");
+        const auto refused = test::run_shell(fmt::format(
+            "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
+            "RANK=1 {1} {2} --out {3} {4} > {3}.rank1.log 2>&1 & p=$!; "
+            "RANK=0 {1} {2} --out {3} {4} 2>&1; s=$?; wait $p && s=0; cat {3}.rank1.log; exit $s",
+            dist::free_tcp_port(), VOODOO_BIN, args, run, flags));
+        EXPECT_NE(refused.exit_code, 0) << refused.output;
+        EXPECT_NE(refused.output.find(message), std::string::npos) << refused.output;
+    }
 }
 
 TEST(dist, a_journal_written_by_one_process_resumes_on_two_ranks_with_the_same_steps_bit_for_bit) {
