@@ -31,4 +31,19 @@ if [ "${LIGHT:-0}" = 1 ]; then
         ! -name '*-x64.so' ! -name '*-haswell.so' ! -name '*-skylakex.so' ! -name '*-icelake.so' \
         ! -name '*-sapphirerapids.so' ! -name '*-zen4.so' -delete
 fi
+# CUDA_EVAL=1: llama.cpp's CUDA backend for libllama's eval (issue #16), from the pinned package family
+# (@node-llama-cpp/linux-x64-cuda at the same version as package.json's linux-x64), xz-compressed and split into
+# .device-cuda/1, 2, 3: its 159 MB library (124 MB compressed) exceeds what one device call carries (64 MiB), so
+# each part travels in its own call and scripts/device-run.sh's stage cuda-lib joins them there.
+if [ "${CUDA_EVAL:-0}" = 1 ]; then
+    v=$(node -p 'require("./package.json").dependencies["@node-llama-cpp/linux-x64"]')
+    t=$(mktemp -d)
+    (cd "$t" && npm pack "@node-llama-cpp/linux-x64-cuda@$v" --silent >/dev/null && tar xzf ./*.tgz package/bins/linux-x64-cuda/libggml-cuda.so)
+    rm -rf .device-cuda && mkdir -p .device-cuda/1 .device-cuda/2 .device-cuda/3
+    xz -T0 -6 -c "$t/package/bins/linux-x64-cuda/libggml-cuda.so" | split -b 58M -d -a 1 - .device-cuda/part-
+    for i in 0 1 2; do mv .device-cuda/part-$i .device-cuda/$((i + 1))/; done
+    sha256sum "$t/package/bins/linux-x64-cuda/libggml-cuda.so" | cut -d' ' -f1 > .device-cuda/3/libggml-cuda.so.sha256
+    rm -rf "$t"
+    du -sh .device-cuda/*
+fi
 du -sh .device .device-model

@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cuda-lib, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,42 @@ build)
     # BUILD_TARGETS (default: all) builds only what a run needs, e.g. "voodoo voodoo-fixture" for e2e-8b.
     cmake --build build-cuda -j "$(nproc)" ${BUILD_TARGETS:+--target $BUILD_TARGETS} -- -k 0 > /tmp/build.log 2>&1 || grep -E "error|Error" -A5 /tmp/build.log | head -80
     log built
+    ;;
+cuda-lib)
+    # llama.cpp's CUDA backend for libllama (issue #16: the eval of an 8B shape on the GPU). The parts of
+    # .device-cuda/N travel in separate calls (scripts/device-pack.sh, CUDA_EVAL=1); each call's stage cuda-lib
+    # keeps the parts it finds in /tmp/ggml-cuda and, once all three are there, joins them into libggml-cuda.so.
+    # Later stages of the call load it through ggml's GGML_BACKEND_PATH; libllama's default n_gpu_layers (-1)
+    # then offloads every layer of the eval's models. Its code for sm_90 is PTX that the driver compiles on first use.
+    mkdir -p /tmp/ggml-cuda
+    for d in .device-cuda/*/; do [ -d "$d" ] && cp "$d"* /tmp/ggml-cuda/; done
+    ls /tmp/ggml-cuda
+    if [ -f /tmp/ggml-cuda/part-0 ] && [ -f /tmp/ggml-cuda/part-1 ] && [ -f /tmp/ggml-cuda/part-2 ]; then
+        [ -f /tmp/ggml-cuda/libggml-cuda.so ] || cat /tmp/ggml-cuda/part-[012] | xz -d > /tmp/ggml-cuda/libggml-cuda.so
+        echo "$(cat /tmp/ggml-cuda/libggml-cuda.so.sha256)  /tmp/ggml-cuda/libggml-cuda.so" | sha256sum -c || exit 1
+        # libcudart.so.13 and libcublas.so.13, which the library needs, from PyTorch's CUDA wheels.
+        for l in libcublas.so.13 libcudart.so.13; do
+            f=$(python3 -c "import nvidia, pathlib; print(next(p for d in nvidia.__path__ for p in pathlib.Path(d).rglob('$l')).parent)" 2>/dev/null)
+            [ -n "$f" ] && export LD_LIBRARY_PATH="$f${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+        done
+        export GGML_BACKEND_PATH=/tmp/ggml-cuda/libggml-cuda.so CUDA_CACHE_PATH=/tmp/cuda-cache CUDA_CACHE_MAXSIZE=4294967296
+        echo "GGML_BACKEND_PATH=$GGML_BACKEND_PATH LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+    fi
+    ;;
+bg)
+    # Runs the stages named in BG_STAGES in a process session of their own (setsid), which outlives this call, with
+    # OUT=/tmp/bg-out; the stage bg-wait of a later call waits for it and brings its files back as one archive.
+    rm -rf /tmp/bg-out /tmp/bg.rc; mkdir -p /tmp/bg-out
+    OUT=/tmp/bg-out setsid nohup bash -c "scripts/device-run.sh $BG_STAGES > /tmp/bg-out/bg.log 2>&1; echo \$? > /tmp/bg.rc" \
+        < /dev/null > /dev/null 2>&1 &
+    log "started in the background: $BG_STAGES"
+    ;;
+bg-wait)
+    # Waits up to WAIT_S seconds (default 540) for the stage bg's run; then, finished or not, its files to $OUT.
+    for ((i = 0; i < ${WAIT_S:-540}; i += 5)); do [ -f /tmp/bg.rc ] && break; sleep 5; done
+    if [ -f /tmp/bg.rc ]; then log "background run finished, exit $(cat /tmp/bg.rc)"; else log "background run still running"; fi
+    tail -40 /tmp/bg-out/bg.log
+    tar czf "$OUT/bg-out.tar.gz" -C /tmp bg-out
     ;;
 hf)
     # Hugging Face checkpoints in (issue #20): tiny llama and qwen3 checkpoints written by this machine's
@@ -105,6 +141,7 @@ e2e-8b)
     # E2E_ARGS adds flags (a short run: "--steps 20").
     log e2e llama3.1-8b shape
     mkdir -p "$OUT/e2e"
+    build-cuda/bin/voodoo doctor 2>&1 | tee "$OUT/e2e/doctor.log" | grep -iE "backend|device|cuda" | head
     /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch llama --vocab "$D/llama/models/ggml-vocab-llama-bpe.gguf" \
         --n-embd 4096 --n-layer 32 --n-head 32 --n-head-kv 8 --head-dim 128 --n-ff 14336 --type bf16 \
         --rope-freq-base 500000 -o /tmp/llama3-8b-shape.gguf > "$OUT/e2e/fixture-8b.log" 2>&1
