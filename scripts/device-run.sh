@@ -33,7 +33,9 @@ cuda-lib)
     # .device-cuda/N travel in separate calls (scripts/device-pack.sh, CUDA_EVAL=1); each call's stage cuda-lib
     # keeps the parts it finds in /tmp/ggml-cuda and, once all three are there, joins them into libggml-cuda.so.
     # Later stages of the call load it through ggml's GGML_BACKEND_PATH; libllama's default n_gpu_layers (-1)
-    # then offloads every layer of the eval's models. Its code for sm_90 is PTX that the driver compiles on first use.
+    # then offloads every layer of the eval's models. Its code for sm_90 is PTX that the driver compiles on first use;
+    # driver 580.159 refuses that PTX ("compiled with an unsupported toolchain", docs/BENCHMARKS.md, session 16), so
+    # on that driver run the eval without this stage.
     mkdir -p /tmp/ggml-cuda
     for d in .device-cuda/*/; do [ -d "$d" ] && cp "$d"* /tmp/ggml-cuda/; done
     ls /tmp/ggml-cuda
