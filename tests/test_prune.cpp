@@ -222,22 +222,25 @@ TEST(prune, on_mix30m_the_exact_knapsack_of_the_kept_types_is_the_full_menus_at_
     EXPECT_LT(kept, total / 2) << kept << " of " << total;
 }
 
-TEST(prune, train_with_pruned_candidates_gives_the_recipe_of_every_candidate_on_stories260k) {
+TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_every_candidate_on_stories260k) {
     const test::temp_dir tmp;
     const std::string dir = tmp.path.string();
     const std::string text = test::shared_data() + "/text/tinystories/tinystories_val.txt";
     ASSERT_EQ(test::run_voodoo(fmt::format("data --model {} --text {} --ctx 128 --out {}/data", test::stories260k(), text, dir)).exit_code, 0);
     std::map<std::string, nlohmann::json> recipes;
-    for (const char * mode : {"targets", "all"}) {
+    // "ahead": pruned, with the likely kept types built while the probe runs (on the CPU only when asked).
+    for (const std::string mode : {"targets", "all", "ahead"}) {
         const std::string out = fmt::format("{}/run-{}", dir, mode);
+        const std::string how = mode == "ahead" ? "targets --build-ahead on" : mode + " --build-ahead off";
         const auto r = test::run_voodoo(fmt::format("train --model {} --data {}/data --target-bpw 7.5 --menu "
                                                     "Q4_0,IQ4_NL,Q4_1,Q5_0,Q5_1,Q8_0,F16,F32 --steps 8 --batch 2 "
                                                     "--probe-sequences 2 --select-sequences 2 --candidates {} --out {} -t 2",
-                                                    test::stories260k(), dir, mode, out));
+                                                    test::stories260k(), dir, how, out));
         ASSERT_EQ(r.exit_code, 0) << r.output;
-        if (std::string(mode) == "targets") {
+        if (mode != "all") {
             EXPECT_NE(r.output.find("candidates built for the targets"), std::string::npos) << r.output;
         }
+        EXPECT_EQ(r.output.find("built ahead while the probe ran") != std::string::npos, mode == "ahead") << r.output;
         nlohmann::json types;
         for (const auto & t : nlohmann::json::parse(test::read_file(out + "/recipe.json"))["tensors"]) {
             types[t["name"].get<std::string>()] = t["type"];
@@ -245,4 +248,103 @@ TEST(prune, train_with_pruned_candidates_gives_the_recipe_of_every_candidate_on_
         recipes[mode] = types;
     }
     EXPECT_EQ(recipes["targets"], recipes["all"]);
+    EXPECT_EQ(recipes["ahead"], recipes["all"]);
+}
+
+TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_slow_ones_first) {
+    // mix30M's layer 0 with the default menu at a budget halfway between the all-cheapest and the all-dearest file.
+    const gguf_file f(mix30m());
+    std::vector<std::string> names;
+    for (const char * n : {"attn_q", "attn_k", "ffn_up"}) {
+        names.push_back(std::string("blk.0.") + n + ".weight");
+    }
+    const importance_map imp = uneven_importance(f, names, 5);
+    menu_options mo;
+    mo.has_imatrix = true;
+    mo.importance = &imp;
+    std::vector<tensor_menu> menus;
+    for (const tensor_menu & m : build_menus(f, mo)) {
+        if (imp.count(m.tensor->name)) {
+            menus.push_back(m);
+        }
+    }
+    ASSERT_EQ(menus.size(), names.size());
+    const prune_options po;
+    const auto hat = sampled_weighted_errors(f, menus, &imp, po, 2);
+    const auto eager = eager_types(menus, hat, po);
+    export_options eo;
+    budget b = make_budget(f, menus, {target_kind::size, 1e12}, eo, /*check_range =*/false);
+    b.limit = 0.5 * (b.min_total + b.max_total);
+    const auto jobs = build_ahead_jobs(menus, hat, eager, {b}, {}, po);
+    ASSERT_FALSE(jobs.empty());
+    size_t in_menus = 0;
+    for (const tensor_menu & m : menus) {
+        in_menus += m.types.size();
+    }
+    EXPECT_LT(jobs.size() + 2 * menus.size(), in_menus) << "a guess at the kept types, not the whole menus";
+    bool lattice_done = false;
+    for (const auto & [i, k] : jobs) {
+        EXPECT_FALSE(eager[i][k]) << "the eager types are built already";
+        EXPECT_NE(menus[i].types[k], menus[i].tensor->type) << "the source's own type is copied, never built";
+        const bool lattice = lattice_quantizer(menus[i].types[k]);
+        EXPECT_FALSE(lattice && lattice_done) << "the lattice types come first: " << type_name(menus[i].types[k]);
+        lattice_done = lattice_done || !lattice;
+    }
+    // The same guess as plan_pruning's when every tensor's ΔKL/Ê is 1: here the measured values are exactly Ê.
+    std::vector<std::vector<double>> measured(menus.size());
+    for (size_t i = 0; i < menus.size(); ++i) {
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            measured[i].push_back(eager[i][k] ? hat[i][k] : std::numeric_limits<double>::quiet_NaN());
+        }
+    }
+    const prune_plan p = plan_pruning(menus, hat, measured, eager, {b}, {}, po);
+    size_t kept_not_eager = 0;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            kept_not_eager += p.keep[i][k] && !eager[i][k] && menus[i].types[k] != menus[i].tensor->type;
+        }
+    }
+    EXPECT_EQ(jobs.size(), kept_not_eager);
+}
+
+TEST(prune, candidates_built_ahead_hold_llamas_bytes_in_the_cache_and_stop_waits_for_the_job_in_progress) {
+    const gguf_file f(test::stories260k());
+    const gguf_tensor & q = f.tensor("blk.0.attn_q.weight");
+    const gguf_tensor & up = f.tensor("blk.0.ffn_up.weight");
+    const importance_map imp = uneven_importance(f, {q.name, up.name}, 9);
+    const test::temp_dir tmp;
+    const candidate_cache cache((tmp.path / "cache").string());
+    const std::vector<candidate_prefetch::job> jobs = {
+        {&q, GGML_TYPE_Q4_0}, {&q, GGML_TYPE_IQ4_NL}, {&up, GGML_TYPE_Q5_1}, {&up, GGML_TYPE_Q8_0}};
+    candidate_prefetch ahead(f, jobs, &imp, cache, 2);
+    ASSERT_EQ(ahead.wait(), 4);
+    size_t bytes = 0;
+    for (const auto & j : jobs) {
+        const std::vector<uint8_t> want = quantize_tensor(f, *j.tensor, j.type, importance_for(&imp, *j.tensor));
+        const auto got = cache.load(candidate_cache::key(f, *j.tensor, j.type, importance_for(&imp, *j.tensor)), want.size());
+        ASSERT_TRUE(got.has_value()) << j.tensor->name << " " << type_name(j.type);
+        EXPECT_EQ(*got, want) << j.tensor->name << " " << type_name(j.type);
+        bytes += want.size();
+    }
+    EXPECT_EQ(ahead.bytes(), bytes);
+    // Stopped at once: it finishes at most the job in progress, and what it built is whole in the cache.
+    std::vector<candidate_prefetch::job> many;
+    for (const gguf_tensor & t : f.tensors()) {
+        if (t.n_dims == 2 && t.ne[0] % 32 == 0) {
+            for (ggml_type type : {GGML_TYPE_IQ4_NL, GGML_TYPE_Q4_1, GGML_TYPE_Q5_0}) {
+                many.push_back({&t, type});
+            }
+        }
+    }
+    const test::temp_dir tmp2;
+    const candidate_cache cache2((tmp2.path / "cache").string());
+    candidate_prefetch stopped(f, many, nullptr, cache2, 1);
+    const int64_t n = stopped.stop();
+    EXPECT_LT(n, static_cast<int64_t>(many.size()));
+    int64_t held = 0;
+    for (const auto & j : many) {
+        held += candidate_cache::holds(cache2.dir(), candidate_cache::key(f, *j.tensor, j.type, {}),
+                                       tensor_bytes(j.type, j.tensor->shape(), j.tensor->name));
+    }
+    EXPECT_EQ(held, n);
 }

@@ -105,6 +105,10 @@ command add_train(CLI::App & app) {
     sub->add_option("--prune-for", o->prune_for,
                     "More targets the candidates are built for (bpw=X, size=BYTES or ratio=X, comma-separated): a "
                     "ladder's other sizes, so that its sizes share their candidates and probe")->delimiter(',');
+    sub->add_option("--build-ahead", o->t.build_ahead,
+                    "With --candidates targets: build the candidates the probe will likely keep while it measures the "
+                    "first ones (on, off, or auto: on a GPU, whose probe leaves the cores idle)")
+        ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
     sub->add_option("--candidates-on", o->t.candidates_on, "Fused path: where the candidates live: gpu, host (pinned host memory, each layer moved to the GPU ahead of use) or auto (the GPU while they fit beside the teacher)")->capture_default_str()->check(CLI::IsMember({"gpu", "host", "auto"}));
     sub->add_option("--mixture", o->t.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();

@@ -148,4 +148,40 @@ std::vector<uint8_t> candidate_bytes(const gguf_file & file, const gguf_tensor &
     return bytes;
 }
 
+candidate_prefetch::candidate_prefetch(const gguf_file & file, std::vector<job> jobs, const importance_map * importance,
+                                       const candidate_cache & cache, int n_threads)
+    : file_(file), jobs_(std::move(jobs)), importance_(importance), cache_(cache), n_threads_(n_threads) {
+    thread_ = std::thread([this] { run(); });
+}
+
+candidate_prefetch::~candidate_prefetch() { stop(); }
+
+void candidate_prefetch::run() {
+    for (const job & j : jobs_) {
+        if (stop_) {
+            return;
+        }
+        try {
+            const auto bytes = candidate_bytes(file_, *j.tensor, j.type, importance_for(importance_, *j.tensor), &cache_, {},
+                                               n_threads_);
+            bytes_ += bytes.size();
+            ++built_;
+        } catch (...) {
+            return;
+        }
+    }
+}
+
+int64_t candidate_prefetch::stop() {
+    stop_ = true;
+    return wait();
+}
+
+int64_t candidate_prefetch::wait() {
+    if (thread_.joinable()) {
+        thread_.join();
+    }
+    return built_;
+}
+
 }  // namespace voodoo

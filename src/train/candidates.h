@@ -7,10 +7,12 @@
 
 #include <ggml.h>
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -68,5 +70,45 @@ private:
 std::vector<uint8_t> candidate_bytes(const gguf_file & file, const gguf_tensor & t, ggml_type type,
                                      std::span<const float> importance, const candidate_cache * cache,
                                      std::span<const float> f32 = {}, int n_threads = 0);
+
+/// Builds candidates into a cache on a thread of its own while the caller does other work (issue #16: the GPU's
+/// eager probe leaves the CPU idle, and the candidates kept after it are the longest stage). Each job is one whole
+/// candidate quantized on `n_threads` cores (rows split, as quantize_into splits them), so that stop() waits for at
+/// most one job's share of the cores. The bytes go to the cache and are dropped; a later candidate_bytes of the same
+/// (tensor, type, importance) loads them, so what is built ahead is exactly what would have been built after.
+/// A job that throws ends the prefetch quietly: the later build meets the same error and reports it.
+class candidate_prefetch {
+public:
+    struct job {
+        const gguf_tensor * tensor;
+        ggml_type type;
+    };
+    /// Starts building `jobs` in order. `file`, `importance` and `cache` must outlive the prefetch.
+    candidate_prefetch(const gguf_file & file, std::vector<job> jobs, const importance_map * importance,
+                       const candidate_cache & cache, int n_threads);
+    /// Stops after the job in progress (stop()).
+    ~candidate_prefetch();
+    candidate_prefetch(const candidate_prefetch &) = delete;
+    candidate_prefetch & operator=(const candidate_prefetch &) = delete;
+
+    /// Stops taking jobs, waits for the one in progress, returns how many jobs were built (or found in the cache).
+    int64_t stop();
+    /// Waits until every job is built (or the prefetch ended on an error); returns how many were built.
+    int64_t wait();
+    /// Bytes of the candidates built so far.
+    size_t bytes() const { return bytes_; }
+
+private:
+    void run();
+    const gguf_file & file_;
+    std::vector<job> jobs_;
+    const importance_map * importance_;
+    const candidate_cache & cache_;
+    int n_threads_;
+    std::atomic<bool> stop_{false};
+    std::atomic<int64_t> built_{0};
+    std::atomic<size_t> bytes_{0};
+    std::thread thread_;
+};
 
 }  // namespace voodoo

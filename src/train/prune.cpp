@@ -286,6 +286,41 @@ prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vecto
     return p;
 }
 
+std::vector<std::pair<size_t, size_t>> build_ahead_jobs(const std::vector<tensor_menu> & menus,
+                                                        const std::vector<std::vector<double>> & err_hat,
+                                                        const std::vector<std::vector<bool>> & eager,
+                                                        const std::vector<budget> & budgets,
+                                                        const std::vector<std::vector<bool>> & also,
+                                                        const prune_options & o) {
+    std::vector<std::vector<double>> guess(menus.size());
+    for (size_t i = 0; i < menus.size(); ++i) {
+        guess[i].assign(menus[i].types.size(), std::numeric_limits<double>::quiet_NaN());
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            if (eager[i][k]) {
+                guess[i][k] = err_hat[i][k];
+            }
+        }
+    }
+    const prune_plan p = plan_pruning(menus, err_hat, guess, eager, budgets, also, o);
+    std::vector<std::pair<size_t, size_t>> jobs;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            if (p.keep[i][k] && !eager[i][k] && menus[i].types[k] != menus[i].tensor->type) {
+                jobs.emplace_back(i, k);
+            }
+        }
+    }
+    std::stable_sort(jobs.begin(), jobs.end(), [&](const auto & a, const auto & b) {
+        const bool la = lattice_quantizer(menus[a.first].types[a.second]);
+        const bool lb = lattice_quantizer(menus[b.first].types[b.second]);
+        if (la != lb) {
+            return la;
+        }
+        return menus[a.first].tensor->n_elements() > menus[b.first].tensor->n_elements();
+    });
+    return jobs;
+}
+
 std::vector<tensor_menu> pruned_menus(const std::vector<tensor_menu> & menus, const std::vector<std::vector<bool>> & keep) {
     std::vector<tensor_menu> out = menus;
     for (size_t i = 0; i < out.size(); ++i) {

@@ -218,6 +218,52 @@ void save_sensitivity(const std::string & path, const std::vector<gated_tensor> 
 // The measured-sensitivity greedy knapsack (the peer of bench/greedy_peer): from every tensor's dearest type,
 // the downgrade with the least probe ΔKL per byte saved until the budget holds, then the upgrades with the
 // most ΔKL saved per byte that still fit.
+/// The budgets pruning keeps candidates for: this run's target and a ladder's every size (so that its sizes build and
+/// probe the same candidates), those the menus can reach.
+std::vector<budget> pruning_budgets(const gguf_file & src, const std::vector<tensor_menu> & menus, const train_options & o,
+                                    const export_options & eopts) {
+    std::vector<budget> budgets;
+    std::vector<target> goals = o.prune_goals;
+    goals.push_back(o.goal);
+    std::sort(goals.begin(), goals.end(), [](const target & x, const target & y) { return x.str() < y.str(); });
+    goals.erase(std::unique(goals.begin(), goals.end(), [](const target & x, const target & y) { return x.str() == y.str(); }),
+                goals.end());
+    for (const target & g : goals) {
+        export_options eg_opts = eopts;
+        eg_opts.target = g.str();
+        budget bg = make_budget(src, menus, g, eg_opts, /*check_range =*/false);
+        if (bg.limit >= bg.min_total) {
+            budgets.push_back(std::move(bg));
+        }
+    }
+    return budgets;
+}
+
+/// [tensor][menu type]: the types of the smaller sizes' recipes (a ladder's), which stay candidates of the selection.
+std::vector<std::vector<bool>> prior_recipe_types(const std::vector<tensor_menu> & menus,
+                                                  const std::vector<std::string> & prior_recipes) {
+    std::vector<std::vector<bool>> also(menus.size());
+    for (size_t i = 0; i < menus.size(); ++i) {
+        also[i].assign(menus[i].types.size(), false);
+    }
+    for (const std::string & path : prior_recipes) {
+        if (!fs::exists(path)) {
+            continue;
+        }
+        std::map<std::string, ggml_type> type_of;
+        for (const recipe_tensor & t : recipe_load(path).tensors) {
+            type_of[t.name] = t.type;
+        }
+        for (size_t i = 0; i < menus.size(); ++i) {
+            const auto it = type_of.find(menus[i].tensor->name);
+            for (size_t k = 0; it != type_of.end() && k < menus[i].types.size(); ++k) {
+                also[i][k] = also[i][k] || menus[i].types[k] == it->second;
+            }
+        }
+    }
+    return also;
+}
+
 std::vector<int> greedy_choice(const budget & b, const std::vector<std::vector<double>> & sens) {
     std::vector<std::vector<double>> dearest;
     for (const auto & c : b.cost) {
@@ -659,6 +705,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const auto t0 = std::chrono::steady_clock::now();
         const std::vector<std::vector<double>> err_hat = sampled_weighted_errors(src, all_menus, importance, po, n_threads);
         const std::vector<std::vector<bool>> eager = eager_types(all_menus, err_hat, po);
+        const std::vector<budget> budgets = pruning_budgets(src, all_menus, o, eopts);
+        const std::vector<std::vector<bool>> also = prior_recipe_types(all_menus, o.prior_recipes);
         std::vector<tensor_menu> eager_menus = pruned_menus(all_menus, eager);
         std::vector<gated_tensor> eg = build_candidates(src, eager_menus, importance, cache, n_threads);
         const std::string eager_path = (fs::path(probe_path).parent_path() /
@@ -676,7 +724,26 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                     plan[i].push_back(eg[i].types[k] != eg[i].tensor->type);
                 }
             }
+            // While the GPU measures the eager types, the idle cores build the types the probe will most likely keep.
+            std::unique_ptr<candidate_prefetch> ahead;
+            std::vector<std::pair<size_t, size_t>> ahead_jobs;
+            const auto t_ahead = std::chrono::steady_clock::now();
+            if (o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda())) {
+                ahead_jobs = build_ahead_jobs(all_menus, err_hat, eager, budgets, also, po);
+                std::vector<candidate_prefetch::job> jobs;
+                for (const auto & [i, k] : ahead_jobs) {
+                    jobs.push_back({all_menus[i].tensor, all_menus[i].types[k]});
+                }
+                ahead = std::make_unique<candidate_prefetch>(src, std::move(jobs), importance, cache,
+                                                             device.is_cuda() ? std::max(1, n_threads - 1) : n_threads);
+            }
             es = probe_over_ranks(eg, plan);
+            if (ahead) {
+                const int64_t n = ahead->stop();
+                fmt::print(stderr, "built ahead while the probe ran: {} of {} likely candidates ({:.1f} MiB) in {:.1f} s\n", n,
+                           ahead_jobs.size(), ahead->bytes() / k_mib,
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() - t_ahead).count());
+            }
             check_finite(eg, es, plan);
             for (size_t i = 0; i < eg.size(); ++i) {
                 for (size_t k = 0; k < eg[i].types.size(); ++k) {
@@ -696,40 +763,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 if (eager[i][k]) {
                     measured[i][k] = es[i][e++];
                     eager_kl[{all_menus[i].tensor->name, all_menus[i].types[k]}] = measured[i][k];
-                }
-            }
-        }
-        // The targets: this run's, and a ladder's every size, so that its sizes build and probe the same candidates.
-        std::vector<budget> budgets;
-        std::vector<target> goals = o.prune_goals;
-        goals.push_back(o.goal);
-        std::sort(goals.begin(), goals.end(), [](const target & x, const target & y) { return x.str() < y.str(); });
-        goals.erase(std::unique(goals.begin(), goals.end(), [](const target & x, const target & y) { return x.str() == y.str(); }),
-                    goals.end());
-        for (const target & g : goals) {
-            export_options eg_opts = eopts;
-            eg_opts.target = g.str();
-            budget bg = make_budget(src, all_menus, g, eg_opts, /*check_range =*/false);
-            if (bg.limit >= bg.min_total) {
-                budgets.push_back(std::move(bg));
-            }
-        }
-        std::vector<std::vector<bool>> also(all_menus.size());
-        for (size_t i = 0; i < all_menus.size(); ++i) {
-            also[i].assign(all_menus[i].types.size(), false);
-        }
-        for (const std::string & path : o.prior_recipes) {  // a smaller size's recipe stays a candidate of the selection
-            if (!fs::exists(path)) {
-                continue;
-            }
-            std::map<std::string, ggml_type> type_of;
-            for (const recipe_tensor & t : recipe_load(path).tensors) {
-                type_of[t.name] = t.type;
-            }
-            for (size_t i = 0; i < all_menus.size(); ++i) {
-                const auto it = type_of.find(all_menus[i].tensor->name);
-                for (size_t k = 0; it != type_of.end() && k < all_menus[i].types.size(); ++k) {
-                    also[i][k] = also[i][k] || all_menus[i].types[k] == it->second;
                 }
             }
         }

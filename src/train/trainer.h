@@ -68,6 +68,9 @@ struct train_options {
                                         // (train/prune.h); "all": every type of every menu
     std::vector<target> prune_goals;    // the targets "targets" keeps candidates for (empty = goal alone): a ladder's
                                         // every size, so that its sizes share one set of candidates and one probe
+    std::string build_ahead = "auto";   // "on": while the eager probe runs, build the candidates it will likely keep
+                                        // (prune.h build_ahead_jobs) on the otherwise idle cores; "off"; "auto": on
+                                        // when training on a GPU (on the CPU the probe itself takes the cores)
     std::string candidates_on = "auto"; // fused path: "gpu", "host" (pinned, streamed ahead of use) or "auto" (the GPU
                                         // while they fit beside the teacher; gated.h candidate_residency)
     int64_t loss_chunk = 0;             // positions per chunk of the CE/KL over the vocabulary (0 = ~512 MB of logits)
