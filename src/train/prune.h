@@ -13,6 +13,8 @@
 //      (least ΔKL + λ · bytes) at some multiplier λ the budget can have (the λ that fits the budget with the lower
 //      bounds, the predictions and the upper bounds), and so is the exact knapsack's choice on the predictions
 //      with its `neighbours` on either side in the menu; the eager types are kept too (plan_pruning).
+//   While the probe of step 2 runs on a GPU, the idle cores build a guess at step 3's types (build_ahead_jobs, with
+//   trainer.h's build_ahead), so that the build after the probe finds them in the cache.
 // What pruning may change, and what it may not: a pruned type is never the best at any multiplier the budget can
 // have unless its true ΔKL lies outside its band, and the pruned run's exact knapsack uses the full menus' byte grid
 // (budget.h share_grid), so it is the full menus' knapsack whenever that one's choice is kept. tests/test_prune.cpp

@@ -717,6 +717,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             es.clear();  // a rank without the file (another host's folder): every rank measures, or the probe's
                          // all-reduce would wait for ranks that skipped it
         }
+        std::vector<std::pair<size_t, size_t>> ahead_jobs;  // built ahead while the probe ran (the first ahead_built)
+        int64_t ahead_built = 0;
         if (es.empty()) {
             std::vector<std::vector<bool>> plan(eg.size());
             for (size_t i = 0; i < eg.size(); ++i) {
@@ -726,7 +728,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             }
             // While the GPU measures the eager types, the idle cores build the types the probe will most likely keep.
             std::unique_ptr<candidate_prefetch> ahead;
-            std::vector<std::pair<size_t, size_t>> ahead_jobs;
             const auto t_ahead = std::chrono::steady_clock::now();
             if (o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda())) {
                 ahead_jobs = build_ahead_jobs(all_menus, err_hat, eager, budgets, also, po);
@@ -739,8 +740,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             }
             es = probe_over_ranks(eg, plan);
             if (ahead) {
-                const int64_t n = ahead->stop();
-                fmt::print(stderr, "built ahead while the probe ran: {} of {} likely candidates ({:.1f} MiB) in {:.1f} s\n", n,
+                ahead_built = ahead->stop();
+                fmt::print(stderr, "built ahead while the probe ran: {} of {} likely candidates ({:.1f} MiB) in {:.1f} s\n", ahead_built,
                            ahead_jobs.size(), ahead->bytes() / k_mib,
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_ahead).count());
             }
@@ -768,6 +769,11 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         const prune_plan pp = plan_pruning(all_menus, err_hat, measured, eager, budgets, also, po);
         menus = pruned_menus(all_menus, pp.keep);
+        if (ahead_built > 0) {
+            const int64_t used = std::count_if(ahead_jobs.begin(), ahead_jobs.begin() + ahead_built,
+                                               [&](const auto & j) { return pp.keep[j.first][j.second]; });
+            fmt::print(stderr, "of the {} candidates built ahead, {} are kept\n", ahead_built, used);
+        }
         fmt::print(stderr, "candidates for {} target{}: {} of {} ({:.1f} of {:.1f} MiB; the others cannot be chosen unless "
                            "their ΔKL is outside {} to {} times its prediction) in {:.1f} s\n",
                    budgets.size(), budgets.size() == 1 ? "" : "s", pp.kept, pp.total, pp.kept_bytes / k_mib,
