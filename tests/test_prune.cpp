@@ -43,6 +43,20 @@ importance_map uneven_importance(const gguf_file & f, const std::vector<std::str
     return imp;
 }
 
+// The default menus, with an imatrix, of the tensors `imp` names (file order).
+std::vector<tensor_menu> imatrix_menus(const gguf_file & f, const importance_map & imp) {
+    menu_options mo;
+    mo.has_imatrix = true;
+    mo.importance = &imp;
+    std::vector<tensor_menu> menus;
+    for (const tensor_menu & m : build_menus(f, mo)) {
+        if (imp.count(m.tensor->name)) {
+            menus.push_back(m);
+        }
+    }
+    return menus;
+}
+
 std::vector<gated_tensor> built(const gguf_file & f, const std::vector<tensor_menu> & menus, const importance_map & imp) {
     std::vector<gated_tensor> gated;
     for (const tensor_menu & m : menus) {
@@ -155,15 +169,7 @@ TEST(prune, on_mix30m_the_exact_knapsack_of_the_kept_types_is_the_full_menus_at_
         names.push_back(std::string("blk.0.") + n + ".weight");
     }
     const importance_map imp = uneven_importance(f, names, 21);
-    menu_options mo;
-    mo.has_imatrix = true;
-    mo.importance = &imp;
-    std::vector<tensor_menu> menus;
-    for (const tensor_menu & m : build_menus(f, mo)) {
-        if (imp.count(m.tensor->name)) {
-            menus.push_back(m);
-        }
-    }
+    const std::vector<tensor_menu> menus = imatrix_menus(f, imp);
     ASSERT_EQ(menus.size(), names.size());
     const std::vector<gated_tensor> gated = built(f, menus, imp);
     std::unique_ptr<causal_lm> model = build_model(f);
@@ -259,15 +265,7 @@ TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_slow_ones_first
         names.push_back(std::string("blk.0.") + n + ".weight");
     }
     const importance_map imp = uneven_importance(f, names, 5);
-    menu_options mo;
-    mo.has_imatrix = true;
-    mo.importance = &imp;
-    std::vector<tensor_menu> menus;
-    for (const tensor_menu & m : build_menus(f, mo)) {
-        if (imp.count(m.tensor->name)) {
-            menus.push_back(m);
-        }
-    }
+    const std::vector<tensor_menu> menus = imatrix_menus(f, imp);
     ASSERT_EQ(menus.size(), names.size());
     const prune_options po;
     const auto hat = sampled_weighted_errors(f, menus, &imp, po, 2);
