@@ -10,9 +10,12 @@
 #include "test_util.h"
 #include "tolerance.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <filesystem>
 #include <limits>
 
 using namespace voodoo;
@@ -175,4 +178,77 @@ TEST(probe, cpu_defaults_set_only_the_flags_not_given_and_never_a_sequence_longe
     train_options all;
     EXPECT_TRUE(apply_cpu_defaults(all, [](const std::string &) { return true; }, 512).empty());
     EXPECT_EQ(all.steps, train_options{}.steps);
+}
+
+TEST(probe, auto_anchors_measure_the_rest_only_within_the_limit_and_a_reused_eager_probe_decides_as_the_first) {
+    const test::temp_dir tmp;
+    const std::string path = (tmp.path / "probe.auto.json").string();
+    // 40 eager forwards in 10 s: 0.25 s each; 100 more take 25 s.
+    probe_anchor_choice c = resolve_probe_anchors(path, "id-a", 10.0, 40, 100, 2, 30.0, true);
+    EXPECT_EQ(c.anchors, 0);
+    EXPECT_EQ(c.seconds_per_forward, 0.25);
+    c = resolve_probe_anchors(path, "id-a", 10.0, 40, 100, 2, 20.0, false);
+    EXPECT_EQ(c.anchors, 2) << "25 s is over a limit of 20 s: the eager types are the anchors";
+    // The eager probe reused (no time of this process): the rate written by the first run decides.
+    c = resolve_probe_anchors(path, "id-a", -1, 0, 100, 2, 30.0, false);
+    EXPECT_EQ(c.seconds_per_forward, 0.25);
+    EXPECT_EQ(c.anchors, 0);
+    EXPECT_EQ(resolve_probe_anchors(path, "id-a", -1, 0, 200, 3, 30.0, false).anchors, 3) << "200 forwards: 50 s";
+    // Another eager probe's rate, or none: unknown, so the fast choice; nothing left to measure: every type.
+    c = resolve_probe_anchors(path, "id-b", -1, 0, 100, 2, 30.0, false);
+    EXPECT_TRUE(std::isnan(c.seconds_per_forward));
+    EXPECT_EQ(c.anchors, 2);
+    EXPECT_EQ(resolve_probe_anchors((tmp.path / "none.json").string(), "id-a", -1, 0, 100, 2, 1e9, false).anchors, 2);
+    EXPECT_EQ(resolve_probe_anchors((tmp.path / "none.json").string(), "id-a", -1, 0, 0, 2, 0.0, false).anchors, 0);
+    // A file that is not a rate file is named in the error.
+    test::write_file(path, "[1, 2]");
+    try {
+        resolve_probe_anchors(path, "id-a", -1, 0, 100, 2, 30.0, false);
+        ADD_FAILURE() << "a rate file without its fields was accepted";
+    } catch (const error & e) {
+        EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+    }
+}
+
+TEST(probe, auto_anchors_on_stories260k_probe_as_every_type_or_as_two_anchors_by_the_measured_rate) {
+    // `voodoo train` with pruned candidates: --probe-anchors auto with a limit no probe meets measures what
+    // --probe-anchors 2 measures, with a limit every probe meets what --probe-anchors 0 measures (the same ΔKL bit for
+    // bit, the same recipe), and a run that reuses the eager probe (--probe-file of the first) decides as it did.
+    const test::temp_dir tmp;
+    const std::string dir = tmp.path.string();
+    const std::string text = test::shared_data() + "/text/tinystories/tinystories_val.txt";
+    ASSERT_EQ(test::run_voodoo(fmt::format("data --model {} --text {} --ctx 128 --out {}/data", test::stories260k(), text, dir)).exit_code, 0);
+    auto train = [&](const std::string & name, const std::string & flags) {
+        const auto r = test::run_voodoo(fmt::format("train --model {} --data {}/data --target-bpw 7.5 --menu "
+                                                    "Q4_0,IQ4_NL,Q4_1,Q5_0,Q5_1,Q8_0,F16,F32 --steps 4 --batch 2 "
+                                                    "--probe-sequences 2 --select-sequences 2 --out {}/{} -t 2 {}",
+                                                    test::stories260k(), dir, dir, name, flags));
+        EXPECT_EQ(r.exit_code, 0) << r.output;
+        return r.output;
+    };
+    auto probe = [&](const std::string & name) {
+        return nlohmann::json::parse(test::read_file(dir + "/" + name + "/probe.json"))["tensors"];
+    };
+    auto recipe = [&](const std::string & name) {
+        nlohmann::json types;  // name → type (the file also records the run's folder)
+        for (const auto & t : nlohmann::json::parse(test::read_file(dir + "/" + name + "/recipe.json"))["tensors"]) {
+            types[t["name"].get<std::string>()] = t["type"];
+        }
+        return types;
+    };
+    const std::string over = train("auto-over", "--probe-anchors auto --probe-auto-seconds 0");
+    EXPECT_NE(over.find("probe (--probe-anchors auto): the 2 eager types of each tensor are its anchors"), std::string::npos) << over;
+    train("two", "--probe-anchors 2");
+    EXPECT_EQ(probe("auto-over"), probe("two"));
+    EXPECT_EQ(recipe("auto-over"), recipe("two"));
+    const std::string within = train("auto-within", "--probe-anchors auto --probe-auto-seconds 1e9");
+    EXPECT_NE(within.find("probe (--probe-anchors auto): every kept type measured"), std::string::npos) << within;
+    train("all", "--probe-anchors 0");
+    EXPECT_EQ(probe("auto-within"), probe("all"));
+    EXPECT_EQ(recipe("auto-within"), recipe("all"));
+    EXPECT_TRUE(std::filesystem::exists(dir + "/auto-within/probe.auto.json"));
+    const std::string again = train("again", fmt::format("--probe-anchors auto --probe-auto-seconds 1e9 --probe-file {}/auto-within/probe.json", dir));
+    EXPECT_NE(again.find("probe of the eager candidates: "), std::string::npos) << again;
+    EXPECT_NE(again.find("probe (--probe-anchors auto): every kept type measured"), std::string::npos) << again;
+    EXPECT_EQ(recipe("again"), recipe("all"));
 }

@@ -17,6 +17,8 @@
 #include <functional>
 #include <iostream>
 #include <limits>
+#include <tuple>
+#include <vector>
 
 #include <unistd.h>
 
@@ -558,4 +560,26 @@ TEST(quantize, max_slowdown_keeps_the_predicted_generation_time_within_the_stock
     }
     ASSERT_NE(embd, nullptr);
     EXPECT_FALSE(read_per_token(src, *embd));
+}
+
+TEST(quantize, the_eval_defaults_shrink_with_the_model_above_half_a_billion_weights_and_leave_given_values) {
+    // chunks = clamp(round(40 · 0.5 G / n), 8, 40), runs = clamp(round(5 · 0.5 G / n), 1, 5).
+    const std::vector<std::tuple<int64_t, int, int>> cases = {
+        {260'000, 40, 5}, {30'000'000, 40, 5}, {500'000'000, 40, 5}, {600'000'000, 33, 4},
+        {1'720'000'000, 12, 1}, {8'030'000'000, 8, 1}, {70'000'000'000, 8, 1}};
+    for (const auto & [n, chunks, reps] : cases) {
+        quantize_options o;
+        EXPECT_TRUE(apply_eval_defaults(o, n));
+        EXPECT_EQ(o.eval_chunks, chunks) << n << " weights";
+        EXPECT_EQ(o.speed_reps, reps) << n << " weights";
+    }
+    quantize_options given;
+    given.eval_chunks = 100;
+    given.speed_reps = 0;
+    EXPECT_FALSE(apply_eval_defaults(given, 8'030'000'000));
+    EXPECT_EQ(given.eval_chunks, 100);
+    EXPECT_EQ(given.speed_reps, 0);
+    given.eval_chunks = -1;  // every chunk stays every chunk
+    EXPECT_FALSE(apply_eval_defaults(given, 8'030'000'000));
+    EXPECT_EQ(given.eval_chunks, -1);
 }

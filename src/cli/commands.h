@@ -45,6 +45,21 @@ inline CLI::Validator non_negative() {
         "INT>=0");
 }
 
+/// A count ≥ 0 or "auto", which it turns into -1 (--probe-anchors auto); anything else is refused as
+/// non_negative() refuses it, with "or auto" added.
+inline CLI::Validator count_or_auto() {
+    return CLI::Validator(
+        [](std::string & v) -> std::string {
+            if (v == "auto") {
+                v = "-1";
+                return {};
+            }
+            std::string w = v;
+            return non_negative()(w).empty() ? std::string() : "expected a whole number >= 0 or auto, got '" + v + "'";
+        },
+        "INT>=0|auto");
+}
+
 /// A number ≥ 0 (a fraction such as --max-slowdown): "-0.1" or "abc" is refused as "expected a number >= 0, got …"
 /// instead of CLI11's range message with its 300-digit bound.
 inline CLI::Validator non_negative_number() {

@@ -58,10 +58,17 @@ command add_quantize(CLI::App & app) {
     sub->add_option("-c,--ctx-size,--ctx", o->q.ctx, "Calibration chunk length")->capture_default_str();
     sub->add_option("--imatrix-chunks", o->q.imatrix_chunks, "Chunks the imatrix sees (-1 = all)")->capture_default_str();
     sub->add_option("--eval-ctx", o->q.eval_ctx, "Eval chunk length")->capture_default_str();
-    sub->add_option("--eval-chunks", o->q.eval_chunks, "Eval chunks (-1 = all, 0 = no eval stage)")->capture_default_str();
+    sub->add_option("--eval-chunks", o->q.eval_chunks,
+                    "Eval chunks (-1 = all, 0 = no eval stage, auto = 40, fewer above 0.5 G weights, at least 8)")
+        ->default_str("auto")->transform(CLI::Validator(
+            [](std::string & v) -> std::string {
+                v = v == "auto" ? "-2" : v;
+                return {};
+            }, "INT|auto"));
     sub->add_option("--speed-reps", o->q.speed_reps,
-                    "Runs of llama-bench's pp512 and tg128 per compared file for the speed columns (0 = none)")
-        ->capture_default_str()->check(non_negative());
+                    "Runs of llama-bench's pp512 and tg128 per compared file for the speed columns (0 = none, auto = 5, "
+                    "fewer above 0.5 G weights, at least 1)")
+        ->default_str("auto")->transform(count_or_auto());
     sub->add_option("--max-slowdown", o->q.max_slowdown,
                     "Each file generates at most this much slower than the stock recipe of its size (0.1 = 10%), as "
                     "predicted by a per-type speed table measured once on this machine; needs --like")
@@ -116,8 +123,13 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--lambda-ce", o->q.train.lambda_ce, "Weight of the cross-entropy on the calibration tokens")->capture_default_str();
     sub->add_option("--lambda-kl", o->q.train.lambda_kl, "Weight of KL(teacher ‖ student)")->capture_default_str();
     sub->add_option("--probe-anchors", o->q.train.probe_anchors,
-                    "Types measured per tensor; the others are predicted from the imatrix-weighted error (0 = all)")
-        ->capture_default_str()->check(non_negative());
+                    "Types measured per tensor; the others are predicted from the imatrix-weighted error (0 = all; "
+                    "auto = all unless the eager probe's rate says the rest would take over --probe-auto-seconds, "
+                    "then 2)")
+        ->default_str("auto")->transform(count_or_auto());
+    sub->add_option("--probe-auto-seconds", o->q.train.probe_auto_seconds,
+                    "With --probe-anchors auto: the longest the full probe's remaining forwards may take")
+        ->capture_default_str()->check(non_negative_number());
     sub->add_option("--probe-compute", o->q.train.probe_compute, "The probe's dtype: f32, or bf16 only to measure what bf16 costs")
         ->capture_default_str()->check(CLI::IsMember({"f32", "bf16"}));
     sub->add_option("--compute", o->q.train.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)")

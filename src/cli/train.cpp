@@ -72,8 +72,13 @@ command add_train(CLI::App & app) {
     sub->add_option("--probe-sequences", o->t.probe_sequences, "Sequences for each candidate's ΔKL probe")
         ->capture_default_str();
     sub->add_option("--probe-anchors", o->t.probe_anchors,
-                    "Types measured per tensor; the others are predicted from the imatrix-weighted error (0 = all)")
-        ->capture_default_str()->check(non_negative());
+                    "Types measured per tensor; the others are predicted from the imatrix-weighted error (0 = all; "
+                    "auto = all unless the eager probe's rate says the rest would take over --probe-auto-seconds, "
+                    "then 2)")
+        ->default_str("auto")->transform(count_or_auto());
+    sub->add_option("--probe-auto-seconds", o->t.probe_auto_seconds,
+                    "With --probe-anchors auto: the longest the full probe's remaining forwards may take")
+        ->capture_default_str()->check(non_negative_number());
     sub->add_option("--probe-file", o->t.probe_file, "Where the probe is kept and reused (default: RUN/probe.json)");
     sub->add_option("--select-sequences", o->t.select_sequences,
                     "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str();

@@ -329,14 +329,23 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
     }
     // The probe and the selection run whole --ctx chunks.
     {
-        int64_t forwards = 1;
+        int64_t forwards = 1, full = 1, anchored = 1;
+        const int a = in.train.probe_anchors;
         for (const tensor_menu & m : menus) {
             const int64_t k = static_cast<int64_t>(m.types.size());
-            forwards += in.train.probe_anchors > 0 ? std::min<int64_t>(in.train.probe_anchors, k) : k;
+            forwards += a > 0 ? std::min<int64_t>(a, k) : k;
+            full += k;
+            anchored += std::min<int64_t>(2, k);
         }
-        const double tokens = static_cast<double>(forwards * in.train.probe_sequences * in.ctx);
-        add("probe", fmt::format("{} forwards of {} × {} tokens", forwards, in.train.probe_sequences, in.ctx),
-            tokens * fwd_flops_per_token / (gpu ? gpu_f32 : cpu));
+        const double per_forward = static_cast<double>(in.train.probe_sequences * in.ctx) * fwd_flops_per_token / (gpu ? gpu_f32 : cpu);
+        std::string how;
+        if (a < 0) {  // auto (probe.h resolve_probe_anchors): the rest measured only when it fits the limit
+            const bool all = per_forward * static_cast<double>(full - anchored) <= in.train.probe_auto_seconds;
+            forwards = all ? full : anchored;
+            how = all ? " (--probe-anchors auto: every type)" : " (--probe-anchors auto: 2 anchors per tensor)";
+        }
+        add("probe", fmt::format("{} forwards of {} × {} tokens{}", forwards, in.train.probe_sequences, in.ctx, how),
+            static_cast<double>(forwards) * per_forward);
     }
     {
         const double tokens = static_cast<double>(in.train.steps) * in.train.batch * in.train.accum * static_cast<double>(seq);

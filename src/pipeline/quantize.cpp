@@ -268,7 +268,8 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     num("--st-gumbel-fraction", t.st_gumbel_fraction);
     args.insert(args.end(), {"--routing", t.routing});
     num("--probe-sequences", t.probe_sequences);
-    num("--probe-anchors", t.probe_anchors);
+    args.insert(args.end(), {"--probe-anchors", t.probe_anchors < 0 ? std::string("auto") : fmt::format("{}", t.probe_anchors)});
+    num("--probe-auto-seconds", t.probe_auto_seconds);
     num("--gate-init", t.gate_init);
     num("--journal-every", t.journal_every);
     num("--seed", t.seed);
@@ -677,6 +678,20 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
 
 }  // namespace
 
+bool apply_eval_defaults(quantize_options & o, int64_t n_weights) {
+    const double scale = 0.5e9 / static_cast<double>(std::max<int64_t>(1, n_weights));
+    bool changed = false;
+    if (o.eval_chunks == -2) {
+        o.eval_chunks = static_cast<int>(std::clamp(std::round(40 * scale), 8.0, 40.0));
+        changed = true;
+    }
+    if (o.speed_reps < 0) {
+        o.speed_reps = static_cast<int>(std::clamp(std::round(5 * scale), 1.0, 5.0));
+        changed = true;
+    }
+    return changed;
+}
+
 int ggml_threads_for(int64_t n_weights) {
     return n_weights < 8'000'000 ? 1 : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
@@ -727,14 +742,15 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
         fail("--imatrix-chunks {}: expected a positive number of chunks, or -1 for all", o.imatrix_chunks);
     }
     at_least("--eval-ctx", o.eval_ctx, 8, "expected at least 8 tokens per chunk (512 is the usual)");
-    at_least("--eval-chunks", o.eval_chunks, -1, "expected a number of chunks, -1 for all or 0 for no eval stage");
+    at_least("--eval-chunks", o.eval_chunks, -2, "expected a number of chunks, -1 for all, 0 for no eval stage or auto");
+    at_least("--speed-reps", o.speed_reps, -1, "expected a number of runs, 0 for no speed columns or auto");
     at_least("--threads", o.threads, 0, "expected a number of threads, or 0 for every core");
     at_least("--ggml-threads", o.ggml_threads, 0, "expected a number of threads, or 0 to choose by model size");
     at_least("--steps", o.train.steps, 0, "expected a number of steps (0: no training, the probe's recipe)");
     at_least("--batch", o.train.batch, 1, "expected at least one sequence per step");
     at_least("--seq", o.train.seq, 0, "expected tokens per sequence, or 0 for --ctx");
     at_least("--probe-sequences", o.train.probe_sequences, 1, "expected at least one sequence");
-    at_least("--probe-anchors", o.train.probe_anchors, 0, "expected a number of types, or 0 to measure every type");
+    at_least("--probe-anchors", o.train.probe_anchors, -1, "expected a number of types, 0 to measure every type, or auto");
     at_least("--select-sequences", o.train.select_sequences, 1, "expected at least one sequence");
     parse_routing(o.train.routing);
     if (!(o.train.lambda_size >= 0) || !(o.train.size_tol >= 0)) {
@@ -857,6 +873,12 @@ quantize_result run_quantize(const quantize_options & opts) {
         }
         if (o.ggml_threads <= 0) {
             o.ggml_threads = ggml_threads_for(n);
+        }
+        const bool eval_auto = o.eval_chunks == -2 || o.speed_reps < 0;
+        if (apply_eval_defaults(o, n) && eval_auto && (o.eval_chunks != 40 || o.speed_reps != 5)) {
+            fmt::print(stderr, "eval defaults for {:.2f} G weights: {} chunks of {} tokens, {} llama-bench run{} per file "
+                               "(--eval-chunks and --speed-reps choose others)\n",
+                       static_cast<double>(n) / 1e9, o.eval_chunks, o.eval_ctx, o.speed_reps, o.speed_reps == 1 ? "" : "s");
         }
         // LibTorch's threads on the CPU follow the same rule: below 8M weights its OpenMP threads spin more than
         // they compute. make demo (stories260K, 0.26M weights) on the 2-core machine: 27.4 s on both cores,

@@ -385,6 +385,39 @@ void save_probe(const std::string & path, const std::string & identity, const st
     write_file_atomic(path, j.dump(1) + "\n");
 }
 
+probe_anchor_choice resolve_probe_anchors(const std::string & path, const std::string & identity, double eager_seconds,
+                                          int64_t eager_forwards, int64_t rest, int eager, double limit_seconds, bool write) {
+    probe_anchor_choice c;
+    c.seconds_per_forward = std::numeric_limits<double>::quiet_NaN();
+    if (eager_seconds >= 0 && eager_forwards > 0) {
+        c.seconds_per_forward = eager_seconds / static_cast<double>(eager_forwards);
+        if (write) {
+            const nlohmann::json j = {{"identity", identity}, {"seconds_per_forward", c.seconds_per_forward},
+                                      {"eager_forwards", eager_forwards}, {"eager_seconds", eager_seconds}};
+            write_file_atomic(path, j.dump(1) + "\n");
+        }
+    } else if (std::ifstream in(path); in) {
+        nlohmann::json j;
+        try {
+            j = nlohmann::json::parse(in);
+        } catch (const nlohmann::json::exception & e) {
+            fail("probe rate file '{}' is not JSON ({}); delete it and the eager probe beside it to measure again", path, e.what());
+        }
+        if (!j.is_object() || !j.contains("identity") || !j.contains("seconds_per_forward") ||
+            !j["seconds_per_forward"].is_number()) {
+            fail("probe rate file '{}' has no identity and seconds_per_forward; delete it and the eager probe beside it "
+                 "to measure again", path);
+        }
+        if (j["identity"] == identity) {
+            c.seconds_per_forward = j["seconds_per_forward"].get<double>();
+        }
+    }
+    const bool full = rest == 0 || (std::isfinite(c.seconds_per_forward) &&
+                                    c.seconds_per_forward * static_cast<double>(rest) <= limit_seconds);
+    c.anchors = full ? 0 : eager;
+    return c;
+}
+
 std::vector<std::vector<double>> load_probe(const std::string & path, const std::string & identity,
                                             const std::vector<gated_tensor> & gated) {
     std::ifstream in(path);

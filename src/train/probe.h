@@ -82,6 +82,24 @@ void save_probe(const std::string & path, const std::string & identity, const st
 std::vector<std::vector<double>> load_probe(const std::string & path, const std::string & identity,
                                             const std::vector<gated_tensor> & gated);
 
+/// What `--probe-anchors auto` (the default) decided: 0 = every kept type measured, else the anchors per tensor.
+struct probe_anchor_choice {
+    int anchors = 0;
+    double seconds_per_forward = 0;  // the eager probe's wall time per candidate forward (NaN when unknown)
+};
+
+/// `--probe-anchors auto` (issue #16): after the eager probe (train/prune.h) has measured `eager_forwards` candidates
+/// in `eager_seconds`, the full probe measures the `rest` kept ones too when that takes at most `limit_seconds` at the
+/// same rate (a forward's cost depends on the model and the tokens, not on the type), else the `eager` types of each
+/// tensor are its anchors and the others are predicted from their imatrix-weighted error (predict_from_anchors; on
+/// mix30M that costs nothing measurable from Q4_K_M's size up and ≤ 3.7% of validation KL below, docs/RESULTS.md).
+/// The rate is kept at `path` (JSON, written atomically when `write`, with `identity`, the eager probe's), so a run
+/// that reuses the eager probe (a ladder's next size, --resume) decides as the first did; with eager_seconds < 0 and
+/// no such file, the rate is unknown and the anchors are taken (the fast choice). Seconds; `rest` ≥ 0. Throws
+/// voodoo::error naming the file when it exists and is not such a file.
+probe_anchor_choice resolve_probe_anchors(const std::string & path, const std::string & identity, double eager_seconds,
+                                          int64_t eager_forwards, int64_t rest, int eager, double limit_seconds, bool write);
+
 /// Mean KL(teacher ‖ student) in nats per token on `tokens`, in f32, where every gated tensor i is its
 /// candidate choice[i] (a one-hot recipe, as it will be exported) and every other tensor is `dense`'s.
 /// This is what the final selection compares (the calibration validation split).

@@ -699,6 +699,11 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     std::map<std::pair<std::string, ggml_type>, double> eager_kl;  // the eager probe's ΔKL, by (tensor, type)
     prune_options po;
     po.eager = o.probe_anchors > 0 ? o.probe_anchors : po.eager;  // with an anchored probe, its anchors
+    // --probe-anchors auto (-1): every type, unless the eager probe's measured rate says that the kept others would
+    // take longer than o.probe_auto_seconds; then the eager types are the anchors (resolve_probe_anchors).
+    int anchors = o.probe_anchors < 0 ? 0 : o.probe_anchors;
+    double eager_seconds = -1;  // the eager probe's wall time, when it ran in this process
+    int64_t eager_forwards = 0;
     const bool prune = o.candidates == "targets" &&
                        std::any_of(all_menus.begin(), all_menus.end(), [&](const tensor_menu & m) { return m.types.size() >= po.min_menu; });
     if (prune) {
@@ -738,7 +743,12 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 ahead = std::make_unique<candidate_prefetch>(src, std::move(jobs), importance, cache,
                                                              device.is_cuda() ? std::max(1, n_threads - 1) : n_threads);
             }
+            const auto t_probe = std::chrono::steady_clock::now();
             es = probe_over_ranks(eg, plan);
+            eager_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_probe).count();
+            for (const auto & row : plan) {
+                eager_forwards += std::count(row.begin(), row.end(), true);
+            }
             if (ahead) {
                 ahead_built = ahead->stop();
                 fmt::print(stderr, "built ahead while the probe ran: {} of {} likely candidates ({:.1f} MiB) in {:.1f} s\n", ahead_built,
@@ -769,6 +779,31 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         const prune_plan pp = plan_pruning(all_menus, err_hat, measured, eager, budgets, also, po);
         menus = pruned_menus(all_menus, pp.keep);
+        if (o.probe_anchors < 0) {
+            // The kept types the full probe would still measure: not eager, not the source's own bytes.
+            int64_t rest = 0;
+            for (size_t i = 0; i < all_menus.size(); ++i) {
+                for (size_t k = 0; k < all_menus[i].types.size(); ++k) {
+                    rest += pp.keep[i][k] && !eager[i][k] && all_menus[i].types[k] != all_menus[i].tensor->type;
+                }
+            }
+            const std::string auto_path = (fs::path(probe_path).parent_path() /
+                                           (fs::path(probe_path).stem().string() + ".auto.json")).string();
+            const probe_anchor_choice c = resolve_probe_anchors(auto_path, eager_id, eager_seconds, eager_forwards, rest,
+                                                                po.eager, o.probe_auto_seconds, writer);
+            // Every rank takes the same decision: the full probe only where every rank would.
+            anchors = every_rank_has(c.anchors == 0) ? 0 : po.eager;
+            const std::string why = std::isfinite(c.seconds_per_forward)
+                ? fmt::format("the other {} kept candidates would take ≈ {:.0f} s at the eager probe's {:.3f} s a forward, "
+                              "{} --probe-auto-seconds {:g}", rest, c.seconds_per_forward * static_cast<double>(rest),
+                              c.seconds_per_forward, c.seconds_per_forward * static_cast<double>(rest) <= o.probe_auto_seconds
+                                  ? "within" : "over", o.probe_auto_seconds)
+                : fmt::format("the eager probe was reused without its rate ({})", auto_path);
+            fmt::print(stderr, "probe (--probe-anchors auto): {}; {}\n",
+                       anchors == 0 ? "every kept type measured"
+                                    : fmt::format("the {} eager types of each tensor are its anchors, the others predicted", po.eager),
+                       why);
+        }
         if (ahead_built > 0) {
             const int64_t used = std::count_if(ahead_jobs.begin(), ahead_jobs.begin() + ahead_built,
                                                [&](const auto & j) { return pp.keep[j.first][j.second]; });
@@ -841,7 +876,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
 
     // Sensitivities (kept in the probe file, shared by the sizes of a ladder), and the allocation they
     // suggest: the least total ΔKL under the budget (allocate_exact). The gates start there.
-    const std::string probe_id = probe_identity(gated, probe_tokens, probe_dtype, o.probe_anchors);
+    const std::string probe_id = probe_identity(gated, probe_tokens, probe_dtype, anchors);
     std::vector<std::vector<double>> sens = load_probe(probe_path, probe_id, gated);
     if (!every_rank_has(!sens.empty())) {
         sens.clear();
@@ -851,7 +886,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         // types per tensor are measured and the rest predicted from their importance-weighted error. What the
         // eager probe measured is not measured again; with anchors, the eager types are the anchors.
         const std::vector<std::vector<double>> err = weighted_errors(dense, gated, importance, device);
-        std::vector<std::vector<bool>> plan = anchor_plan(gated, err, o.probe_anchors);
+        std::vector<std::vector<bool>> plan = anchor_plan(gated, err, anchors);
         std::vector<std::vector<bool>> measured_mask = plan;
         std::vector<std::vector<double>> known(gated.size());
         for (size_t i = 0; i < gated.size(); ++i) {
@@ -865,7 +900,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 }
             }
             for (size_t k = 0; any && k < gated[i].types.size(); ++k) {
-                if (!std::isnan(known[i][k]) || o.probe_anchors > 0) {
+                if (!std::isnan(known[i][k]) || anchors > 0) {
                     measured_mask[i][k] = !std::isnan(known[i][k]);
                     plan[i][k] = false;
                 }

@@ -47,8 +47,11 @@ struct train_options {
     std::string routing = "mix";        // "mix" or "ptqr": what each token of the forward sees (gated.h routing_mode);
                                         // ptqr excludes st_gumbel_fraction > 0
     int probe_sequences = 8;            // sequences on which each candidate's ΔKL alone is measured
-    int probe_anchors = 0;              // types measured per tensor, the rest predicted from the imatrix-weighted
-                                        // error (anchor_plan); 0 = every type
+    int probe_anchors = -1;             // types measured per tensor, the rest predicted from the imatrix-weighted
+                                        // error (anchor_plan); 0 = every type; -1 = auto: every type unless the
+                                        // eager probe's rate says the rest would take over probe_auto_seconds
+                                        // (probe.h resolve_probe_anchors; every type without candidate pruning)
+    double probe_auto_seconds = 120;    // auto's limit on the full probe's remaining forwards (seconds)
     std::string probe_file;             // where the probe is kept and reused ("" = <run_dir>/probe.json); the ladder
                                         // of `voodoo quantize` shares one between its sizes
     int select_sequences = 16;          // validation sequences on which the final selection measures each recipe
