@@ -113,9 +113,11 @@ e2e-0.6b)
 e2e-1.7b)
     # Issue #16: `voodoo quantize --device cuda` with the default menu on a synthetic model of Qwen3-1.7B's shape
     # (every layer, the full 151,936-token vocabulary, BF16, tied head; random weights: speed and memory only),
-    # at stock Q4_K_M's size, beside stock Q4_K_M; the probe with 2 anchors per tensor. Every stage's time is in
-    # the log's last "== times:" line and WORK/times.json; GPU memory sampled each second; disk per folder.
-    # MENU=Q3_K,Q4_K,… runs it with that menu instead of the default one (the K-quants build in a few minutes).
+    # at stock Q4_K_M's size, beside stock Q4_K_M, with every other option at its default (since session 17: the
+    # probe's anchors, the eval's chunks and llama-bench runs auto). Every stage's time is in the log's last
+    # "== times:" line and WORK/times.json; GPU memory sampled each second; disk per folder.
+    # MENU=Q3_K,Q4_K,… runs it with that menu instead of the default one (the K-quants build in a few minutes);
+    # E2E_ARGS adds flags (e.g. "--probe-anchors 2 --eval-chunks 8", the runs before session 17).
     log e2e qwen3-1.7b shape
     mkdir -p "$OUT/e2e"
     /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch qwen3 --vocab "$D/llama/models/ggml-vocab-qwen2.gguf" \
@@ -126,8 +128,8 @@ e2e-1.7b)
     nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 1000 > "$OUT/e2e/gpu-mem-1.7b.csv" 2>&1 &
     SMI=$!
     /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/qwen3-1.7b-shape.gguf --text "$T" --like Q4_K_M \
-        --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --eval-chunks 8 \
-        --probe-anchors 2 --device cuda --work /tmp/e2e-17b ${MENU:+--menu "$MENU"} > "$OUT/e2e/qwen3-1.7b.log" 2>&1
+        --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" \
+        --device cuda --work /tmp/e2e-17b ${MENU:+--menu "$MENU"} ${E2E_ARGS:-} > "$OUT/e2e/qwen3-1.7b.log" 2>&1
     kill $SMI
     grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built" "$OUT/e2e/qwen3-1.7b.log" | cut -c1-220 | tail -40
     du -sh /tmp/e2e-17b/* > "$OUT/e2e/disk-1.7b.txt" 2>&1; cat "$OUT/e2e/disk-1.7b.txt"
