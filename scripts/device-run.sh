@@ -131,7 +131,7 @@ e2e-1.7b)
         --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" \
         --device cuda --work /tmp/e2e-17b ${MENU:+--menu "$MENU"} ${E2E_ARGS:-} > "$OUT/e2e/qwen3-1.7b.log" 2>&1
     kill $SMI
-    grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built" "$OUT/e2e/qwen3-1.7b.log" | cut -c1-220 | tail -40
+    grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built|built ahead|--probe-anchors auto|eval defaults" "$OUT/e2e/qwen3-1.7b.log" | cut -c1-220 | tail -40
     du -sh /tmp/e2e-17b/* > "$OUT/e2e/disk-1.7b.txt" 2>&1; cat "$OUT/e2e/disk-1.7b.txt"
     cp /tmp/e2e-17b/times.json "$OUT/e2e/times-1.7b.json" 2>/dev/null
     cp /tmp/e2e-17b/eval.md "$OUT/e2e/qwen3-1.7b-eval.md" 2>/dev/null
