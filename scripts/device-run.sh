@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cuda-lib, bg, bg-wait. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, cuda-lib, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -136,6 +136,23 @@ e2e-1.7b)
     cp /tmp/e2e-17b/times.json "$OUT/e2e/times-1.7b.json" 2>/dev/null
     cp /tmp/e2e-17b/eval.md "$OUT/e2e/qwen3-1.7b-eval.md" 2>/dev/null
     awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 + 0 > m) m = $2 + 0} END {print "peak GPU memory used:", m, "MiB"}' "$OUT/e2e/gpu-mem-1.7b.csv"
+    ;;
+cand-rate)
+    # Issue #16: this machine's CPU (lscpu), the per-core rate of every type of the default menu (bench_quant's
+    # quantize_1core), and Voodoo's candidates against llama_model_quantize on the same tensors and types
+    # (bench/candidate_rate) on a 4-layer slice of the Qwen3-1.7B shape (the full vocabulary, BF16, tied).
+    log candidate rate
+    mkdir -p "$OUT/cand-rate"
+    lscpu > "$OUT/cand-rate/lscpu.txt"; grep -E "Model name|^CPU\(s\)|Thread|Core|Socket|Flags" "$OUT/cand-rate/lscpu.txt" | cut -c1-120
+    [ -x build-cuda/bin/bench_quant ] && build-cuda/bin/bench_quant --benchmark_filter=quantize_1core > "$OUT/cand-rate/bench-quant-1core.txt" 2>&1
+    grep -E "quantize_1core" "$OUT/cand-rate/bench-quant-1core.txt" | awk '{print $1, $NF}' | head -30
+    build-cuda/bin/voodoo-fixture --arch qwen3 --vocab "$D/llama/models/ggml-vocab-qwen2.gguf" \
+        --n-embd 2048 --n-layer 4 --n-head 16 --n-head-kv 8 --head-dim 128 --n-ff 6144 --type bf16 --tied \
+        -o /tmp/q3-4l.gguf > "$OUT/cand-rate/fixture.log" 2>&1
+    build-cuda/bin/voodoo data --model /tmp/q3-4l.gguf --text "$D/data/text/wikitext-2-raw/wiki.valid.raw" --ctx 512 --out /tmp/q3-4l-data > /dev/null 2>&1
+    build-cuda/bin/voodoo imatrix -m /tmp/q3-4l.gguf -d /tmp/q3-4l-data -o /tmp/q3-4l-im.gguf --chunks 8 --device cuda > "$OUT/cand-rate/imatrix.log" 2>&1
+    build-cuda/bin/candidate_rate /tmp/q3-4l.gguf --imatrix /tmp/q3-4l-im.gguf --recipes ${RATE_RECIPES:-Q6_K,Q4_K_S,IQ4_XS,IQ2_XXS} \
+        --scratch /tmp/cand-rate --out "$OUT/cand-rate/candidate-rate-qwen3-1.7b-4layers.json" 2>&1 | tee "$OUT/cand-rate/candidate-rate.log" | grep "^|"
     ;;
 e2e-8b)
     # Issue #16: `voodoo quantize --device cuda` end to end on a synthetic model of Llama-3.1-8B's shape (32 layers,

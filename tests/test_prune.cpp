@@ -257,7 +257,7 @@ TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_
     EXPECT_EQ(recipes["ahead"], recipes["all"]);
 }
 
-TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_slow_ones_first) {
+TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_the_likeliest_first) {
     // mix30M's layer 0 with the default menu at a budget halfway between the all-cheapest and the all-dearest file.
     const gguf_file f(mix30m());
     std::vector<std::string> names;
@@ -280,14 +280,6 @@ TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_slow_ones_first
         in_menus += m.types.size();
     }
     EXPECT_LT(jobs.size() + 2 * menus.size(), in_menus) << "a guess at the kept types, not the whole menus";
-    bool lattice_done = false;
-    for (const auto & [i, k] : jobs) {
-        EXPECT_FALSE(eager[i][k]) << "the eager types are built already";
-        EXPECT_NE(menus[i].types[k], menus[i].tensor->type) << "the source's own type is copied, never built";
-        const bool lattice = lattice_quantizer(menus[i].types[k]);
-        EXPECT_FALSE(lattice && lattice_done) << "the lattice types come first: " << type_name(menus[i].types[k]);
-        lattice_done = lattice_done || !lattice;
-    }
     // The same guess as plan_pruning's when every tensor's ΔKL/Ê is 1: here the measured values are exactly Ê.
     std::vector<std::vector<double>> measured(menus.size());
     for (size_t i = 0; i < menus.size(); ++i) {
@@ -296,6 +288,21 @@ TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_slow_ones_first
         }
     }
     const prune_plan p = plan_pruning(menus, hat, measured, eager, {b}, {}, po);
+    // In the order of their distance in the menu from the knapsack's choice on the guess; among equals, lattice first.
+    const std::vector<int> choice = allocate_exact(b, p.predicted);
+    int last_distance = 0;
+    bool lattice_done = false;
+    for (const auto & [i, k] : jobs) {
+        EXPECT_FALSE(eager[i][k]) << "the eager types are built already";
+        EXPECT_NE(menus[i].types[k], menus[i].tensor->type) << "the source's own type is copied, never built";
+        const int d = std::abs(static_cast<int>(k) - choice[i]);
+        EXPECT_GE(d, last_distance) << "the likeliest keeps first: " << menus[i].tensor->name << " as " << type_name(menus[i].types[k]);
+        lattice_done = d > last_distance ? false : lattice_done;
+        last_distance = d;
+        const bool lattice = lattice_quantizer(menus[i].types[k]);
+        EXPECT_FALSE(lattice && lattice_done) << "among equals the lattice types come first: " << type_name(menus[i].types[k]);
+        lattice_done = lattice_done || !lattice;
+    }
     size_t kept_not_eager = 0;
     for (size_t i = 0; i < menus.size(); ++i) {
         for (size_t k = 0; k < menus[i].types.size(); ++k) {

@@ -875,7 +875,7 @@ quantize_result run_quantize(const quantize_options & opts) {
             o.ggml_threads = ggml_threads_for(n);
         }
         const bool eval_auto = o.eval_chunks == -2 || o.speed_reps < 0;
-        if (apply_eval_defaults(o, n) && eval_auto && (o.eval_chunks != 40 || o.speed_reps != 5)) {
+        if (apply_eval_defaults(o, n) && eval_auto && o.eval_chunks != 0 && (o.eval_chunks != 40 || o.speed_reps != 5)) {
             fmt::print(stderr, "eval defaults for {:.2f} G weights: {} chunks of {} tokens, {} llama-bench run{} per file "
                                "(--eval-chunks and --speed-reps choose others)\n",
                        static_cast<double>(n) / 1e9, o.eval_chunks, o.eval_ctx, o.speed_reps, o.speed_reps == 1 ? "" : "s");

@@ -90,8 +90,9 @@ prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vecto
 
 /// What to build while the probe of the eager types runs (issue #16; candidate_prefetch): the types plan_pruning
 /// keeps when every tensor's ratio ΔKL/Ê is the same (the eager types' "measured" ΔKL taken as their Ê), so the
-/// prediction the probe will sharpen per tensor, less the eager types already built; the lattice types first, then by
-/// weights, largest first (the slow ones early). [tensor index, menu type index] pairs. A guess: what it builds and the
+/// prediction the probe will sharpen per tensor, less the eager types already built; the likeliest keeps first (by
+/// their distance in the menu from the exact knapsack's choice on the guess, the nearest at any budget), and among
+/// equals the lattice types, then the largest tensors (the slow ones early). [tensor index, menu type index] pairs. A guess: what it builds and the
 /// probe does not keep costs idle cores and cache disk only, and what it misses is built after the probe as before.
 std::vector<std::pair<size_t, size_t>> build_ahead_jobs(const std::vector<tensor_menu> & menus,
                                                         const std::vector<std::vector<double>> & err_hat,

@@ -708,12 +708,22 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                        std::any_of(all_menus.begin(), all_menus.end(), [&](const tensor_menu & m) { return m.types.size() >= po.min_menu; });
     if (prune) {
         const auto t0 = std::chrono::steady_clock::now();
+        // Each step's wall time in the log (the GPU runs have no progress bars): issue #16 measures them.
+        auto seconds_since = [](std::chrono::steady_clock::time_point t) {
+            return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+        };
+        fmt::print(stderr, "pruning: {:.1f} s into the train stage\n", seconds_since(t_start));
         const std::vector<std::vector<double>> err_hat = sampled_weighted_errors(src, all_menus, importance, po, n_threads);
+        fmt::print(stderr, "pruning: sampled errors in {:.1f} s\n", seconds_since(t0));
+        const auto t1 = std::chrono::steady_clock::now();
         const std::vector<std::vector<bool>> eager = eager_types(all_menus, err_hat, po);
         const std::vector<budget> budgets = pruning_budgets(src, all_menus, o, eopts);
         const std::vector<std::vector<bool>> also = prior_recipe_types(all_menus, o.prior_recipes);
         std::vector<tensor_menu> eager_menus = pruned_menus(all_menus, eager);
+        fmt::print(stderr, "pruning: eager types and budgets in {:.1f} s\n", seconds_since(t1));
+        const auto t2 = std::chrono::steady_clock::now();
         std::vector<gated_tensor> eg = build_candidates(src, eager_menus, importance, cache, n_threads);
+        fmt::print(stderr, "pruning: eager candidates in {:.1f} s\n", seconds_since(t2));
         const std::string eager_path = (fs::path(probe_path).parent_path() /
                                         (fs::path(probe_path).stem().string() + ".eager.json")).string();
         const std::string eager_id = probe_identity(eg, probe_tokens, probe_dtype, po.eager);
@@ -735,7 +745,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             std::unique_ptr<candidate_prefetch> ahead;
             const auto t_ahead = std::chrono::steady_clock::now();
             if (o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda())) {
+                const auto t3 = std::chrono::steady_clock::now();
                 ahead_jobs = build_ahead_jobs(all_menus, err_hat, eager, budgets, also, po);
+                fmt::print(stderr, "pruning: the build-ahead plan in {:.1f} s\n", seconds_since(t3));
                 std::vector<candidate_prefetch::job> jobs;
                 for (const auto & [i, k] : ahead_jobs) {
                     jobs.push_back({all_menus[i].tensor, all_menus[i].types[k]});
@@ -745,7 +757,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             }
             const auto t_probe = std::chrono::steady_clock::now();
             es = probe_over_ranks(eg, plan);
-            eager_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_probe).count();
+            eager_seconds = seconds_since(t_probe);
+            fmt::print(stderr, "pruning: the eager probe in {:.1f} s\n", eager_seconds);
             for (const auto & row : plan) {
                 eager_forwards += std::count(row.begin(), row.end(), true);
             }
@@ -777,8 +790,10 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 }
             }
         }
+        const auto t4 = std::chrono::steady_clock::now();
         const prune_plan pp = plan_pruning(all_menus, err_hat, measured, eager, budgets, also, po);
         menus = pruned_menus(all_menus, pp.keep);
+        fmt::print(stderr, "pruning: the plan in {:.1f} s\n", seconds_since(t4));
         if (o.probe_anchors < 0) {
             // The kept types the full probe would still measure: not eager, not the source's own bytes.
             int64_t rest = 0;
@@ -842,7 +857,11 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         on_host = plan.on_host;
     }
 
+    const auto t_build = std::chrono::steady_clock::now();
     std::vector<gated_tensor> gated = build_candidates(src, menus, importance, cache, n_threads);
+    fmt::print(stderr, "candidates of {} tensors ready in {:.1f} s ({:.1f} s into the train stage)\n", menus.size(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count(),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
     // When the teacher is the source file, its resident bf16 matrices stand in for the BF16/F16 candidates
     // that equal them (fused path): those candidates then cost no GPU memory of their own.
     const bool share = path == mixture_path::fused && compute == torch::kBFloat16 && same_file(src.path(), teacher.path());
