@@ -572,6 +572,7 @@ TEST(quantize, the_eval_defaults_shrink_with_the_model_above_half_a_billion_weig
         EXPECT_TRUE(apply_eval_defaults(o, n));
         EXPECT_EQ(o.eval_chunks, chunks) << n << " weights";
         EXPECT_EQ(o.speed_reps, reps) << n << " weights";
+        EXPECT_EQ(o.reference_speed, n <= 500'000'000) << n << " weights: the source's own speed only when small";
     }
     quantize_options given;
     given.eval_chunks = 100;

@@ -536,7 +536,9 @@ eval_result run_eval(const eval_options & opt, const std::vector<std::string> & 
         result.speed_reps = opt.speed_reps;
         result.speed_threads = n_threads;
         progress speed_bar("speed", static_cast<int64_t>(1 + files.size()), "file");
-        measure_speed(ref_model.get(), opt.reference, n_threads, opt.speed_reps, result.ref);
+        if (opt.reference_speed) {
+            measure_speed(ref_model.get(), opt.reference, n_threads, opt.speed_reps, result.ref);
+        }
         speed_bar.add(1, result.ref.name);
         for (size_t f = 0; f < files.size(); ++f) {
             measure_speed(models[f].get(), files[f], n_threads, opt.speed_reps, result.files[f]);

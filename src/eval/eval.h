@@ -16,6 +16,8 @@ struct eval_options {
     int n_chunks = -1;              // chunks to score; -1 = every whole chunk of the text (its --chunks)
     int n_threads = 0;              // decode and statistics threads; 0 = every core
     int speed_reps = 5;             // repetitions of llama-bench's pp512 and tg128 per file (0 = no speed columns)
+    bool reference_speed = true;    // the reference's speed too (its BF16 tg128 on the CPU is the slowest run: ≈ 25 s
+                                    // a run at 1.7 G weights on 16 cores)
 };
 
 /// One file's numbers. PPL and KLD are over the same scored tokens: the second half of every chunk.

@@ -116,7 +116,11 @@ std::string eval_to_markdown(const eval_result & r) {
         return fmt::format("{:.3f} | {:.3f}", static_cast<double>(f.file_bytes) / k_mib, f.bpw);
     };
     const auto speed_cols = [&](const eval_file_result & f) {
-        return speed ? fmt::format(" {:.0f} ± {:.0f} | {:.1f} ± {:.1f} |", f.pp512, f.pp512_sd, f.tg128, f.tg128_sd) : "";
+        if (!speed) {
+            return std::string();
+        }
+        return f.pp512 > 0 ? fmt::format(" {:.0f} ± {:.0f} | {:.1f} ± {:.1f} |", f.pp512, f.pp512_sd, f.tg128, f.tg128_sd)
+                           : std::string(" (not measured) | |");  // the reference without its speed (eval_options)
     };
     out += fmt::format("| {} (reference) | {} | {:.4f} ± {:.4f} | 1 | | | | | | |{}\n", r.ref.name, size_cols(r.ref),
                        r.ref.ppl, r.ref.ppl_err, speed_cols(r.ref));

@@ -687,6 +687,7 @@ bool apply_eval_defaults(quantize_options & o, int64_t n_weights) {
     }
     if (o.speed_reps < 0) {
         o.speed_reps = static_cast<int>(std::clamp(std::round(5 * scale), 1.0, 5.0));
+        o.reference_speed = scale >= 1;
         changed = true;
     }
     return changed;
@@ -876,9 +877,10 @@ quantize_result run_quantize(const quantize_options & opts) {
         }
         const bool eval_auto = o.eval_chunks == -2 || o.speed_reps < 0;
         if (apply_eval_defaults(o, n) && eval_auto && o.eval_chunks != 0 && (o.eval_chunks != 40 || o.speed_reps != 5)) {
-            fmt::print(stderr, "eval defaults for {:.2f} G weights: {} chunks of {} tokens, {} llama-bench run{} per file "
+            fmt::print(stderr, "eval defaults for {:.2f} G weights: {} chunks of {} tokens, {} llama-bench run{} per file{} "
                                "(--eval-chunks and --speed-reps choose others)\n",
-                       static_cast<double>(n) / 1e9, o.eval_chunks, o.eval_ctx, o.speed_reps, o.speed_reps == 1 ? "" : "s");
+                       static_cast<double>(n) / 1e9, o.eval_chunks, o.eval_ctx, o.speed_reps, o.speed_reps == 1 ? "" : "s",
+                       o.reference_speed ? "" : ", none of the source");
         }
         // LibTorch's threads on the CPU follow the same rule: below 8M weights its OpenMP threads spin more than
         // they compute. make demo (stories260K, 0.26M weights) on the 2-core machine: 27.4 s on both cores,
@@ -1085,6 +1087,7 @@ quantize_result run_quantize(const quantize_options & opts) {
     ev.n_chunks = o.eval_chunks;
     ev.n_threads = o.ggml_threads;
     ev.speed_reps = o.speed_reps;
+    ev.reference_speed = o.reference_speed;
     std::vector<std::string> files = res.outs;
     files.insert(files.end(), peers.begin(), peers.end());
     files.insert(files.end(), baselines.begin(), baselines.end());

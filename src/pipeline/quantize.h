@@ -31,13 +31,14 @@ struct quantize_options {
     int64_t ctx = 512;                      // calibration chunk length
     int64_t imatrix_chunks = 128;           // train chunks the imatrix sees; -1 = all
     int eval_ctx = 512;
-    int eval_chunks = -2;                   // -1 = every chunk of the eval text; -2 = auto (eval_defaults_for: 40,
+    int eval_chunks = -2;                   // -1 = every chunk of the eval text; -2 = auto (apply_eval_defaults: 40,
                                             // fewer above 0.5 G weights, at least 8); 40 × 256 scored tokens give a
                                             // mean KLD within ~1% (its stderr), and the eval is libllama on the CPU
     double max_slowdown = -1;               // ≥ 0: each file's predicted generation time per token at most (1 + this) ×
                                             // that of the stock recipe of its size (--like; speed_table.h); < 0: off
     int speed_reps = -1;                    // llama-bench pp512/tg128 runs per compared file (eval_options::speed_reps);
-                                            // -1 = auto (eval_defaults_for: 5, fewer above 0.5 G weights, at least 1)
+                                            // -1 = auto (apply_eval_defaults: 5, fewer above 0.5 G weights, at least 1)
+    bool reference_speed = true;            // also the source's speed (auto: only up to 0.5 G weights)
     int threads = 0;                        // LibTorch and quantization threads; 0 = every core (on the cpu device: by model size, ggml_threads_for)
     int ggml_threads = 0;                   // libllama threads (imatrix, eval); 0 = by model size (ggml_threads_for)
     train_options train;                    // goal, menus, schedule (run_dir is WORK/run-<label>)
@@ -92,6 +93,8 @@ void check_quantize_options(const quantize_options & opts, const gguf_file & src
 /// llama-bench runs per file shrink in proportion, keeping the eval's work near that of 40 chunks and 5 runs of a
 /// 0.5 G model: chunks = clamp(round(40 · 0.5 G / n), 8, 40), runs = clamp(round(5 · 0.5 G / n), 1, 5). So 40 and
 /// 5 up to 0.5 G, 12 and 1 for 1.7 G, 8 and 1 for 8 G (8 chunks: the mean KLD's stderr ≈ 2.2% instead of ≈ 1%).
+/// With auto runs, the source's own speed is measured only up to 0.5 G weights (its BF16 tg128 on the CPU is the
+/// eval's slowest part: 25 s of the 118 s at the Qwen3-1.7B shape, docs/BENCHMARKS.md).
 /// Only the fields that are auto (-2 chunks, -1 runs) change; returns true when one did.
 bool apply_eval_defaults(quantize_options & o, int64_t n_weights);
 
