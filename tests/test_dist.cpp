@@ -11,6 +11,8 @@
 #include "train/candidates.h"
 
 #include <gtest/gtest.h>
+
+#include <cstring>
 #include <nlohmann/json.hpp>
 
 #include <cstdlib>
@@ -446,6 +448,16 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
         EXPECT_NE(two.output.find("rank 1 of 2 (cpu), --parallel " + mode), std::string::npos) << two.output;
         // The probe's measurements split over the ranks (the same values: the layer-sharded log is equal bit for bit).
         EXPECT_NE(two.output.find("probe: rank 1 of 2 measures"), std::string::npos) << two.output;
+        // The candidates' building split too: each rank quantizes half of them into the shared cache, then reads all.
+        for (const char * r : {"candidates: rank 0 of 2 built ", "candidates: rank 1 of 2 built "}) {
+            const size_t at = two.output.find(r);
+            ASSERT_NE(at, std::string::npos) << r << two.output;
+            size_t used = 0;
+            const long built = std::stol(two.output.substr(at + std::strlen(r)), &used);
+            const long of = std::stol(two.output.substr(at + std::strlen(r) + used + 4));  // "N of M"
+            EXPECT_GT(built, 0);
+            EXPECT_LE(2 * built, of + 1) << "at most half of them, rounded up";
+        }
         EXPECT_EQ(recipe_of(out + "/recipe.json"), recipe_of(dir.file("one/recipe.json")));
         const auto a = log_of(dir.file("one/log.jsonl")), b = log_of(out + "/log.jsonl");
         ASSERT_EQ(a.size(), 6u);

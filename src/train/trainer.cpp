@@ -654,6 +654,34 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         return missing.item<float>() == 0.0f;
     };
 
+    // The candidates, their building split over the ranks (issue #17): rank r quantizes candidates r, r + N, … (in
+    // tensor order) into the cache, all ranks wait for each other, and then every rank reads them all from the cache
+    // (the run directory's, which ranks share: the same host, or a shared folder across hosts), building whatever it
+    // does not find there (another host's own cache) as one process would. The bytes are llama.cpp's either way.
+    auto build_over_ranks = [&](const std::vector<tensor_menu> & m) {
+        if (ranks > 1) {
+            std::vector<candidate_prefetch::job> mine;
+            int64_t all = 0;
+            for (const tensor_menu & t : m) {
+                for (ggml_type type : t.types) {
+                    if (type != t.tensor->type && all++ % ranks == rank) {
+                        mine.push_back({t.tensor, type});
+                    }
+                }
+            }
+            const auto t0 = std::chrono::steady_clock::now();
+            const size_t n_mine = mine.size();
+            {
+                candidate_prefetch part(src, std::move(mine), importance, cache, n_threads);
+                part.wait();
+            }
+            fmt::print(stderr, "candidates: rank {} of {} built {} of {} in {:.1f} s\n", rank, ranks, n_mine, all,
+                       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+            o.group->barrier();
+        }
+        return build_candidates(src, m, importance, cache, n_threads);
+    };
+
     // The probe, its measurements split over the ranks (issue #17): rank r measures the planned candidates r, r + N,
     // r + 2N, … (in tensor order, so every rank gets some of every layer), and one all-reduce gives every rank every
     // value. Each value is measured by one rank with one process's arithmetic, so the result is the single process's.
@@ -722,7 +750,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         std::vector<tensor_menu> eager_menus = pruned_menus(all_menus, eager);
         fmt::print(stderr, "pruning: eager types and budgets in {:.1f} s\n", seconds_since(t1));
         const auto t2 = std::chrono::steady_clock::now();
-        std::vector<gated_tensor> eg = build_candidates(src, eager_menus, importance, cache, n_threads);
+        std::vector<gated_tensor> eg = build_over_ranks(eager_menus);
         fmt::print(stderr, "pruning: eager candidates in {:.1f} s\n", seconds_since(t2));
         const std::string eager_path = (fs::path(probe_path).parent_path() /
                                         (fs::path(probe_path).stem().string() + ".eager.json")).string();
@@ -747,6 +775,15 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             if (o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda())) {
                 const auto t3 = std::chrono::steady_clock::now();
                 ahead_jobs = build_ahead_jobs(all_menus, err_hat, eager, budgets, also, po);
+                if (ranks > 1) {  // each rank builds its share ahead, as build_over_ranks splits the rest
+                    std::vector<std::pair<size_t, size_t>> mine;
+                    for (size_t j = 0; j < ahead_jobs.size(); ++j) {
+                        if (static_cast<int>(j % static_cast<size_t>(ranks)) == rank) {
+                            mine.push_back(ahead_jobs[j]);
+                        }
+                    }
+                    ahead_jobs = std::move(mine);
+                }
                 fmt::print(stderr, "pruning: the build-ahead plan in {:.1f} s\n", seconds_since(t3));
                 std::vector<candidate_prefetch::job> jobs;
                 for (const auto & [i, k] : ahead_jobs) {
@@ -858,7 +895,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
 
     const auto t_build = std::chrono::steady_clock::now();
-    std::vector<gated_tensor> gated = build_candidates(src, menus, importance, cache, n_threads);
+    std::vector<gated_tensor> gated = build_over_ranks(menus);
     fmt::print(stderr, "candidates of {} tensors ready in {:.1f} s ({:.1f} s into the train stage)\n", menus.size(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
