@@ -39,6 +39,34 @@ bool lattice_quantizer(ggml_type type) {
     }
 }
 
+double quantize_cost_per_weight(ggml_type type) {
+    switch (type) {  // 1 / (M weights per second on one core), bench_quant quantize_1core, 2026-12-03
+        case GGML_TYPE_IQ1_S: return 1 / 7.19;
+        case GGML_TYPE_IQ1_M: return 1 / 1.56;
+        case GGML_TYPE_IQ2_XXS: return 1 / 3.63;
+        case GGML_TYPE_IQ2_XS: return 1 / 1.91;
+        case GGML_TYPE_IQ2_S: return 1 / 4.94;
+        case GGML_TYPE_Q2_K: return 1 / 8.14;
+        case GGML_TYPE_IQ3_XXS: return 1 / 2.66;
+        case GGML_TYPE_IQ3_S: return 1 / 3.43;
+        case GGML_TYPE_Q3_K: return 1 / 27.5;
+        case GGML_TYPE_IQ4_XS: return 1 / 5.06;
+        case GGML_TYPE_IQ4_NL: return 1 / 4.55;
+        case GGML_TYPE_Q4_0: return 1 / 43.4;
+        case GGML_TYPE_Q4_K: return 1 / 10.6;
+        case GGML_TYPE_Q4_1: return 1 / 9.86;
+        case GGML_TYPE_Q5_0: return 1 / 38.9;
+        case GGML_TYPE_Q5_K: return 1 / 9.55;
+        case GGML_TYPE_Q5_1: return 1 / 8.38;
+        case GGML_TYPE_Q6_K: return 1 / 37.9;
+        case GGML_TYPE_Q8_0: return 1 / 288.0;
+        case GGML_TYPE_F32:
+        case GGML_TYPE_F16:
+        case GGML_TYPE_BF16: return 0.002;
+        default: return 1 / 10.0;  // a type outside the default menu (TQ1_0, …): a K-quant's cost
+    }
+}
+
 std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, const std::vector<tensor_menu> & menus,
                                                          const importance_map * importance, const prune_options & o,
                                                          int n_threads) {

@@ -52,6 +52,11 @@ struct prune_options {
 /// IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; ggml.c). They are the slow ones to build.
 bool lattice_quantizer(ggml_type type);
 
+/// One core's time to quantize one weight to `type`, in µs, with an imatrix: bench_quant's quantize_1core on the
+/// 2-core development machine (docs/BENCHMARKS.md; the H200 host's 16 threads measure 1.3–2× slower, in about the
+/// same ratios). Only for ordering work (build_candidates' schedule); 0.002 for the float types (a conversion).
+double quantize_cost_per_weight(ggml_type type);
+
 /// Ê[tensor][menu type]: the importance-weighted squared error Σ_rows Σ_j a_j (W_ij − deq(Q_k)_ij)² (probe.h
 /// weighted_errors) estimated on evenly spaced rows (R/n per sampled row, R the rows, n the sample): each sampled
 /// row quantized alone by ggml_quantize_chunk with its expert's importance (a_j = 1 without an imatrix entry), as
