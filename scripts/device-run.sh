@@ -61,6 +61,9 @@ bg)
     ;;
 bg-wait)
     # Waits up to WAIT_S seconds (default 540) for the stage bg's run; then, finished or not, its files to $OUT.
+    # A machine with no background run (a fresh one: the warm one was given back, and its run with it) says so at
+    # once instead of waiting.
+    if [ ! -d /tmp/bg-out ]; then log "no background run on this machine (a fresh one?): nothing to wait for"; exit 3; fi
     for ((i = 0; i < ${WAIT_S:-540}; i += 5)); do [ -f /tmp/bg.rc ] && break; sleep 5; done
     if [ -f /tmp/bg.rc ]; then log "background run finished, exit $(cat /tmp/bg.rc)"; else log "background run still running"; fi
     tail -40 /tmp/bg-out/bg.log
