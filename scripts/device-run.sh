@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, cuda-lib, bg, bg-wait. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -139,6 +139,22 @@ e2e-1.7b)
     cp /tmp/e2e-17b/times.json "$OUT/e2e/times-1.7b.json" 2>/dev/null
     cp /tmp/e2e-17b/eval.md "$OUT/e2e/qwen3-1.7b-eval.md" 2>/dev/null
     awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 + 0 > m) m = $2 + 0} END {print "peak GPU memory used:", m, "MiB"}' "$OUT/e2e/gpu-mem-1.7b.csv"
+    ;;
+nccl)
+    # Issue #17: c10d's NCCL process group (the GPU machine's PyTorch has it; it ships no gloo headers), checked by
+    # voodoo-dist-check (exact sums in f32/bf16/int64, maximum, send/recv, barrier) with one rank a GPU: every GPU of
+    # this machine, at most 2 (one GPU: one rank, which checks the rendezvous, the communicator and the collectives'
+    # paths, not a transfer between GPUs). NVLink multicast stays off (the device's KINDS.md).
+    log nccl
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    grep -E "process groups" /tmp/configure.log
+    mkdir -p "$OUT/nccl"
+    n=$(nvidia-smi -L | wc -l); [ "$n" -gt 2 ] && n=2
+    export WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=29533
+    for ((r = 1; r < n; r++)); do RANK=$r LOCAL_RANK=$r build-cuda/bin/voodoo-dist-check cuda > "$OUT/nccl/rank$r.log" 2>&1 & done
+    RANK=0 LOCAL_RANK=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN} build-cuda/bin/voodoo-dist-check cuda 2>&1 | tee "$OUT/nccl/rank0.log"
+    wait; cat "$OUT/nccl"/rank[1-9]*.log 2>/dev/null
+    unset WORLD_SIZE RANK LOCAL_RANK MASTER_ADDR MASTER_PORT
     ;;
 cand-rate)
     # Issue #16: this machine's CPU (lscpu), the per-core rate of every type of the default menu (bench_quant's

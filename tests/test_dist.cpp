@@ -146,6 +146,46 @@ std::pair<nlohmann::json, nlohmann::json> single_and_sharded(const std::string &
 
 }  // namespace
 
+namespace {
+
+/// voodoo-dist-check as `ranks` processes on this host (torchrun's variables, LOCAL_RANK = RANK) on `device`: the
+/// exit status (0 when every rank's collectives gave the exact values) and every rank's output.
+test::run_result run_dist_check(int ranks, const std::string & device) {
+    std::string cmd = fmt::format("export WORLD_SIZE={} MASTER_ADDR=127.0.0.1 MASTER_PORT={}; pids=; d=$(mktemp -d); ", ranks,
+                                  dist::free_tcp_port());
+    for (int r = 1; r < ranks; ++r) {
+        cmd += fmt::format("RANK={0} LOCAL_RANK={0} {1} {2} > $d/{0}.log 2>&1 & pids=\"$pids $!\"; ", r,
+                           VOODOO_DIST_CHECK_BIN, device);
+    }
+    cmd += fmt::format("RANK=0 LOCAL_RANK=0 {} {} 2>&1; s=$?; for p in $pids; do wait $p || s=1; done; cat $d/*.log 2>/dev/null; "
+                       "rm -rf $d; exit $s", VOODOO_DIST_CHECK_BIN, device);
+    return test::run_shell(cmd);
+}
+
+}  // namespace
+
+TEST(dist, a_process_groups_sums_maximum_messages_and_barrier_are_exact_on_every_rank) {
+    // Small integers, exact in f32 and bf16 whatever the order of the sum: every rank checks the exact values
+    // (tests/dist_check.cpp). Gloo with two processes on the CPU; NCCL, one process a GPU, where this build has it.
+    int checked = 0;
+    if (dist::have_gloo()) {
+        const test::run_result two = run_dist_check(2, "cpu");
+        EXPECT_EQ(two.exit_code, 0) << two.output;
+        EXPECT_NE(two.output.find("rank 1 of 2: gloo on cpu"), std::string::npos) << two.output;
+        ++checked;
+    }
+    if (dist::have_nccl() && torch::cuda::device_count() > 0) {
+        const int ranks = std::min<int>(2, static_cast<int>(torch::cuda::device_count()));
+        const test::run_result gpus = run_dist_check(ranks, "cuda");
+        EXPECT_EQ(gpus.exit_code, 0) << gpus.output;
+        EXPECT_NE(gpus.output.find(fmt::format("rank 0 of {}: nccl on cuda:0", ranks)), std::string::npos) << gpus.output;
+        ++checked;
+    }
+    if (checked == 0) {
+        GTEST_SKIP() << "this build has neither c10d Gloo (libgloo-dev) nor NCCL with a GPU";
+    }
+}
+
 TEST(dist, layer_sharding_over_gloo_processes_gives_the_single_process_gradients_and_recipe_bit_for_bit) {
     if (!dist::have_gloo()) {
         GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";

@@ -200,9 +200,12 @@ command add_train(CLI::App & app) {
             }
             // Ranks may reach a collective minutes apart (a probe's share, a candidate build): PyTorch's default
             // timeout, 30 minutes, for the rendezvous and every collective.
-            group = std::make_unique<dist::process_group>(*env, std::chrono::minutes(30));
+            // NCCL on a GPU rank when the build has it (PyTorch's CUDA LibTorch), else Gloo.
+            const torch::Device where = t.device.starts_with("cuda") ? torch::Device(t.device) : torch::Device(torch::kCPU);
+            group = std::make_unique<dist::process_group>(*env, std::chrono::minutes(30), where);
             t.group = group.get();
-            fmt::print(stderr, "rank {} of {} ({}), --parallel {}\n", env->rank, env->world_size, t.device, t.parallel);
+            fmt::print(stderr, "rank {} of {} ({}, {}), --parallel {}\n", env->rank, env->world_size, t.device,
+                       group->backend(), t.parallel);
         }
         const bool rank0 = !env || env->rank == 0;
         const train_result r = train_gates(src, teacher ? *teacher : src, data.train(),

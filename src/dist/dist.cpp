@@ -7,6 +7,15 @@
 
 #if defined(VOODOO_HAVE_GLOO)
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#if defined(VOODOO_HAVE_NCCL)
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL  // ProcessGroupNCCL.hpp declares its class only under it; LibTorch was built with it (CMake checks)
+#endif
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+#if defined(VOODOO_HAVE_GLOO) || defined(VOODOO_HAVE_NCCL)
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #endif
 
@@ -95,25 +104,90 @@ int free_tcp_port() {
     return ntohs(a.sin_port);
 }
 
+bool have_gloo() {
 #if defined(VOODOO_HAVE_GLOO)
+    return true;
+#else
+    return false;
+#endif
+}
 
-bool have_gloo() { return true; }
+bool have_nccl() {
+#if defined(VOODOO_HAVE_NCCL)
+    return true;
+#else
+    return false;
+#endif
+}
+
+#if defined(VOODOO_HAVE_GLOO) || defined(VOODOO_HAVE_NCCL)
 
 struct process_group::impl {
-    c10::intrusive_ptr<c10d::ProcessGroupGloo> pg;
+#if defined(VOODOO_HAVE_GLOO)
+    c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+#endif
+#if defined(VOODOO_HAVE_NCCL)
+    c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl;
+#endif
+    torch::Device wire = torch::kCPU;  // where the backend's tensors live: the host (Gloo) or the group's GPU (NCCL)
+
+    /// f(backend) on whichever backend this group has; both take c10d's same vectors and options.
+    template <class F>
+    void with(F && f) {
+#if defined(VOODOO_HAVE_NCCL)
+        if (nccl) {
+            f(nccl);
+            return;
+        }
+#endif
+#if defined(VOODOO_HAVE_GLOO)
+        if (gloo) {
+            f(gloo);
+            return;
+        }
+#endif
+        (void)f;
+        fail("process_group: no backend");  // unreachable: the constructor throws first
+    }
+
+    /// What a collective sends of `t`: on the wire's device, f32 for 16-bit floats (summed or compared in f32,
+    /// rounded once after), contiguous. `t` itself when it already is that.
+    torch::Tensor on_the_wire(const torch::Tensor & t) const {
+        const bool narrow = t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
+        return t.to(wire, narrow ? torch::kFloat : t.scalar_type()).contiguous();
+    }
 };
 
-process_group::process_group(const launch_env & env, std::chrono::seconds timeout)
+process_group::process_group(const launch_env & env, std::chrono::seconds timeout, torch::Device device)
     : p_(std::make_unique<impl>()), rank_(env.rank), size_(env.world_size) {
+    const bool nccl = device.is_cuda() && have_nccl();
+    if (!nccl && !have_gloo()) {  // an NCCL-only build (PyTorch's wheels ship no gloo headers) and a CPU rank
+        fail("rank {} of {}: this build's only c10d process group is NCCL, which needs a CUDA device, not {}: train "
+             "with --device cuda, or build against a LibTorch with gloo's headers (Debian: libgloo-dev)", env.rank,
+             env.world_size, device.str());
+    }
+    const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
     try {
         c10d::TCPStoreOptions so;
         so.port = static_cast<std::uint16_t>(env.master_port);
         so.isServer = env.rank == 0;
         so.numWorkers = static_cast<std::size_t>(env.world_size);
         so.waitWorkers = true;
-        so.timeout = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+        so.timeout = ms;
         auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-        auto opts = c10d::ProcessGroupGloo::Options::create(std::chrono::duration_cast<std::chrono::milliseconds>(timeout));
+#if defined(VOODOO_HAVE_NCCL)
+        if (nccl) {
+            // One GPU a rank: this rank's device is the current one for NCCL's communicator and streams.
+            p_->wire = device.has_index() ? device : torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+            c10::cuda::set_device(p_->wire.index());
+            auto opts = c10d::ProcessGroupNCCL::Options::create();
+            opts->timeout = ms;
+            p_->nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, opts);
+            return;
+        }
+#endif
+#if defined(VOODOO_HAVE_GLOO)
+        auto opts = c10d::ProcessGroupGloo::Options::create(ms);
         // The transport's interface: GLOO_SOCKET_IFNAME when set (as PyTorch reads it), the loopback when the master
         // is this host's loopback (one host), else the interface this host's name resolves to (several hosts).
         const std::optional<std::string> ifname = env_string("GLOO_SOCKET_IFNAME");
@@ -121,36 +195,36 @@ process_group::process_group(const launch_env & env, std::chrono::seconds timeou
         opts->devices.push_back(ifname     ? c10d::ProcessGroupGloo::createDeviceForInterface(*ifname)
                                 : loopback ? c10d::ProcessGroupGloo::createDeviceForHostname(env.master_addr)
                                            : c10d::ProcessGroupGloo::createDefaultDevice());
-        p_->pg = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, opts);
+        p_->gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, opts);
+#endif
     } catch (const std::exception & e) {
-        fail("rank {} of {}: the c10d rendezvous at MASTER_ADDR={} MASTER_PORT={} failed: {}", env.rank, env.world_size,
-             env.master_addr, env.master_port, e.what());
+        fail("rank {} of {}: the c10d rendezvous ({}) at MASTER_ADDR={} MASTER_PORT={} failed: {}", env.rank,
+             env.world_size, nccl ? "nccl" : "gloo", env.master_addr, env.master_port, e.what());
     }
 }
 
+const char * process_group::backend() const {
+#if defined(VOODOO_HAVE_NCCL)
+    if (p_->nccl) {
+        return "nccl";
+    }
+#endif
+    return "gloo";
+}
+
 void process_group::send(const torch::Tensor & t, int dst, int tag) {
-    std::vector<torch::Tensor> v{t.to(torch::kCPU).contiguous()};  // Gloo's point to point carries host memory
-    p_->pg->send(v, dst, tag)->wait();
+    std::vector<torch::Tensor> v{t.to(p_->wire).contiguous()};
+    p_->with([&](auto & pg) { pg->send(v, dst, tag)->wait(); });
 }
 
 void process_group::recv(torch::Tensor & t, int src, int tag) {
-    std::vector<torch::Tensor> v{t.is_cpu() && t.is_contiguous() ? t : torch::empty(t.sizes(), t.options().device(torch::kCPU))};
-    p_->pg->recv(v, src, tag)->wait();
+    const bool direct = t.device() == p_->wire && t.is_contiguous();
+    std::vector<torch::Tensor> v{direct ? t : torch::empty(t.sizes(), t.options().device(p_->wire))};
+    p_->with([&](auto & pg) { pg->recv(v, src, tag)->wait(); });
     if (!v[0].is_same(t)) {
         t.copy_(v[0]);
     }
 }
-
-namespace {
-
-/// What a collective sends of `t`: host memory (Gloo's transport), f32 for 16-bit floats (summed or compared in f32,
-/// rounded once after). `t` itself when it already is that.
-torch::Tensor on_the_wire(const torch::Tensor & t) {
-    const bool narrow = t.scalar_type() == torch::kBFloat16 || t.scalar_type() == torch::kHalf;
-    return t.to(torch::kCPU, narrow ? torch::kFloat : t.scalar_type()).contiguous();
-}
-
-}  // namespace
 
 void process_group::all_reduce_sum(std::vector<torch::Tensor> & tensors) {
     if (tensors.empty()) {
@@ -165,10 +239,10 @@ void process_group::all_reduce_sum(std::vector<torch::Tensor> & tensors) {
     for (const auto & [dtype, which] : by_dtype) {
         std::vector<torch::Tensor> parts;
         for (const size_t i : which) {
-            parts.push_back(tensors[i].reshape({-1}));
+            parts.push_back(tensors[i].reshape({-1}).to(p_->wire));
         }
-        std::vector<torch::Tensor> flat{on_the_wire(torch::cat(parts))};
-        p_->pg->allreduce(flat)->wait();
+        std::vector<torch::Tensor> flat{p_->on_the_wire(torch::cat(parts))};
+        p_->with([&](auto & pg) { pg->allreduce(flat)->wait(); });
         int64_t at = 0;
         for (const size_t i : which) {
             const int64_t n = tensors[i].numel();
@@ -179,27 +253,34 @@ void process_group::all_reduce_sum(std::vector<torch::Tensor> & tensors) {
 }
 
 void process_group::all_reduce_max(torch::Tensor & t) {
-    std::vector<torch::Tensor> v{on_the_wire(t)};
+    std::vector<torch::Tensor> v{p_->on_the_wire(t)};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::MAX;
-    p_->pg->allreduce(v, opts)->wait();
+    p_->with([&](auto & pg) { pg->allreduce(v, opts)->wait(); });
     if (!v[0].is_same(t)) {
         t.copy_(v[0]);
     }
 }
 
-void process_group::barrier() { p_->pg->barrier()->wait(); }
+void process_group::barrier() {
+    c10d::BarrierOptions opts;
+    if (p_->wire.is_cuda()) {
+        opts.device_ids = {static_cast<int64_t>(p_->wire.index())};
+    }
+    p_->with([&](auto & pg) { pg->barrier(opts)->wait(); });
+}
 
 #else
 
-bool have_gloo() { return false; }
-
 struct process_group::impl {};
 
-process_group::process_group(const launch_env & env, std::chrono::seconds) : rank_(env.rank), size_(env.world_size) {
-    fail("rank {} of {}: this build has no c10d Gloo process group (install libgloo-dev, which scripts/bootstrap.sh "
-         "does, and configure again)", env.rank, env.world_size);
+process_group::process_group(const launch_env & env, std::chrono::seconds, torch::Device device)
+    : rank_(env.rank), size_(env.world_size) {
+    fail("rank {} of {}: this build has no c10d process group for {} (install libgloo-dev, which scripts/bootstrap.sh "
+         "does, and configure again{})", env.rank, env.world_size, device.str(),
+         device.is_cuda() ? "; or build against a LibTorch with NCCL, e.g. PyTorch's CUDA wheel" : "");
 }
+const char * process_group::backend() const { return "none"; }
 void process_group::send(const torch::Tensor &, int, int) {}
 void process_group::recv(torch::Tensor &, int, int) {}
 void process_group::all_reduce_sum(std::vector<torch::Tensor> &) {}

@@ -42,27 +42,41 @@ int free_tcp_port();
 /// True when this build has c10d's Gloo process group (its gloo headers were found at configure time).
 bool have_gloo();
 
-/// A c10d process group over TCP: a TCPStore at master_addr:master_port (rank 0 hosts it) and Gloo's transport, for
-/// tensors on the CPU. Every collective blocks until done.
+/// True when this build has c10d's NCCL process group: a CUDA build against a LibTorch built with USE_C10D_NCCL
+/// (PyTorch's own CUDA wheels are; Debian's CPU LibTorch is not) with nccl.h found at configure time.
+bool have_nccl();
+
+/// A c10d process group over TCP: a TCPStore at master_addr:master_port (rank 0 hosts it) and one of c10d's
+/// backends: NCCL on `device` when it is a CUDA device and the build has NCCL (have_nccl()), else Gloo, whose
+/// transport carries host memory (a CUDA tensor is staged through it). Each rank passes its own device
+/// (cuda:LOCAL_RANK, one GPU a rank: NCCL refuses two ranks on one GPU). Every collective is done when it returns
+/// (Gloo) or ordered before any later work on the device's current stream (NCCL; a later copy to the host waits).
 class process_group {
 public:
-    /// Joins the group; waits up to `timeout` for every rank. Throws voodoo::error naming MASTER_ADDR/MASTER_PORT
-    /// when the rendezvous fails, or when this build has no Gloo (have_gloo()).
-    process_group(const launch_env & env, std::chrono::seconds timeout = std::chrono::seconds(120));
+    /// Joins the group; waits up to `timeout` for every rank (the rendezvous and every collective). Throws
+    /// voodoo::error naming MASTER_ADDR/MASTER_PORT when the rendezvous fails, or naming what to install when this
+    /// build has no backend for `device` (neither NCCL nor Gloo).
+    process_group(const launch_env & env, std::chrono::seconds timeout = std::chrono::seconds(120),
+                  torch::Device device = torch::kCPU);
     ~process_group();
     process_group(const process_group &) = delete;
     process_group & operator=(const process_group &) = delete;
 
+    /// "nccl" or "gloo".
+    const char * backend() const;
     int rank() const { return rank_; }
     int size() const { return size_; }
 
-    /// Point to point: `t` (contiguous, CPU) to rank `dst`; `recv` fills `t` (its shape and dtype must match what was
-    /// sent) from rank `src`. `tag` tells apart messages between the same two ranks.
+    /// Point to point: `t` (any device; moved to the backend's: host memory for Gloo, the group's GPU for NCCL) to
+    /// rank `dst`; `recv` fills `t` (its shape and dtype must match what was sent) from rank `src`. `tag` tells apart
+    /// messages between the same two ranks under Gloo; NCCL matches them in order (its point to point has no tags),
+    /// so the receiver must receive in the order the sender sends, as every caller here does.
     void send(const torch::Tensor & t, int dst, int tag);
     void recv(torch::Tensor & t, int src, int tag);
-    /// In-place sum over every rank of each tensor (CPU), element by element (one flat buffer per dtype on the wire).
+    /// In-place sum over every rank of each tensor (any device), element by element (one flat buffer per dtype on the
+    /// wire; 16-bit floats summed in f32 and rounded once after).
     void all_reduce_sum(std::vector<torch::Tensor> & tensors);
-    /// In-place element-wise maximum over every rank of `t` (CPU, contiguous).
+    /// In-place element-wise maximum over every rank of `t` (any device).
     void all_reduce_max(torch::Tensor & t);
     void barrier();
 
