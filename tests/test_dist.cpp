@@ -485,7 +485,7 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
             "RANK=0 {1} {2} --out {3} --parallel {4} 2>&1; s=$?; wait $p || s=1; cat {3}.rank1.log; exit $s",
             dist::free_tcp_port(), VOODOO_BIN, args, out, mode));
         ASSERT_EQ(two.exit_code, 0) << two.output;
-        EXPECT_NE(two.output.find("rank 1 of 2 (cpu), --parallel " + mode), std::string::npos) << two.output;
+        EXPECT_NE(two.output.find("rank 1 of 2 (cpu, gloo), --parallel " + mode), std::string::npos) << two.output;
         // The probe's measurements split over the ranks (the same values: the layer-sharded log is equal bit for bit).
         EXPECT_NE(two.output.find("probe: rank 1 of 2 measures"), std::string::npos) << two.output;
         // The candidates' building split too: each rank quantizes half of them into the shared cache, then reads all.
@@ -593,8 +593,8 @@ TEST(dist, voodoo_quantize_gpus_runs_the_train_stage_as_ranks_and_writes_the_sam
     const auto two = test::run_shell(fmt::format("cd {} && env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} --gpus 2 --parallel layers 2>&1",
                                                  dir.file("two"), VOODOO_BIN, job));
     ASSERT_EQ(two.exit_code, 0) << two.output;
-    EXPECT_NE(two.output.find("rank 0 of 2 (cpu), --parallel layers"), std::string::npos) << two.output;
-    EXPECT_NE(test::read_file(dir.file("two/w/run-Q4_0/rank1.log")).find("rank 1 of 2 (cpu), --parallel layers"),
+    EXPECT_NE(two.output.find("rank 0 of 2 (cpu, gloo), --parallel layers"), std::string::npos) << two.output;
+    EXPECT_NE(test::read_file(dir.file("two/w/run-Q4_0/rank1.log")).find("rank 1 of 2 (cpu, gloo), --parallel layers"),
               std::string::npos);
     const std::string a = test::read_file(dir.file("one/out.gguf")), b = test::read_file(dir.file("two/out.gguf"));
     ASSERT_GT(a.size(), 0u);
