@@ -532,6 +532,56 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
     }
 }
 
+TEST(dist, a_rank_keeps_on_its_device_only_the_candidates_of_its_layers_or_its_shards_and_trains_the_same_recipe) {
+    if (!dist::have_gloo()) {
+        GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";
+    }
+    // The reference mixture keeps every candidate dense on the device (here the CPU), so its bytes are countable without
+    // a GPU. One process holds them all; two ranks hold disjoint parts for training: with --parallel layers the tensors
+    // of each rank's layers, with --parallel tp each rank's shards (whole rows or whole blocks of each row), which add
+    // up to the single process's bytes exactly. The probe and the selection read the rest from host memory, so the
+    // recipe is the single process's.
+    test::temp_dir dir;
+    const std::string args = stories_train_args(dir, 4) + " --mixture reference";
+    ASSERT_FALSE(args.empty());
+    const auto one = test::run_shell(fmt::format("env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} --out {} --json {} 2>&1", VOODOO_BIN,
+                                                 args, dir.file("one"), dir.file("one.json")));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    const int64_t whole = read_json(dir.file("one.json"))["candidates"]["bytes_on_device"].get<int64_t>();
+    ASSERT_GT(whole, 0);
+    const auto recipe_of = [](const std::string & path) {  // name and type: a tp run's gate probabilities differ in rounding
+        std::vector<std::pair<std::string, std::string>> out;
+        for (const auto & t : read_json(path)["tensors"]) {
+            out.emplace_back(t["name"].get<std::string>(), t["type"].get<std::string>());
+        }
+        return out;
+    };
+    const auto one_recipe = recipe_of(dir.file("one/recipe.json"));
+    for (const std::string mode : {"tp", "layers"}) {
+        SCOPED_TRACE(mode);
+        const std::string out = dir.file("two-" + mode);
+        const auto two = test::run_shell(fmt::format(
+            "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
+            "RANK=1 {1} {2} --out {3} --parallel {4} > {3}.rank1.log 2>&1 & p=$!; "
+            "RANK=0 {1} {2} --out {3} --parallel {4} 2>&1; s=$?; wait $p || s=1; cat {3}.rank1.log; exit $s",
+            dist::free_tcp_port(), VOODOO_BIN, args, out, mode));
+        ASSERT_EQ(two.exit_code, 0) << two.output;
+        int64_t sum = 0;
+        for (int r = 0; r < 2; ++r) {
+            const std::string head = fmt::format("rank {} of 2: candidates for training on cpu: ", r);
+            const size_t at = two.output.find(head);
+            ASSERT_NE(at, std::string::npos) << two.output;
+            const size_t open = two.output.find('(', two.output.find("MiB", at));
+            const int64_t bytes = std::stoll(two.output.substr(open + 1));
+            EXPECT_GT(bytes, 0) << two.output;
+            EXPECT_LT(bytes, whole) << two.output;
+            sum += bytes;
+        }
+        EXPECT_EQ(sum, whole) << two.output;
+        EXPECT_EQ(recipe_of(out + "/recipe.json"), one_recipe);
+    }
+}
+
 TEST(dist, a_journal_written_by_one_process_resumes_on_two_ranks_with_the_same_steps_bit_for_bit) {
     if (!dist::have_gloo()) {
         GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";

@@ -232,7 +232,8 @@ command add_train(CLI::App & app) {
                                 {"selection_held_apart", r.select_held_apart}, {"selection", selection_to_json(r)},
                                 {"candidates", {{"built", r.candidates_built}, {"in_menus", r.candidates_in_menus},
                                                 {"bytes_built", r.candidate_bytes_built},
-                                                {"bytes_in_menus", r.candidate_bytes_in_menus}}}});
+                                                {"bytes_in_menus", r.candidate_bytes_in_menus},
+                                                {"bytes_on_device", r.candidate_device_bytes}}}});
         return 0;
     }};
 }

@@ -349,6 +349,23 @@ std::vector<std::pair<int64_t, int64_t>> balance_layers_of(const gguf_file & fil
     return balance_layers(layer_bytes, ranks, first_extra, last_extra);
 }
 
+bool layer_shard_uses(const std::string & name, std::pair<int64_t, int64_t> layers, int64_t n_layer, bool tied_head) {
+    const auto [first, end] = layers;
+    if (name.starts_with("blk.")) {
+        const size_t dot = name.find('.', 4);
+        const std::string digits = name.substr(4, dot == std::string::npos ? std::string::npos : dot - 4);
+        if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 9) {
+            return false;
+        }
+        const int64_t il = std::stoll(digits);
+        return il >= first && il < end;
+    }
+    if (name.starts_with("token_embd")) {
+        return first == 0 || (tied_head && end == n_layer);
+    }
+    return end == n_layer;
+}
+
 void sum_gate_gradients(process_group & pg, std::vector<torch::Tensor> & gates) {
     std::vector<torch::Tensor> grads;
     for (torch::Tensor & g : gates) {

@@ -98,6 +98,12 @@ std::vector<std::pair<int64_t, int64_t>> balance_layers(const std::vector<int64_
 /// the last every other tensor (the output norm and head). Throws voodoo::error as balance_layers does.
 std::vector<std::pair<int64_t, int64_t>> balance_layers_of(const gguf_file & file, int ranks);
 
+/// Whether a layer-sharded rank holding layers `layers` = [first, end) of `n_layer` uses the GGUF tensor `name` in
+/// sharded_distill_step: blk.i.* for i in [first, end); token_embd on the first rank, and on the last too when the head
+/// is tied to it (`tied_head`); every other tensor (the output norm, the head) on the last rank. The split
+/// balance_layers_of weighs. A name "blk.<i>." whose i is not a number counts as no layer's (false).
+bool layer_shard_uses(const std::string & name, std::pair<int64_t, int64_t> layers, int64_t n_layer, bool tied_head);
+
 /// Sums every gate's gradient over the ranks of `pg` (one all-reduce; an undefined gradient counts as 0), so every
 /// rank ends with the whole gradient of every gate.
 void sum_gate_gradients(process_group & pg, std::vector<torch::Tensor> & gates);

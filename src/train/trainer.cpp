@@ -899,10 +899,24 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         share_grid(b, b_all);  // the exact knapsack of the kept types is the full menus' restricted to them
     }
 
+    // Layer sharding (issue #17): a rank keeps on its device only the candidates of the tensors its layers use; the
+    // probe and the selection read the others from host memory through ggml's to_float (the values the device's copy
+    // gives, bit for bit), as the eager probe reads every candidate.
+    std::vector<bool> local(menus.size(), true);
+    std::vector<tensor_menu> local_menus;
+    const bool tied_head = src.find_tensor("output.weight") == nullptr;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        local[i] = !layer_sharding ||
+                   dist::layer_shard_uses(menus[i].tensor->name, my_layers, model->hparams().n_layer, tied_head);
+        if (local[i]) {
+            local_menus.push_back(menus[i]);
+        }
+    }
+
     // Where the fused path's candidates live, and whether they fit: decided before they are built.
     std::vector<bool> on_host(menus.size(), false);
     if (path == mixture_path::fused) {
-        const residency_plan plan = plan_residency(menus, o.candidates_on, device_total_memory(device), teacher_bytes);
+        const residency_plan plan = plan_residency(local_menus, o.candidates_on, device_total_memory(device), teacher_bytes);
         // Every candidate's bytes stay in host memory too (export and the probe read them): the pinned copies come on
         // top of them.
         const int64_t host_total = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGE_SIZE));
@@ -918,7 +932,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                        gib(plan.host_bytes), std::count(plan.on_host.begin(), plan.on_host.end(), true), device.str(),
                        o.candidates_on);
         }
-        on_host = plan.on_host;
+        for (size_t i = 0, j = 0; i < menus.size(); ++i) {
+            on_host[i] = local[i] && plan.on_host[j++];
+        }
     }
 
     const auto t_build = std::chrono::steady_clock::now();
@@ -947,6 +963,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
     for (size_t i = 0; i < gated.size(); ++i) {
         gated_tensor & g = gated[i];
+        if (!local[i]) {
+            continue;  // another rank's layers: host bytes only
+        }
         if (on_host[i]) {
             candidate_host_bytes += place_candidates_on_host(g, device, compute, stream);
             continue;
@@ -1076,13 +1095,27 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const int64_t n_vocab = model->hparams().n_vocab;
         tp_teacher = std::make_unique<dist::tp_shard_source>(teacher_weights, n_vocab, rank, ranks);
         tp_dense = std::make_unique<dist::tp_shard_source>(dense, n_vocab, rank, ranks);
+        // The whole candidates served the probe; training reads only this rank's shards, so the whole ones leave the
+        // device first (the selection reads them from host memory, the same values) and the device holds 1/N of them.
+        candidate_device_bytes = 0;
+        for (gated_tensor & g : gated) {
+            if (!g.stream) {
+                place_candidates(g, mixture_path::cpu, device, compute, torch::kFloat);
+            }
+        }
         for (gated_tensor & g : gated) {
             shards.push_back(dist::shard_gated_tensor(g, rank, ranks, shard_shapes));
-            place_candidates(shards.back(), path, device, compute, torch::kBFloat16 == compute ? compute : torch::kFloat);
+            candidate_device_bytes +=
+                place_candidates(shards.back(), path, device, compute, torch::kBFloat16 == compute ? compute : torch::kFloat);
             shards.back().gate = g.gate;
             shards.back().n_threads = 1;
         }
         tp_student = std::make_unique<gated_weights>(*tp_dense, shards);
+    }
+    if (ranks > 1) {
+        fmt::print(stderr, "rank {} of {}: candidates for training on {}: {} of {} tensors{}, {:.1f} MiB ({} bytes)\n", rank,
+                   ranks, device.str(), std::count(local.begin(), local.end(), true), local.size(),
+                   tensor_parallel ? " (this rank's shards)" : "", candidate_device_bytes / 1048576.0, candidate_device_bytes);
     }
 
     const int64_t per_step = static_cast<int64_t>(o.batch) * o.accum;
