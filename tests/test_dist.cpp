@@ -3,6 +3,7 @@
 #include "common/error.h"
 #include "dist/dist.h"
 #include "ggml/gguf.h"
+#include "imatrix/imatrix.h"
 #include "model/fixture.h"
 #include "model/gguf_weights.h"
 #include "model/registry.h"
@@ -12,6 +13,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -580,6 +582,52 @@ TEST(dist, a_rank_keeps_on_its_device_only_the_candidates_of_its_layers_or_its_s
         EXPECT_EQ(sum, whole) << two.output;
         EXPECT_EQ(recipe_of(out + "/recipe.json"), one_recipe);
     }
+}
+
+TEST(dist, voodoo_imatrix_as_two_ranks_gives_the_single_process_counts_and_each_sum_within_one_f32_ulp) {
+    if (!dist::have_gloo()) {
+        GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";
+    }
+    // The LibTorch forward on the CPU, one 64-token chunk per forward, so two ranks run alternate chunks. Each rank's
+    // column sums are f64; the all-reduce adds the two partial sums, so a column's f64 value differs from the single
+    // process's only by reassociating n ≤ n_chunks non-negative terms: relative error ≤ γ_n(f64) ≈ n · 1.1e-16, far
+    // below half an f32 ulp (6e-8), so after the one rounding to f32 each column is equal or one ulp apart. The
+    // counts are integers: equal. A rank whose sums were not added would be off by about half, far past one ulp.
+    test::temp_dir dir;
+    ASSERT_FALSE(stories_train_args(dir, 1).empty());  // makes dir/d
+    const std::string args = fmt::format("imatrix --model {} --data {} --forward torch --batch-tokens 64 -t 1",
+                                         test::stories260k(), dir.file("d"));
+    const auto one = test::run_shell(fmt::format("env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} --out {} 2>&1", VOODOO_BIN, args,
+                                                 dir.file("one.gguf")));
+    ASSERT_EQ(one.exit_code, 0) << one.output;
+    const std::string out = dir.file("two.gguf");
+    const auto two = test::run_shell(fmt::format(
+        "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
+        "RANK=1 {1} {2} --out {3} > {3}.rank1.log 2>&1 & p=$!; "
+        "RANK=0 {1} {2} --out {3} 2>&1; s=$?; wait $p || s=1; cat {3}.rank1.log; exit $s",
+        dist::free_tcp_port(), VOODOO_BIN, args, out));
+    ASSERT_EQ(two.exit_code, 0) << two.output;
+    EXPECT_NE(two.output.find("rank 1 of 2 (cpu, gloo): imatrix"), std::string::npos) << two.output;
+    const imatrix a = read_imatrix(dir.file("one.gguf")), b = read_imatrix(out);
+    EXPECT_EQ(a.chunk_count, b.chunk_count);
+    ASSERT_GT(a.chunk_count, 4);
+    ASSERT_EQ(a.entries.size(), b.entries.size());
+    int64_t columns = 0, equal = 0;
+    for (const auto & [name, ea] : a.entries) {
+        SCOPED_TRACE(name);
+        ASSERT_TRUE(b.entries.count(name));
+        const imatrix_entry & eb = b.entries.at(name);
+        EXPECT_EQ(ea.counts, eb.counts);
+        ASSERT_EQ(ea.in_sum2.size(), eb.in_sum2.size());
+        for (size_t i = 0; i < ea.in_sum2.size(); ++i) {
+            const float x = ea.in_sum2[i], y = eb.in_sum2[i];
+            EXPECT_TRUE(x == y || std::nextafter(x, y) == y) << i << ": " << x << " vs " << y;
+            equal += x == y;
+            ++columns;
+        }
+    }
+    EXPECT_GT(columns, 0);
+    EXPECT_GT(equal, columns * 9 / 10) << equal << " of " << columns << " columns equal bit for bit";
 }
 
 TEST(dist, a_journal_written_by_one_process_resumes_on_two_ranks_with_the_same_steps_bit_for_bit) {

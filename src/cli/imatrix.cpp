@@ -1,6 +1,7 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/file.h"
+#include "dist/dist.h"
 #include "ggml/gguf.h"
 #include "imatrix/collect.h"
 #include "imatrix/imatrix.h"
@@ -68,6 +69,8 @@ command add_imatrix(CLI::App & app) {
         std::string out;
         std::string show;
         std::string device = "cpu";
+        std::string forward = "auto";
+        int64_t batch_tokens = 8192;
         std::string json;
     };
     auto o = std::make_shared<options>();
@@ -82,6 +85,13 @@ command add_imatrix(CLI::App & app) {
                     "cpu: libllama's own graph (llama-imatrix's statistic); cuda or cuda:N (CUDA builds): Voodoo's "
                     "LibTorch forward of the model on that GPU, the same statistic within the two forwards' parity")
         ->capture_default_str();
+    sub->add_option("--forward", o->forward,
+                    "auto: libllama on the CPU, LibTorch on a GPU; torch: Voodoo's LibTorch forward on --device, the CPU "
+                    "too (what several ranks split: under torchrun's variables each rank runs a share of the chunks)")
+        ->capture_default_str()->check(CLI::IsMember({"auto", "libllama", "torch"}));
+    sub->add_option("--batch-tokens", o->batch_tokens,
+                    "LibTorch forward: tokens per forward (whole chunks, at least one; the unit several ranks share out)")
+        ->capture_default_str()->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()));
     add_json_option(sub, o->json, "The summary");
     data->needs(out);
     out->needs(data);
@@ -99,8 +109,34 @@ command add_imatrix(CLI::App & app) {
             if (same_file(o->out, o->collect.model)) {
                 fail("--out '{}' is the source model; choose another file", o->out);
             }
-            im = o->device == "cpu" ? collect_imatrix(o->collect)
-                                    : collect_imatrix_torch(o->collect, parse_train_device(o->device));
+            const bool cpu = o->device == "cpu";
+            if (o->forward == "libllama" && !cpu) {
+                fail("--forward libllama runs on the CPU (libllama's CPU backend); with --device {} use --forward torch "
+                     "or auto", o->device);
+            }
+            const bool torch_forward = o->forward == "torch" || (o->forward == "auto" && !cpu);
+            // torchrun's ranks (issue #17), as `voodoo quantize --gpus N` starts them: each runs a share of the
+            // chunks on cuda:LOCAL_RANK (or the CPU), the sums are added over the ranks, rank 0 writes.
+            std::unique_ptr<dist::process_group> group;
+            const std::optional<dist::launch_env> env = dist::launch_env_from_environment();
+            if (env && env->world_size > 1) {
+                if (!torch_forward) {
+                    fail("voodoo imatrix as {} ranks (WORLD_SIZE) splits the chunks of the LibTorch forward: pass "
+                         "--device cuda, or --forward torch on the CPU", env->world_size);
+                }
+                if (o->device == "cuda") {
+                    o->device = fmt::format("cuda:{}", env->local_rank);
+                }
+                const torch::Device where = cpu ? torch::Device(torch::kCPU) : parse_train_device(o->device);
+                group = std::make_unique<dist::process_group>(*env, std::chrono::minutes(30), where);
+                fmt::print(stderr, "rank {} of {} ({}, {}): imatrix\n", env->rank, env->world_size, where.str(),
+                           group->backend());
+            }
+            im = torch_forward ? collect_imatrix_torch(o->collect, parse_train_device(o->device), o->batch_tokens, group.get())
+                               : collect_imatrix(o->collect);
+            if (group && group->rank() != 0) {
+                return 0;  // rank 0 writes the file and the summary
+            }
             write_imatrix_gguf(o->out, im);
         }
         write_json_to(o->json, summary_json(im));

@@ -3,6 +3,7 @@
 #include "common/error.h"
 #include "common/progress.h"
 #include "data/dataset.h"
+#include "dist/dist.h"
 #include "ggml/log.h"
 #include "ggml/quant.h"
 #include "ggml/runtime.h"
@@ -252,7 +253,48 @@ imatrix collect_imatrix(const imatrix_options & o) {
     return std::move(c.im);
 }
 
-imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, int64_t batch_tokens) {
+namespace {
+
+// Every rank's column sums and counts summed over the ranks (collect_imatrix_torch with a group): first the names any
+// rank saw (a rank may have run no forward, or routed no token to a tensor's experts), each made on every rank where
+// missing (zeros: [n_mat, ne0] as the observer would make it), then one all-reduce of the f64 sums and one of the counts.
+void reduce_over_ranks(dist::process_group & pg, const gguf_file & file, std::map<std::string, torch::Tensor> & sums,
+                       std::map<std::string, std::vector<int64_t>> & rows_seen, torch::Device device) {
+    const std::vector<gguf_tensor> & tensors = file.tensors();
+    torch::Tensor seen = torch::zeros({static_cast<int64_t>(tensors.size())}, torch::kFloat);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+        seen[static_cast<int64_t>(i)] = sums.count(tensors[i].name) ? 1.0f : 0.0f;
+    }
+    pg.all_reduce_max(seen);
+    std::vector<torch::Tensor> s, c;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+        const gguf_tensor & t = tensors[i];
+        if (seen[static_cast<int64_t>(i)].item<float>() == 0.0f) {
+            continue;
+        }
+        if (!sums.count(t.name)) {
+            const int64_t n_mat = t.n_dims >= 3 ? t.ne[2] : 1;
+            sums.emplace(t.name, torch::zeros({n_mat, t.ne[0]}, torch::TensorOptions().dtype(torch::kDouble).device(device)));
+            rows_seen[t.name].assign(static_cast<size_t>(n_mat), 0);
+        }
+        s.push_back(sums.at(t.name));
+        c.push_back(torch::tensor(rows_seen.at(t.name), torch::kLong));
+    }
+    pg.all_reduce_sum(s);
+    pg.all_reduce_sum(c);
+    size_t j = 0;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+        if (seen[static_cast<int64_t>(i)].item<float>() != 0.0f) {
+            const torch::Tensor & counts = c[j++];
+            rows_seen[tensors[i].name].assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
+        }
+    }
+}
+
+}  // namespace
+
+imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, int64_t batch_tokens, dist::process_group * pg) {
+    const int rank = pg ? pg->rank() : 0, ranks = pg ? pg->size() : 1;
     const token_data data(o.data_dir);
     data.require_vocab_of(o.model);
     const token_file & train = data.train();
@@ -285,9 +327,16 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
 
     const auto start = std::chrono::steady_clock::now();
     {
-        progress bar("imatrix", n_chunks, "chunks");
-        for (int64_t first = 0; first < n_chunks; first += per_forward) {
+        int64_t mine = 0, done = 0;  // this rank's chunks
+        for (int64_t first = 0, forward = 0; first < n_chunks; first += per_forward, ++forward) {
+            mine += forward % ranks == rank ? std::min(per_forward, n_chunks - first) : 0;
+        }
+        progress bar("imatrix", mine, "chunks");
+        for (int64_t first = 0, forward = 0; first < n_chunks; first += per_forward, ++forward) {
             const int64_t n = std::min(per_forward, n_chunks - first);
+            if (forward % ranks != rank) {
+                continue;  // another rank's forward
+            }
             std::vector<int64_t> ids;
             ids.reserve(static_cast<size_t>(n * ctx));
             for (int64_t i = first; i < first + n; ++i) {
@@ -303,8 +352,12 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
                 model->head(h[i], w);
             }
             const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-            bar.add(n, fmt::format("{:.0f} tok/s", static_cast<double>((first + n) * ctx) / std::max(s, 1e-9)));
+            done += n;
+            bar.add(n, fmt::format("{:.0f} tok/s", static_cast<double>(done * ctx) / std::max(s, 1e-9)));
         }
+    }
+    if (pg && ranks > 1) {
+        reduce_over_ranks(*pg, file, sums, rows_seen, device);
     }
     if (sums.empty()) {
         fail("no matmul of '{}' was seen by the LibTorch forward", o.model);

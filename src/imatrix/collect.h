@@ -11,6 +11,10 @@
 
 namespace voodoo {
 
+namespace dist {
+class process_group;
+}
+
 struct imatrix_options {
     std::string model;          // source GGUF
     std::string data_dir;       // a `voodoo data` folder; its train split is used
@@ -40,6 +44,14 @@ imatrix collect_imatrix(const imatrix_options & options);
 /// (at least one). Expert tensors (qwen3moe, qwen35moe) count as llama.cpp's MUL_MAT_ID does: per expert, the Σx²
 /// and the number of the tokens routed to it (moe_ffn's observer calls).
 /// Throws voodoo::error as collect_imatrix does, and naming the tensor when a column sum is not finite.
-imatrix collect_imatrix_torch(const imatrix_options & options, torch::Device device, int64_t batch_tokens = 8192);
+///
+/// Several ranks (issue #17; `pg` of N ranks, every rank calling with the same options): rank r runs the forwards
+/// r, r + N, … (each of the single process's batches of chunks, whole), and one all-reduce sums every entry's f64
+/// column sums and its counts; every rank returns the whole imatrix. The counts equal the single process's exactly;
+/// the f64 sums differ from it only in the order of at most n_forwards additions of non-negative terms (relative
+/// error ≤ γ_n in f64, Higham), far below half an f32 ulp, so each rounded column is the single process's or one
+/// f32 ulp from it.
+imatrix collect_imatrix_torch(const imatrix_options & options, torch::Device device, int64_t batch_tokens = 8192,
+                              dist::process_group * pg = nullptr);
 
 }  // namespace voodoo

@@ -302,12 +302,19 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
               "training stopped; run the same command again to resume");
 }
 
-// `exe imatrix …` on a GPU in a child process, for the reason train_in_child gives.
+// `exe imatrix …` on a GPU in a child process, for the reason train_in_child gives; with ranks > 1 as that many
+// torchrun-style ranks, each running a share of the chunks (issue #17), rank r > 0 logging to `<out>.rank<r>.log`.
 void imatrix_in_child(const std::string & exe, const imatrix_options & io, const std::string & device,
-                      const std::string & out) {
-    run_child({exe, "imatrix", "--model", io.model, "--data", io.data_dir, "--out", out, "--chunks",
-               fmt::format("{}", io.max_chunks), "--threads", fmt::format("{}", io.n_threads), "--device", device},
-              fmt::format("imatrix stage ('{} imatrix' on {})", exe, device),
+                      const std::string & out, int ranks) {
+    const std::vector<std::string> args = {exe, "imatrix", "--model", io.model, "--data", io.data_dir, "--out", out,
+                                           "--chunks", fmt::format("{}", io.max_chunks), "--threads",
+                                           fmt::format("{}", io.n_threads), "--device", device, "--forward", "torch"};
+    if (ranks > 1) {
+        run_ranks(args, ranks, out + ".rank", fmt::format("imatrix stage ('{} imatrix' as {} ranks on {})", exe, ranks, device),
+                  "the imatrix stage was stopped; run the same command again");
+        return;
+    }
+    run_child(args, fmt::format("imatrix stage ('{} imatrix' on {})", exe, device),
               "the imatrix stage was stopped; run the same command again");
 }
 
@@ -946,7 +953,10 @@ quantize_result run_quantize(const quantize_options & opts) {
         const std::string changed = fs::exists(imatrix_path) ? stage_changes(record, im_in) : "";
         if (!fs::exists(imatrix_path) || !changed.empty()) {
             stage("imatrix", fmt::format("{} ({}){}", imatrix_path,
-                                         o.train.device == "cpu" ? "libllama" : "LibTorch on " + o.train.device,
+                                         o.train.device == "cpu" ? "libllama"
+                                         : o.gpus > 1 && !o.train_exe.empty()
+                                             ? fmt::format("LibTorch on {}, {} ranks", o.train.device, o.gpus)
+                                             : "LibTorch on " + o.train.device,
                                          changed.empty() ? "" : fmt::format(": made again ({})", changed)));
             imatrix_options io;
             io.model = o.model;
@@ -956,7 +966,7 @@ quantize_result run_quantize(const quantize_options & opts) {
             if (o.train.device == "cpu") {
                 write_imatrix_gguf(imatrix_path, collect_imatrix(io));
             } else if (!o.train_exe.empty()) {
-                imatrix_in_child(o.train_exe, io, o.train.device, imatrix_path);
+                imatrix_in_child(o.train_exe, io, o.train.device, imatrix_path, o.gpus);
             } else {
                 write_imatrix_gguf(imatrix_path, collect_imatrix_torch(io, parse_train_device(o.train.device)));
             }
