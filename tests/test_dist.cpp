@@ -501,6 +501,14 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
             EXPECT_LE(2 * built, of + 1) << "at most half of them, rounded up";
         }
         EXPECT_EQ(recipe_of(out + "/recipe.json"), recipe_of(dir.file("one/recipe.json")));
+        // The selection's recipes, measured one by each rank in turn: the single process's KL values bit for bit.
+        EXPECT_NE(two.output.find("select: rank 1 of 2 measures "), std::string::npos) << two.output;
+        const nlohmann::json sel_one = read_json(dir.file("one/selection.json")), sel_two = read_json(out + "/selection.json");
+        ASSERT_EQ(sel_one.size(), sel_two.size());
+        for (size_t i = 0; i < sel_one.size(); ++i) {
+            EXPECT_EQ(sel_one[i]["recipe"], sel_two[i]["recipe"]);
+            EXPECT_EQ(sel_one[i]["val_kl"].get<double>(), sel_two[i]["val_kl"].get<double>()) << sel_one[i]["recipe"];
+        }
         const auto a = log_of(dir.file("one/log.jsonl")), b = log_of(out + "/log.jsonl");
         ASSERT_EQ(a.size(), 6u);
         ASSERT_EQ(b.size(), 6u);

@@ -434,24 +434,46 @@ std::vector<int> select_recipe(train_result & res, const gguf_file & src, causal
     if (o.max_token_seconds > 0) {
         apply_speed_limit(cands, src, menus, b, sens, o);
     }
-    progress bar("select", static_cast<int64_t>(cands.size()), "recipes");
+    // Each distinct recipe measured once, the j-th by rank j mod N (issue #17); one all-reduce gives every rank every
+    // value, adding only zeros to each: the single process's values bit for bit.
+    std::vector<std::vector<int>> distinct;
+    for (const auto & [name, choice] : cands) {
+        if (std::find(distinct.begin(), distinct.end(), choice) == distinct.end()) {
+            distinct.push_back(choice);
+        }
+    }
+    const int ranks = o.group ? o.group->size() : 1, rank = o.group ? o.group->rank() : 0;
+    const int64_t n_distinct = static_cast<int64_t>(distinct.size());
+    if (ranks > 1) {
+        fmt::print(stderr, "select: rank {} of {} measures {} of the {} recipes\n", rank, ranks,
+                   n_distinct / ranks + (n_distinct % ranks > rank ? 1 : 0), n_distinct);
+    }
+    std::vector<double> kl(distinct.size(), 0.0);
+    {
+        progress bar("select", n_distinct / ranks + (n_distinct % ranks > rank ? 1 : 0), "recipes");
+        for (size_t j = 0; j < distinct.size(); ++j) {
+            if (static_cast<int>(j % static_cast<size_t>(ranks)) == rank) {
+                kl[j] = recipe_kl(model, dense, teacher, gated, distinct[j], tokens, device, chunk);
+                bar.add(1);
+            }
+        }
+    }
+    if (ranks > 1) {
+        std::vector<torch::Tensor> all{torch::tensor(kl, torch::kDouble)};
+        o.group->all_reduce_sum(all);
+        kl.assign(all[0].data_ptr<double>(), all[0].data_ptr<double>() + all[0].numel());
+    }
     std::vector<train_result::selection_entry> entries;
-    std::map<std::vector<int>, double> measured;
     size_t best = 0;
     for (size_t c = 0; c < cands.size(); ++c) {
         const auto & [name, choice] = cands[c];
-        auto it = measured.find(choice);
-        if (it == measured.end()) {
-            it = measured.emplace(choice, recipe_kl(model, dense, teacher, gated, choice, tokens, device, chunk)).first;
-        }
-        entries.push_back({name, it->second, estimated_loss(sens, choice), b.total(choice)});
+        const double val_kl = kl[static_cast<size_t>(std::find(distinct.begin(), distinct.end(), choice) - distinct.begin())];
+        entries.push_back({name, val_kl, estimated_loss(sens, choice), b.total(choice)});
         // The least KL; among equals, the first (the trained recipe before the probe's, a new one before a prior).
         if (entries.back().val_kl < entries[best].val_kl) {
             best = c;
         }
-        bar.add(1);
     }
-    bar.finish();
     std::rotate(entries.begin(), entries.begin() + static_cast<std::ptrdiff_t>(best),
                 entries.begin() + static_cast<std::ptrdiff_t>(best) + 1);
     res.selection = entries;
