@@ -114,6 +114,28 @@ TEST(train, a_resumed_run_ends_with_the_same_recipe_as_an_uninterrupted_one) {
     EXPECT_EQ(lines, 8);
 }
 
+TEST(train, a_teacher_in_another_file_with_the_same_weights_trains_what_the_shared_source_trains) {
+    // The teacher defaults to the source, and then one set of weights serves both; a copy of the file as --teacher
+    // gets its own set. The same tensors either way, so the same log and gates bit for bit.
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    std::filesystem::copy_file(test::stories260k(), dir.file("teacher.gguf"));
+    gguf_file teacher(dir.file("teacher.gguf"));
+    token_data data(stories_data());
+    const train_result shared = train_gates(src, src, data.train(), nullptr, quick(dir.file("shared")));
+    const train_result own = train_gates(src, teacher, data.train(), nullptr, quick(dir.file("own")));
+    EXPECT_EQ(test::read_file(dir.file("shared/recipe.json")), test::read_file(dir.file("own/recipe.json")));
+    std::ifstream a(dir.file("shared/log.jsonl")), b(dir.file("own/log.jsonl"));
+    int lines = 0;
+    for (std::string la, lb; std::getline(a, la) && std::getline(b, lb); ++lines) {
+        nlohmann::json ja = nlohmann::json::parse(la), jb = nlohmann::json::parse(lb);
+        ja.erase("tokens_per_s");
+        jb.erase("tokens_per_s");
+        EXPECT_EQ(ja, jb) << lines;
+    }
+    EXPECT_EQ(lines, 8);
+}
+
 TEST(train, refuses_to_reuse_or_resume_the_wrong_run_directory) {
     temp_dir dir;
     gguf_file src(test::stories260k());

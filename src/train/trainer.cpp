@@ -655,7 +655,14 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // On a GPU the matrices stay in bf16 (converted where an f32 forward uses them: exact for a BF16 source).
     const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(torch::kBFloat16) : std::nullopt;
     gguf_weights dense(src, device, 0, keep);
-    gguf_weights teacher_weights(teacher, device, 0, keep);
+    // The teacher is the source itself unless --teacher names another file: then one set of device copies serves
+    // both (the probe and the student read every matrix of the source, the teacher every one of its own: two sets
+    // would hold the model's bf16 matrices on the GPU twice). Bit for bit the same tensors either way.
+    std::optional<gguf_weights> teacher_own;
+    if (!same_file(src.path(), teacher.path())) {
+        teacher_own.emplace(teacher, device, 0, keep);
+    }
+    gguf_weights & teacher_weights = teacher_own ? *teacher_own : dense;
     const int64_t loss_chunk = o.loss_chunk > 0 ? o.loss_chunk : distill_chunk(model->hparams().n_vocab);
     const int64_t n_chunks = train.n_chunks();
     // The first `len` tokens of the given chunks of `file`, [chunks, len] int64 on the device.
