@@ -247,3 +247,20 @@ TEST(cli, voodoo_fixture_writes_a_model_libllama_and_check_parity_accept) {
     const test::run_result r = test::run_voodoo("check-parity " + out + " --tokens 16");
     EXPECT_EQ(r.exit_code, 0) << r.output;
 }
+
+TEST(model_weights, dropped_copies_are_made_again_with_the_same_values_and_only_those_not_kept_are_dropped) {
+    // Matrices converted to bf16 are kept (as a GPU teacher's are on the device); dropping those of layer 1 frees
+    // exactly their bytes, leaves layer 0's the same tensors, and a later get() makes layer 1's again bit for bit.
+    const gguf_file src(test::stories260k());
+    gguf_weights w(src, torch::kCPU, 1, torch::kBFloat16);
+    const torch::Tensor q0 = w.get("blk.0.attn_q.weight"), q1 = w.get("blk.1.attn_q.weight");
+    const torch::Tensor q1_copy = q1.clone();
+    ASSERT_EQ(q1.scalar_type(), torch::kBFloat16);
+    const int64_t dropped = w.drop_kept_copies([](const std::string & name) { return !name.starts_with("blk.1."); });
+    EXPECT_EQ(dropped, q1.numel() * 2);
+    EXPECT_TRUE(w.get("blk.0.attn_q.weight").is_same(q0));
+    const torch::Tensor again = w.get("blk.1.attn_q.weight");
+    EXPECT_FALSE(again.is_same(q1));
+    EXPECT_TRUE(torch::equal(again, q1_copy));
+    EXPECT_EQ(w.drop_kept_copies([](const std::string &) { return true; }), 0);
+}

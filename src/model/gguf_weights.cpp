@@ -75,6 +75,19 @@ torch::Tensor gguf_weights::get(const std::string & name) {
     return kept;
 }
 
+int64_t gguf_weights::drop_kept_copies(const std::function<bool(const std::string &)> & keep) {
+    int64_t bytes = 0;
+    for (auto it = cache_.begin(); it != cache_.end();) {
+        if (keep(it->first)) {
+            ++it;
+            continue;
+        }
+        bytes += it->second.numel() * static_cast<int64_t>(it->second.element_size());
+        it = cache_.erase(it);
+    }
+    return bytes;
+}
+
 torch::Tensor gguf_weights::rows(const std::string & name, const torch::Tensor & ids) {
     const gguf_tensor & t = file_.tensor(name);
     if (t.n_dims != 2) {

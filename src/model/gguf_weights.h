@@ -5,6 +5,7 @@
 
 #include <optional>
 #include <string>
+#include <functional>
 #include <unordered_map>
 
 namespace voodoo {
@@ -34,6 +35,11 @@ public:
     bool has(const std::string & name) const override;
 
     const gguf_file & file() const { return file_; }
+
+    /// Drops the kept copies (device copies, dequantized or converted tensors) of every tensor for which `keep` is
+    /// false; a later get() or rows() of one makes it again, the same values. Returns the bytes dropped (tensors no
+    /// one else holds are then freed). For a layer-sharded rank, whose training reads only its own layers.
+    int64_t drop_kept_copies(const std::function<bool(const std::string &)> & keep);
 
 private:
     /// The tensor on the CPU: a view of the map (float types) or a dequantized copy.

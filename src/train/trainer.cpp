@@ -1146,6 +1146,18 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                    ranks, device.str(), std::count(local.begin(), local.end(), true), local.size(),
                    tensor_parallel ? " (this rank's shards)" : "", candidate_device_bytes / 1048576.0, candidate_device_bytes);
     }
+    if (layer_sharding) {
+        // Training reads only this rank's layers (and the embedding or the head): the copies the probe made of the
+        // others' weights leave the device until the selection reads them again.
+        const auto mine = [&](const std::string & name) {
+            return dist::layer_shard_uses(name, my_layers, model->hparams().n_layer, tied_head);
+        };
+        const int64_t dropped = dense.drop_kept_copies(mine) + (teacher_own ? teacher_own->drop_kept_copies(mine) : 0);
+        if (dropped > 0) {  // on the CPU the weights are views of the file's map: nothing to drop
+            fmt::print(stderr, "rank {} of {}: the weights of the other ranks' layers off {} for training: {:.1f} MiB\n",
+                       rank, ranks, device.str(), dropped / 1048576.0);
+        }
+    }
 
     const int64_t per_step = static_cast<int64_t>(o.batch) * o.accum;
     // The order of the epoch being read, shuffled once per epoch rather than once per sequence.
