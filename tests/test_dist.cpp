@@ -526,6 +526,19 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
     EXPECT_NE(three.exit_code, 0) << three.output;
     EXPECT_NE(three.output.find("llama.attention.head_count = 8 is not a multiple of 3"), std::string::npos) << three.output;
     EXPECT_EQ(three.output.find("probe:"), std::string::npos) << three.output;
+    // Ranks started with other options are refused on every rank before any work, naming what differs.
+    {
+        const std::string run = dir.file("unlike");
+        const auto unlike = test::run_shell(fmt::format(
+            "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
+            "RANK=1 {1} {2} --out {3} --seed 7 > {3}.rank1.log 2>&1 & p=$!; "
+            "RANK=0 {1} {2} --out {3} 2>&1; s=$?; wait $p; s1=$?; cat {3}.rank1.log; [ $s -ne 0 ] && [ $s1 -ne 0 ]",
+            dist::free_tcp_port(), VOODOO_BIN, args, run));
+        EXPECT_EQ(unlike.exit_code, 0) << unlike.output;
+        EXPECT_NE(unlike.output.find("rank 0 of 2: the training options, menus or calibration tokens differ between the ranks"),
+                  std::string::npos) << unlike.output;
+        EXPECT_EQ(unlike.output.find("probe:"), std::string::npos) << unlike.output;
+    }
     // What is not split over ranks yet is refused on every rank, naming the flag.
     const std::vector<std::pair<std::string, std::string>> not_split = {
         {"--parallel tp --routing ptqr", "--routing ptqr is not split over several ranks yet"},
@@ -636,6 +649,16 @@ TEST(dist, voodoo_imatrix_as_two_ranks_gives_the_single_process_counts_and_each_
     }
     EXPECT_GT(columns, 0);
     EXPECT_GT(equal, columns * 9 / 10) << equal << " of " << columns << " columns equal bit for bit";
+    // Ranks started with other options are refused on every rank (else their shares would not add up to any run's).
+    const auto other = test::run_shell(fmt::format(
+        "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
+        "RANK=1 {1} {2} --chunks 8 --out {3} > {3}.rank1.log 2>&1 & p=$!; "
+        "RANK=0 {1} {2} --out {3} 2>&1; s=$?; wait $p; s1=$?; cat {3}.rank1.log; [ $s -ne 0 ] && [ $s1 -ne 0 ]",
+        dist::free_tcp_port(), VOODOO_BIN, args, dir.file("other.gguf")));
+    EXPECT_EQ(other.exit_code, 0) << other.output;
+    EXPECT_NE(other.output.find("rank 1 of 2: --chunks, --batch-tokens or the calibration chunks differ between the ranks"),
+              std::string::npos) << other.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("other.gguf")));
 }
 
 TEST(dist, a_journal_written_by_one_process_resumes_on_two_ranks_with_the_same_steps_bit_for_bit) {

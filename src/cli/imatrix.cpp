@@ -1,6 +1,7 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/file.h"
+#include "data/dataset.h"
 #include "dist/dist.h"
 #include "ggml/gguf.h"
 #include "imatrix/collect.h"
@@ -15,6 +16,8 @@
 #include <nlohmann/json.hpp>
 
 #include <memory>
+
+#include <xxhash.h>
 
 namespace voodoo::cli {
 
@@ -63,7 +66,9 @@ command add_imatrix(CLI::App & app) {
     sub->footer("examples:\n"
                 "  voodoo imatrix --model model.gguf --data data/ --out imatrix.gguf\n"
                 "  voodoo imatrix --model model.gguf --data data/ --chunks 64 --out imatrix.gguf\n"
-                "  voodoo imatrix --model model.gguf --show imatrix.dat     (check one made by llama-imatrix)");
+                "  voodoo imatrix --model model.gguf --show imatrix.dat     (check one made by llama-imatrix)\n"
+                "  torchrun --no-python --nproc-per-node 2 voodoo imatrix --model model.gguf --data data/ --device cuda \\\n"
+                "      --out imatrix.gguf     (the chunks split over 2 GPUs; --forward torch on the CPU)");
     struct options {
         imatrix_options collect;
         std::string out;
@@ -82,8 +87,9 @@ command add_imatrix(CLI::App & app) {
         ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()));
     sub->add_option("-t,--threads", o->collect.n_threads, "CPU threads (0 = all cores)")->capture_default_str()->check(non_negative());
     sub->add_option("--device", o->device,
-                    "cpu: libllama's own graph (llama-imatrix's statistic); cuda or cuda:N (CUDA builds): Voodoo's "
-                    "LibTorch forward of the model on that GPU, the same statistic within the two forwards' parity")
+                    "cpu, cuda or cuda:N (CUDA builds). The forward (--forward auto): libllama's own graph on the CPU "
+                    "(llama-imatrix's statistic), Voodoo's LibTorch forward on a GPU, the same statistic within the "
+                    "two forwards' parity")
         ->capture_default_str();
     sub->add_option("--forward", o->forward,
                     "auto: libllama on the CPU, LibTorch on a GPU; torch: Voodoo's LibTorch forward on --device, the CPU "
@@ -131,6 +137,10 @@ command add_imatrix(CLI::App & app) {
                 group = std::make_unique<dist::process_group>(*env, std::chrono::minutes(30), where);
                 fmt::print(stderr, "rank {} of {} ({}, {}): imatrix\n", env->rank, env->world_size, where.str(),
                            group->backend());
+                const std::string same = fmt::format("{} {} {}", o->collect.max_chunks, o->batch_tokens,
+                                                     token_data(o->collect.data_dir).train().n_chunks());
+                dist::require_same_on_every_rank(*group, XXH3_64bits(same.data(), same.size()),
+                                                 "--chunks, --batch-tokens or the calibration chunks");
             }
             im = torch_forward ? collect_imatrix_torch(o->collect, parse_train_device(o->device), o->batch_tokens, group.get())
                                : collect_imatrix(o->collect);

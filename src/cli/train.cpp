@@ -226,6 +226,8 @@ command add_train(CLI::App & app) {
         write_json_to(o->json, {{"recipe", (run / "recipe.json").string()},
                                 {"tensor_types", (run / "recipe.tensor-types.txt").string()},
                                 {"target", r.final_recipe.target}, {"total", r.total_bytes}, {"limit", r.limit_bytes},
+                                // Several ranks: rank 0 writes this; bytes_on_device is rank 0's own, the rest global.
+                                {"ranks", env ? env->world_size : 1},
                                 {"steps", r.steps_done}, {"seconds", r.seconds}, {"device", r.device},
                                 {"mixture", r.mixture}, {"routing", t.routing},
                                 {"selection_tokens", {r.select_tokens_shape.first, r.select_tokens_shape.second}},

@@ -167,6 +167,9 @@ process_group::process_group(const launch_env & env, std::chrono::seconds timeou
              env.world_size, device.str());
     }
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(timeout);
+    // A rank that is never started leaves the others waiting here: say so, and for how long.
+    fmt::print(stderr, "rank {} of {}: joining the process group at {}:{} (waiting up to {} s for all {} ranks)\n", env.rank,
+               env.world_size, env.master_addr, env.master_port, timeout.count(), env.world_size);
     try {
         c10d::TCPStoreOptions so;
         so.port = static_cast<std::uint16_t>(env.master_port);
@@ -364,6 +367,18 @@ bool layer_shard_uses(const std::string & name, std::pair<int64_t, int64_t> laye
         return first == 0 || (tied_head && end == n_layer);
     }
     return end == n_layer;
+}
+
+void require_same_on_every_rank(process_group & pg, uint64_t value, const std::string & what) {
+    // max(v) and max(~v) = ~min(v), as int64 bit patterns: equal everywhere exactly when max == min.
+    torch::Tensor t = torch::tensor({static_cast<int64_t>(value), static_cast<int64_t>(~value)}, torch::kLong);
+    torch::Tensor hi = t.slice(0, 0, 1).clone(), lo = t.slice(0, 1, 2).clone();
+    pg.all_reduce_max(hi);
+    pg.all_reduce_max(lo);
+    if (hi.item<int64_t>() != ~lo.item<int64_t>()) {
+        fail("rank {} of {}: {} differ between the ranks; start every rank with the same command line", pg.rank(),
+             pg.size(), what);
+    }
 }
 
 void sum_gate_gradients(process_group & pg, std::vector<torch::Tensor> & gates) {

@@ -104,6 +104,10 @@ std::vector<std::pair<int64_t, int64_t>> balance_layers_of(const gguf_file & fil
 /// balance_layers_of weighs. A name "blk.<i>." whose i is not a number counts as no layer's (false).
 bool layer_shard_uses(const std::string & name, std::pair<int64_t, int64_t> layers, int64_t n_layer, bool tied_head);
 
+/// Checks that every rank of `pg` passed the same `value` (a hash of its options and inputs; two collectives).
+/// Throws voodoo::error on every rank, naming `what`, when any two differ.
+void require_same_on_every_rank(process_group & pg, uint64_t value, const std::string & what);
+
 /// Sums every gate's gradient over the ranks of `pg` (one all-reduce; an undefined gradient counts as 0), so every
 /// rank ends with the whole gradient of every gate.
 void sum_gate_gradients(process_group & pg, std::vector<torch::Tensor> & gates);

@@ -570,6 +570,12 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
              o.candidates);
     }
     const std::vector<tensor_menu> all_menus = build_menus(src, menu);
+    if (ranks > 1) {  // ranks started with other options would pair their collectives wrongly, or wait forever
+        const std::string same = fingerprint(src, all_menus, o, XXH3_64bits(train.tokens().data(), train.tokens().size_bytes())) +
+                                 o.parallel + o.goal.str() + std::to_string(o.select_sequences) + o.candidates;
+        dist::require_same_on_every_rank(*o.group, XXH3_64bits(same.data(), same.size()),
+                                         "the training options, menus or calibration tokens");
+    }
     // Several ranks: whether the model splits as asked, before any work. Tensor parallelism: a model of this rank's
     // heads and FFN width (set_tensor_parallel refuses what it cannot split), every menu's types fitting every rank's
     // part. Layer sharding: this rank's contiguous layers, balanced by the bytes of their weights.
