@@ -446,6 +446,28 @@ std::string stories_train_args(const test::temp_dir & dir, int steps) {
                                              "--probe-sequences 2 --select-sequences 2 -t 1", model, dir.file("d"), steps);
 }
 
+/// `voodoo ARGS --out OUT EXTRA0` as rank 0 and `voodoo ARGS --out OUT EXTRA1` as rank 1 of a torchrun-style group
+/// of two on this host (rank 1's output after rank 0's). Exit status 0 when both ranks exit 0, or with `both_fail`
+/// when both exit non-zero; 1 otherwise.
+test::run_result run_two_ranks(const std::string & args, const std::string & out, const std::string & extra0,
+                               const std::string & extra1, bool both_fail = false) {
+    return test::run_shell(fmt::format(
+        "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
+        "RANK=1 {1} {2} --out {3} {5} > {3}.rank1.log 2>&1 & p=$!; "
+        "RANK=0 {1} {2} --out {3} {4} 2>&1; s=$?; wait $p; s1=$?; cat {3}.rank1.log; {6}",
+        dist::free_tcp_port(), VOODOO_BIN, args, out, extra0, extra1,
+        both_fail ? "[ $s -ne 0 ] && [ $s1 -ne 0 ]" : "[ $s -eq 0 ] && [ $s1 -eq 0 ]"));
+}
+
+/// (name, type) of every tensor of a recipe.json: a tensor-parallel run's gate probabilities differ in rounding.
+std::vector<std::pair<std::string, std::string>> recipe_types(const std::string & path) {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const auto & t : read_json(path)["tensors"]) {
+        out.emplace_back(t["name"].get<std::string>(), t["type"].get<std::string>());
+    }
+    return out;
+}
+
 }  // namespace
 
 TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_recipe_with_tp_and_with_layers) {
@@ -462,13 +484,6 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
     const auto one = test::run_shell(fmt::format("env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} --out {} 2>&1", VOODOO_BIN, args,
                                                  dir.file("one")));
     ASSERT_EQ(one.exit_code, 0) << one.output;
-    const auto recipe_of = [](const std::string & path) {
-        std::vector<std::pair<std::string, std::string>> out;
-        for (const auto & t : read_json(path)["tensors"]) {
-            out.emplace_back(t["name"].get<std::string>(), t["type"].get<std::string>());
-        }
-        return out;
-    };
     const auto log_of = [](const std::string & path) {
         std::vector<std::pair<double, double>> out;
         std::ifstream in(path);
@@ -481,11 +496,7 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
     for (const std::string mode : {"tp", "layers"}) {
         SCOPED_TRACE(mode);
         const std::string out = dir.file("two-" + mode);
-        const auto two = test::run_shell(fmt::format(
-            "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
-            "RANK=1 {1} {2} --out {3} --parallel {4} > {3}.rank1.log 2>&1 & p=$!; "
-            "RANK=0 {1} {2} --out {3} --parallel {4} 2>&1; s=$?; wait $p || s=1; cat {3}.rank1.log; exit $s",
-            dist::free_tcp_port(), VOODOO_BIN, args, out, mode));
+        const auto two = run_two_ranks(args, out, "--parallel " + mode, "--parallel " + mode);
         ASSERT_EQ(two.exit_code, 0) << two.output;
         EXPECT_NE(two.output.find("rank 1 of 2 (cpu, gloo), --parallel " + mode), std::string::npos) << two.output;
         // The probe's measurements split over the ranks (the same values: the layer-sharded log is equal bit for bit).
@@ -500,7 +511,7 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
             EXPECT_GT(built, 0);
             EXPECT_LE(2 * built, of + 1) << "at most half of them, rounded up";
         }
-        EXPECT_EQ(recipe_of(out + "/recipe.json"), recipe_of(dir.file("one/recipe.json")));
+        EXPECT_EQ(recipe_types(out + "/recipe.json"), recipe_types(dir.file("one/recipe.json")));
         // The selection's recipes, measured one by each rank in turn: the single process's KL values bit for bit.
         EXPECT_NE(two.output.find("select: rank 1 of 2 measures "), std::string::npos) << two.output;
         const nlohmann::json sel_one = read_json(dir.file("one/selection.json")), sel_two = read_json(out + "/selection.json");
@@ -529,11 +540,7 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
     // Ranks started with other options are refused on every rank before any work, naming what differs.
     {
         const std::string run = dir.file("unlike");
-        const auto unlike = test::run_shell(fmt::format(
-            "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
-            "RANK=1 {1} {2} --out {3} --seed 7 > {3}.rank1.log 2>&1 & p=$!; "
-            "RANK=0 {1} {2} --out {3} 2>&1; s=$?; wait $p; s1=$?; cat {3}.rank1.log; [ $s -ne 0 ] && [ $s1 -ne 0 ]",
-            dist::free_tcp_port(), VOODOO_BIN, args, run));
+        const auto unlike = run_two_ranks(args, run, "", "--seed 7", /*both_fail=*/true);
         EXPECT_EQ(unlike.exit_code, 0) << unlike.output;
         EXPECT_NE(unlike.output.find("rank 0 of 2: the training options, menus or calibration tokens differ between the ranks"),
                   std::string::npos) << unlike.output;
@@ -572,22 +579,11 @@ TEST(dist, a_rank_keeps_on_its_device_only_the_candidates_of_its_layers_or_its_s
     ASSERT_EQ(one.exit_code, 0) << one.output;
     const int64_t whole = read_json(dir.file("one.json"))["candidates"]["bytes_on_device"].get<int64_t>();
     ASSERT_GT(whole, 0);
-    const auto recipe_of = [](const std::string & path) {  // name and type: a tp run's gate probabilities differ in rounding
-        std::vector<std::pair<std::string, std::string>> out;
-        for (const auto & t : read_json(path)["tensors"]) {
-            out.emplace_back(t["name"].get<std::string>(), t["type"].get<std::string>());
-        }
-        return out;
-    };
-    const auto one_recipe = recipe_of(dir.file("one/recipe.json"));
+    const auto one_recipe = recipe_types(dir.file("one/recipe.json"));
     for (const std::string mode : {"tp", "layers"}) {
         SCOPED_TRACE(mode);
         const std::string out = dir.file("two-" + mode);
-        const auto two = test::run_shell(fmt::format(
-            "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
-            "RANK=1 {1} {2} --out {3} --parallel {4} > {3}.rank1.log 2>&1 & p=$!; "
-            "RANK=0 {1} {2} --out {3} --parallel {4} 2>&1; s=$?; wait $p || s=1; cat {3}.rank1.log; exit $s",
-            dist::free_tcp_port(), VOODOO_BIN, args, out, mode));
+        const auto two = run_two_ranks(args, out, "--parallel " + mode, "--parallel " + mode);
         ASSERT_EQ(two.exit_code, 0) << two.output;
         int64_t sum = 0;
         for (int r = 0; r < 2; ++r) {
@@ -601,7 +597,7 @@ TEST(dist, a_rank_keeps_on_its_device_only_the_candidates_of_its_layers_or_its_s
             sum += bytes;
         }
         EXPECT_EQ(sum, whole) << two.output;
-        EXPECT_EQ(recipe_of(out + "/recipe.json"), one_recipe);
+        EXPECT_EQ(recipe_types(out + "/recipe.json"), one_recipe);
     }
 }
 
@@ -622,11 +618,7 @@ TEST(dist, voodoo_imatrix_as_two_ranks_gives_the_single_process_counts_and_each_
                                                  dir.file("one.gguf")));
     ASSERT_EQ(one.exit_code, 0) << one.output;
     const std::string out = dir.file("two.gguf");
-    const auto two = test::run_shell(fmt::format(
-        "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
-        "RANK=1 {1} {2} --out {3} > {3}.rank1.log 2>&1 & p=$!; "
-        "RANK=0 {1} {2} --out {3} 2>&1; s=$?; wait $p || s=1; cat {3}.rank1.log; exit $s",
-        dist::free_tcp_port(), VOODOO_BIN, args, out));
+    const auto two = run_two_ranks(args, out, "", "");
     ASSERT_EQ(two.exit_code, 0) << two.output;
     EXPECT_NE(two.output.find("rank 1 of 2 (cpu, gloo): imatrix"), std::string::npos) << two.output;
     const imatrix a = read_imatrix(dir.file("one.gguf")), b = read_imatrix(out);
@@ -650,11 +642,7 @@ TEST(dist, voodoo_imatrix_as_two_ranks_gives_the_single_process_counts_and_each_
     EXPECT_GT(columns, 0);
     EXPECT_GT(equal, columns * 9 / 10) << equal << " of " << columns << " columns equal bit for bit";
     // Ranks started with other options are refused on every rank (else their shares would not add up to any run's).
-    const auto other = test::run_shell(fmt::format(
-        "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
-        "RANK=1 {1} {2} --chunks 8 --out {3} > {3}.rank1.log 2>&1 & p=$!; "
-        "RANK=0 {1} {2} --out {3} 2>&1; s=$?; wait $p; s1=$?; cat {3}.rank1.log; [ $s -ne 0 ] && [ $s1 -ne 0 ]",
-        dist::free_tcp_port(), VOODOO_BIN, args, dir.file("other.gguf")));
+    const auto other = run_two_ranks(args, dir.file("other.gguf"), "", "--chunks 8", /*both_fail=*/true);
     EXPECT_EQ(other.exit_code, 0) << other.output;
     EXPECT_NE(other.output.find("rank 1 of 2: --chunks, --batch-tokens or the calibration chunks differ between the ranks"),
               std::string::npos) << other.output;
@@ -682,11 +670,7 @@ TEST(dist, a_journal_written_by_one_process_resumes_on_two_ranks_with_the_same_s
         "kill -INT $p; wait $p; s=$?; cat {2}.log; exit $s", VOODOO_BIN, args, part));
     ASSERT_EQ(stopped.exit_code, 130) << stopped.output;
     ASSERT_TRUE(std::filesystem::exists(part + "/journal.pt"));
-    const auto resumed = test::run_shell(fmt::format(
-        "export VOODOO_PROGRESS=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT={0}; "
-        "RANK=1 {1} {2} --out {3} --parallel layers --resume > {3}.rank1.log 2>&1 & p=$!; "
-        "RANK=0 {1} {2} --out {3} --parallel layers --resume 2>&1; s=$?; wait $p || s=1; cat {3}.rank1.log; exit $s",
-        dist::free_tcp_port(), VOODOO_BIN, args, part));
+    const auto resumed = run_two_ranks(args, part, "--parallel layers --resume", "--parallel layers --resume");
     ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
     const auto steps_of = [](const std::string & path) {
         std::vector<std::tuple<int64_t, double, double, double>> out;
