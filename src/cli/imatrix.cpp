@@ -1,7 +1,6 @@
 #include "cli/commands.h"
 #include "common/error.h"
 #include "common/file.h"
-#include "data/dataset.h"
 #include "dist/dist.h"
 #include "ggml/gguf.h"
 #include "imatrix/collect.h"
@@ -16,8 +15,6 @@
 #include <nlohmann/json.hpp>
 
 #include <memory>
-
-#include <xxhash.h>
 
 namespace voodoo::cli {
 
@@ -137,10 +134,6 @@ command add_imatrix(CLI::App & app) {
                 group = std::make_unique<dist::process_group>(*env, std::chrono::minutes(30), where);
                 fmt::print(stderr, "rank {} of {} ({}, {}): imatrix\n", env->rank, env->world_size, where.str(),
                            group->backend());
-                const std::string same = fmt::format("{} {} {}", o->collect.max_chunks, o->batch_tokens,
-                                                     token_data(o->collect.data_dir).train().n_chunks());
-                dist::require_same_on_every_rank(*group, XXH3_64bits(same.data(), same.size()),
-                                                 "--chunks, --batch-tokens or the calibration chunks");
             }
             im = torch_forward ? collect_imatrix_torch(o->collect, parse_train_device(o->device), o->batch_tokens, group.get())
                                : collect_imatrix(o->collect);

@@ -371,8 +371,8 @@ bool layer_shard_uses(const std::string & name, std::pair<int64_t, int64_t> laye
 
 void require_same_on_every_rank(process_group & pg, uint64_t value, const std::string & what) {
     // max(v) and max(~v) = ~min(v), as int64 bit patterns: equal everywhere exactly when max == min.
-    torch::Tensor t = torch::tensor({static_cast<int64_t>(value), static_cast<int64_t>(~value)}, torch::kLong);
-    torch::Tensor hi = t.slice(0, 0, 1).clone(), lo = t.slice(0, 1, 2).clone();
+    torch::Tensor hi = torch::tensor({static_cast<int64_t>(value)}, torch::kLong);
+    torch::Tensor lo = torch::tensor({static_cast<int64_t>(~value)}, torch::kLong);
     pg.all_reduce_max(hi);
     pg.all_reduce_max(lo);
     if (hi.item<int64_t>() != ~lo.item<int64_t>()) {

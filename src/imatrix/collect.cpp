@@ -20,6 +20,8 @@
 #include <map>
 #include <memory>
 
+#include <xxhash.h>
+
 namespace voodoo {
 
 namespace {
@@ -266,10 +268,11 @@ void reduce_over_ranks(dist::process_group & pg, const gguf_file & file, std::ma
         seen[static_cast<int64_t>(i)] = sums.count(tensors[i].name) ? 1.0f : 0.0f;
     }
     pg.all_reduce_max(seen);
+    const float * any = seen.data_ptr<float>();
     std::vector<torch::Tensor> s, c;
     for (size_t i = 0; i < tensors.size(); ++i) {
         const gguf_tensor & t = tensors[i];
-        if (seen[static_cast<int64_t>(i)].item<float>() == 0.0f) {
+        if (any[i] == 0.0f) {
             continue;
         }
         if (!sums.count(t.name)) {
@@ -284,7 +287,7 @@ void reduce_over_ranks(dist::process_group & pg, const gguf_file & file, std::ma
     pg.all_reduce_sum(c);
     size_t j = 0;
     for (size_t i = 0; i < tensors.size(); ++i) {
-        if (seen[static_cast<int64_t>(i)].item<float>() != 0.0f) {
+        if (any[i] != 0.0f) {
             const torch::Tensor & counts = c[j++];
             rows_seen[tensors[i].name].assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + counts.numel());
         }
@@ -301,6 +304,12 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
     const int64_t n_chunks = chunks_to_read(o, train);
     const int64_t ctx = train.ctx();
     const int64_t per_forward = std::max<int64_t>(1, batch_tokens / ctx);
+    if (pg && ranks > 1) {  // ranks that would split other chunks would add up to no run's imatrix
+        const std::string same = fmt::format("{} {} {} {:x}", n_chunks, per_forward, ctx,
+                                             XXH3_64bits(train.tokens().data(), train.tokens().size_bytes()));
+        dist::require_same_on_every_rank(*pg, XXH3_64bits(same.data(), same.size()),
+                                         "--chunks, --batch-tokens or the calibration chunks");
+    }
 
     const gguf_file file(o.model);
     auto model = build_model(file);
@@ -327,16 +336,16 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
 
     const auto start = std::chrono::steady_clock::now();
     {
-        int64_t mine = 0, done = 0;  // this rank's chunks
-        for (int64_t first = 0, forward = 0; first < n_chunks; first += per_forward, ++forward) {
-            mine += forward % ranks == rank ? std::min(per_forward, n_chunks - first) : 0;
+        // This rank's forwards: the single process's j-th, for j ≡ rank (mod ranks); their first chunks.
+        std::vector<int64_t> firsts;
+        int64_t mine = 0, done = 0;
+        for (int64_t first = per_forward * rank; first < n_chunks; first += per_forward * ranks) {
+            firsts.push_back(first);
+            mine += std::min(per_forward, n_chunks - first);
         }
         progress bar("imatrix", mine, "chunks");
-        for (int64_t first = 0, forward = 0; first < n_chunks; first += per_forward, ++forward) {
+        for (const int64_t first : firsts) {
             const int64_t n = std::min(per_forward, n_chunks - first);
-            if (forward % ranks != rank) {
-                continue;  // another rank's forward
-            }
             std::vector<int64_t> ids;
             ids.reserve(static_cast<size_t>(n * ctx));
             for (int64_t i = first; i < first + n; ++i) {

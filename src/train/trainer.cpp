@@ -444,13 +444,13 @@ std::vector<int> select_recipe(train_result & res, const gguf_file & src, causal
     }
     const int ranks = o.group ? o.group->size() : 1, rank = o.group ? o.group->rank() : 0;
     const int64_t n_distinct = static_cast<int64_t>(distinct.size());
+    const int64_t n_mine = n_distinct / ranks + (n_distinct % ranks > rank ? 1 : 0);
     if (ranks > 1) {
-        fmt::print(stderr, "select: rank {} of {} measures {} of the {} recipes\n", rank, ranks,
-                   n_distinct / ranks + (n_distinct % ranks > rank ? 1 : 0), n_distinct);
+        fmt::print(stderr, "select: rank {} of {} measures {} of the {} recipes\n", rank, ranks, n_mine, n_distinct);
     }
     std::vector<double> kl(distinct.size(), 0.0);
     {
-        progress bar("select", n_distinct / ranks + (n_distinct % ranks > rank ? 1 : 0), "recipes");
+        progress bar("select", n_mine, "recipes");
         for (size_t j = 0; j < distinct.size(); ++j) {
             if (static_cast<int>(j % static_cast<size_t>(ranks)) == rank) {
                 kl[j] = recipe_kl(model, dense, teacher, gated, distinct[j], tokens, device, chunk);
@@ -570,8 +570,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
              o.candidates);
     }
     const std::vector<tensor_menu> all_menus = build_menus(src, menu);
+    const uint64_t data_hash = XXH3_64bits(train.tokens().data(), train.tokens().size_bytes());
     if (ranks > 1) {  // ranks started with other options would pair their collectives wrongly, or wait forever
-        const std::string same = fingerprint(src, all_menus, o, XXH3_64bits(train.tokens().data(), train.tokens().size_bytes())) +
+        const std::string same = fingerprint(src, all_menus, o, data_hash) +
                                  o.parallel + o.goal.str() + std::to_string(o.select_sequences) + o.candidates;
         dist::require_same_on_every_rank(*o.group, XXH3_64bits(same.data(), same.size()),
                                          "the training options, menus or calibration tokens");
@@ -937,12 +938,14 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // Layer sharding (issue #17): a rank keeps on its device only the candidates of the tensors its layers use; the
     // probe and the selection read the others from host memory through ggml's to_float (the values the device's copy
     // gives, bit for bit), as the eager probe reads every candidate.
+    const bool tied_head = src.find_tensor("output.weight") == nullptr;
+    const auto on_this_rank = [&](const std::string & name) {
+        return !layer_sharding || dist::layer_shard_uses(name, my_layers, model->hparams().n_layer, tied_head);
+    };
     std::vector<bool> local(menus.size(), true);
     std::vector<tensor_menu> local_menus;
-    const bool tied_head = src.find_tensor("output.weight") == nullptr;
     for (size_t i = 0; i < menus.size(); ++i) {
-        local[i] = !layer_sharding ||
-                   dist::layer_shard_uses(menus[i].tensor->name, my_layers, model->hparams().n_layer, tied_head);
+        local[i] = on_this_rank(menus[i].tensor->name);
         if (local[i]) {
             local_menus.push_back(menus[i]);
         }
@@ -1091,7 +1094,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     gated_weights student(dense, gated);
     torch::optim::AdamW opt(params, torch::optim::AdamWOptions(o.lr).weight_decay(o.weight_decay));
 
-    const uint64_t data_hash = XXH3_64bits(train.tokens().data(), train.tokens().size_bytes());
     const std::string fp = fingerprint(src, menus, o, data_hash);
     int step = 0;
     if (o.resume) {
@@ -1155,10 +1157,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     if (layer_sharding) {
         // Training reads only this rank's layers (and the embedding or the head): the copies the probe made of the
         // others' weights leave the device until the selection reads them again.
-        const auto mine = [&](const std::string & name) {
-            return dist::layer_shard_uses(name, my_layers, model->hparams().n_layer, tied_head);
-        };
-        const int64_t dropped = dense.drop_kept_copies(mine) + (teacher_own ? teacher_own->drop_kept_copies(mine) : 0);
+        const int64_t dropped =
+            dense.drop_kept_copies(on_this_rank) + (teacher_own ? teacher_own->drop_kept_copies(on_this_rank) : 0);
         if (dropped > 0) {  // on the CPU the weights are views of the file's map: nothing to drop
             fmt::print(stderr, "rank {} of {}: the weights of the other ranks' layers off {} for training: {:.1f} MiB\n",
                        rank, ranks, device.str(), dropped / 1048576.0);
