@@ -647,6 +647,18 @@ TEST(dist, voodoo_imatrix_as_two_ranks_gives_the_single_process_counts_and_each_
     EXPECT_NE(other.output.find("rank 1 of 2: --chunks, --batch-tokens or the calibration chunks differ between the ranks"),
               std::string::npos) << other.output;
     EXPECT_FALSE(std::filesystem::exists(dir.file("other.gguf")));
+    // Ranks split the LibTorch forward only; libllama's graph on a GPU does not exist: both refused, naming the flag.
+    const auto libllama_ranks = test::run_shell(fmt::format(
+        "WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT={} {} imatrix --model {} --data {} --out {} 2>&1",
+        dist::free_tcp_port(), VOODOO_BIN, test::stories260k(), dir.file("d"), dir.file("refused.gguf")));
+    EXPECT_NE(libllama_ranks.exit_code, 0);
+    EXPECT_NE(libllama_ranks.output.find("splits the chunks of the LibTorch forward"), std::string::npos)
+        << libllama_ranks.output;
+    const auto libllama_gpu = test::run_voodoo(fmt::format("imatrix --model {} --data {} --out {} --forward libllama --device cuda",
+                                                           test::stories260k(), dir.file("d"), dir.file("refused.gguf")));
+    EXPECT_NE(libllama_gpu.exit_code, 0);
+    EXPECT_NE(libllama_gpu.output.find("--forward libllama runs on the CPU"), std::string::npos) << libllama_gpu.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("refused.gguf")));
 }
 
 TEST(dist, a_journal_written_by_one_process_resumes_on_two_ranks_with_the_same_steps_bit_for_bit) {
