@@ -151,7 +151,10 @@ int main(int argc, char ** argv) {
     app.add_option("--device", device_str, "cuda, cuda:N or cpu")->capture_default_str();
     app.add_option("--peak-tflops", peak_tflops, "Dense bf16 peak for MFU (H200 SXM datasheet: 989)")->capture_default_str();
     app.add_option("--json", json_out, "Write the results here as JSON");
-    bool no_share = false, row_kernels = false;
+    bool no_share = false, row_kernels = false, recompute = false;
+    app.add_flag("--recompute", recompute,
+                 "Activation checkpointing (blocks.h run_layer): each layer runs again in the backward; MFU still counts "
+                 "4 forwards a step (model FLOPs), the GPU does 5 of the student's layers");
     app.add_flag("--no-share", no_share, "Fused path: upload BF16/F16 candidates even where the teacher's bf16 weights equal them");
     app.add_flag("--row-kernels", row_kernels, "Fused path: the row kernels only (not the tiled ones)");
     int min_blocks = 0;
@@ -222,6 +225,7 @@ int main(int argc, char ** argv) {
         const gguf_file src(fixture);
         auto model = build_model(src);
         model->set_compute_dtype(compute);
+        model->set_recompute_layers(recompute);
         const model_hparams & hp = model->hparams();
 
         menu_options mo;
@@ -438,6 +442,7 @@ int main(int argc, char ** argv) {
                 {"weights_gated", n_weights_gated},
                 {"shared_16bit", path == mixture_path::fused && share},
                 {"kernels", path == mixture_path::fused ? (row_kernels ? std::string("rows") : fmt::format("tiled, min blocks {}", min_blocks)) : std::string("-")},
+                {"recompute", recompute},
                 {"step_flops", step_flops}};
             results.push_back(r);
             }

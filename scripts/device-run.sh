@@ -214,12 +214,15 @@ bench-8b-full)
     mkdir -p "$OUT/bench-8b"
     # BATCH=2 for a batch that fits (8 × 2048 ran out of the H200's memory on both paths: the saved activations of 32
     # layers at 16,384 tokens).
+    # RECOMPUTE=1: activation checkpointing (train_step --recompute), which makes 8 × 2048 fit; PATHS: which paths.
     B=${BATCH:-8}
-    for p in fused reference; do
-        log "bench llama3-8b, every layer, $B x 2048, $p"
+    R=${RECOMPUTE:+-recompute}
+    for p in ${PATHS:-fused reference}; do
+        log "bench llama3-8b, every layer, $B x 2048, $p${R}"
         build-cuda/bin/train_step --shape llama3-8b --batch $B --seq 2048 --steps 3 --warmup 1 --paths $p \
-            --menu Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0 --work /tmp/bench --json "$OUT/bench-8b/llama3-8b-L32-b$B-$p.json" 2>&1 \
-            | tee "$OUT/bench-8b/llama3-8b-L32-b$B-$p.log" | grep -vE '^  (fused|reference) .* step|^frame|^/' | tail -6
+            --menu "${BENCH_MENU:-Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0}" ${RECOMPUTE:+--recompute} --work /tmp/bench \
+            --json "$OUT/bench-8b/llama3-8b-L32-b$B-$p$R.json" 2>&1 \
+            | tee "$OUT/bench-8b/llama3-8b-L32-b$B-$p$R.log" | grep -vE '^  (fused|reference) .* step|^frame|^/' | tail -6
     done
     ;;
 kernels)

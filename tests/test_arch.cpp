@@ -886,3 +886,90 @@ TEST(arch_probe, every_architecture_probes_from_the_kept_layer_streams_what_whol
         EXPECT_GE(expect_the_probe_from_kept_streams_equals_whole_forwards(path), 3);
     }
 }
+
+// ---- activation checkpointing (blocks.h run_layer) ----
+
+namespace {
+
+/// Every weight as a leaf that requires grad (so every tensor, norms included, gets a gradient), counting the calls:
+/// a recomputed layer asks for its weights again in the backward.
+class leaf_weights : public weight_source {
+public:
+    explicit leaf_weights(weight_source & base) : base_(base) {}
+    torch::Tensor get(const std::string & name) override {
+        ++gets;
+        torch::Tensor & l = leaves[name];
+        if (!l.defined()) {
+            l = base_.get(name).detach().clone().requires_grad_(true);
+        }
+        return l;
+    }
+    torch::Tensor rows(const std::string & name, const torch::Tensor & ids) override {
+        return get(name).index_select(0, ids.reshape({-1}));
+    }
+    bool has(const std::string & name) const override { return base_.has(name); }
+    std::map<std::string, torch::Tensor> leaves;
+    int64_t gets = 0;
+
+private:
+    weight_source & base_;
+};
+
+struct step_result {
+    double loss = 0;
+    std::map<std::string, torch::Tensor> grads;
+    int64_t gets = 0;
+};
+
+/// One forward and backward of Σ log_softmax(logits)[next token] over 2 × 24 tokens, with or without recomputation.
+step_result grad_step(const std::string & path, bool recompute) {
+    const gguf_file file(path);
+    auto model = build_model(file);
+    model->set_recompute_layers(recompute);
+    gguf_weights base(file);
+    leaf_weights w(base);
+    torch::manual_seed(5);
+    const torch::Tensor tokens = torch::randint(model->hparams().n_vocab, {2, 24}, torch::kLong);
+    const torch::Tensor logp = torch::log_softmax(model->forward(tokens, w), -1);
+    const torch::Tensor next = tokens.slice(1, 1).unsqueeze(-1);
+    const torch::Tensor loss = -logp.slice(1, 0, 23).gather(-1, next).sum();
+    loss.backward();
+    step_result r;
+    r.loss = loss.item<double>();
+    r.gets = w.gets;
+    for (const auto & [name, leaf] : w.leaves) {
+        r.grads[name] = leaf.grad();
+    }
+    return r;
+}
+
+}  // namespace
+
+TEST(arch_recompute, every_architecture_gives_the_same_loss_and_every_weights_gradient_bit_for_bit_when_layers_recompute) {
+    // Recomputing a layer runs the same operations on the same input, so on the CPU the values, and therefore the
+    // gradients, are the plain forward's exactly (each weight is used once; the residual stream's gradient is a sum of
+    // two terms, which does not depend on their order). The backward must ask for the layers' weights again: that is
+    // what shows the layers really ran twice rather than keeping their activations.
+    const std::vector<std::string> paths = {test::stories260k(), fixture("qwen2"), fixture("qwen3"), fixture("gemma3"),
+                                            fixture("phi3"),      lfm2_fixture(),   qwen35_fixture(),  qwen3moe_fixture()};
+    for (const std::string & path : paths) {
+        SCOPED_TRACE(path);
+        const step_result plain = grad_step(path, false);
+        const step_result again = grad_step(path, true);
+        EXPECT_EQ(plain.loss, again.loss);
+        ASSERT_EQ(plain.grads.size(), again.grads.size());
+        int with_grad = 0;
+        for (const auto & [name, g] : plain.grads) {
+            const torch::Tensor & h = again.grads.at(name);
+            ASSERT_EQ(g.defined(), h.defined()) << name;
+            if (g.defined()) {
+                ++with_grad;
+                EXPECT_TRUE(torch::equal(g, h)) << name << ": max |Δ| " << (g - h).abs().max().item<double>();
+            }
+        }
+        EXPECT_GE(with_grad, 10);
+        const int64_t n_layer = build_model(gguf_file(path))->hparams().n_layer;
+        // Each layer asks for at least its two norms and its FFN again.
+        EXPECT_GE(again.gets - plain.gets, 5 * n_layer) << "plain " << plain.gets << ", recomputed " << again.gets;
+    }
+}

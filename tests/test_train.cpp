@@ -136,6 +136,49 @@ TEST(train, a_teacher_in_another_file_with_the_same_weights_trains_what_the_shar
     EXPECT_EQ(lines, 8);
 }
 
+TEST(train, recomputing_the_layers_trains_the_same_log_and_recipe_bit_for_bit_with_gumbel_noise_and_routed_tokens) {
+    // --recompute on runs each layer again in the backward at the weight source's same draws (the Gumbel noise of the
+    // straight-through steps, the routes of per-token routing): the same values and gradients on the CPU, so the same
+    // log and gates. Without the draws set back, the recomputed layers would see other noise and other routes.
+    temp_dir dir;
+    gguf_file src(test::stories260k());
+    token_data data(stories_data());
+    for (const std::string routing : {"mix", "ptqr"}) {
+        SCOPED_TRACE(routing);
+        auto run = [&](const std::string & name, const std::string & recompute) {
+            train_options o = quick(dir.file(routing + "-" + name));
+            o.st_gumbel_fraction = routing == "mix" ? 0.5 : 0.0;  // the two are exclusive
+            o.routing = routing;
+            o.recompute = recompute;
+            train_gates(src, src, data.train(), nullptr, o);
+        };
+        run("plain", "off");
+        run("recomputed", "on");
+        EXPECT_EQ(test::read_file(dir.file(routing + "-plain/recipe.json")),
+                  test::read_file(dir.file(routing + "-recomputed/recipe.json")));
+        std::ifstream a(dir.file(routing + "-plain/log.jsonl")), b(dir.file(routing + "-recomputed/log.jsonl"));
+        int lines = 0;
+        for (std::string la, lb; std::getline(a, la) && std::getline(b, lb); ++lines) {
+            nlohmann::json ja = nlohmann::json::parse(la), jb = nlohmann::json::parse(lb);
+            ja.erase("tokens_per_s");
+            jb.erase("tokens_per_s");
+            EXPECT_EQ(ja, jb) << lines;
+        }
+        EXPECT_EQ(lines, 8);
+    }
+}
+
+TEST(train, recompute_auto_turns_on_only_when_a_gpu_would_not_hold_the_activations) {
+    EXPECT_TRUE(resolve_recompute("on", 0, 0));
+    EXPECT_FALSE(resolve_recompute("off", int64_t{1} << 40, 1));
+    EXPECT_FALSE(resolve_recompute("auto", int64_t{1} << 40, 0));  // the CPU: never
+    EXPECT_TRUE(resolve_recompute("auto", int64_t{50} << 30, int64_t{40} << 30));
+    EXPECT_FALSE(resolve_recompute("auto", int64_t{30} << 30, int64_t{40} << 30));
+    // The whole Llama-3-8B shape: 2.89 M inputs and outputs of its gated matrices per token.
+    EXPECT_EQ(activation_bytes_estimate(8 * 2048, 2'887'680), int64_t{6} * 8 * 2048 * 2'887'680);
+    EXPECT_NE(error_of([] { resolve_recompute("sometimes", 0, 0); }).find("--recompute sometimes"), std::string::npos);
+}
+
 TEST(train, refuses_to_reuse_or_resume_the_wrong_run_directory) {
     temp_dir dir;
     gguf_file src(test::stories260k());

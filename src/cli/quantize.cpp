@@ -106,6 +106,10 @@ command add_quantize(CLI::App & app) {
                     "With --candidates targets: build the candidates the probe will likely keep while it measures the "
                     "first ones (on, off, or auto: on a GPU, whose probe leaves the cores idle)")
         ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
+    sub->add_option("--recompute", o->q.train.recompute,
+                    "Activation checkpointing in training: on, off, or auto (on when a GPU would not hold every layer's "
+                    "activations)")
+        ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
     sub->add_option("--candidates-on", o->q.train.candidates_on, "Fused path: where the candidates live: gpu, host (pinned host memory, each layer moved to the GPU ahead of use) or auto (the GPU while they fit beside the teacher)")->capture_default_str()->check(CLI::IsMember({"gpu", "host", "auto"}));
     sub->add_option("--mixture", o->q.train.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
     sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();

@@ -116,6 +116,10 @@ command add_train(CLI::App & app) {
         ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
     sub->add_option("--candidates-on", o->t.candidates_on, "Fused path: where the candidates live: gpu, host (pinned host memory, each layer moved to the GPU ahead of use) or auto (the GPU while they fit beside the teacher)")->capture_default_str()->check(CLI::IsMember({"gpu", "host", "auto"}));
     sub->add_option("--mixture", o->t.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
+    sub->add_option("--recompute", o->t.recompute,
+                    "Activation checkpointing: each layer keeps only its input and runs again in the backward (one more "
+                    "forward, far less memory): on, off, or auto (on when a GPU would not hold every layer's activations)")
+        ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
     sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
     sub->add_option("--seed", o->t.seed, "Seed (data order, Gumbel noise)")->capture_default_str();
     sub->add_option("-t,--threads", o->t.threads, "Threads (0 = all cores)")->capture_default_str()->check(non_negative());

@@ -16,6 +16,77 @@ namespace voodoo {
 
 std::string layer_tensor(int64_t il, const char * name) { return fmt::format("blk.{}.{}", il, name); }
 
+namespace {
+
+/// What a checkpointed layer needs to run again in the backward: its body and a copy of its forward's context.
+struct layer_replay : torch::CustomClassHolder {
+    layer_replay(layer_body b, const forward_context & c, std::vector<uint64_t> draws)
+        : body(std::move(b)), ctx(c), draws_before(std::move(draws)) {}
+    layer_body body;
+    forward_context ctx;
+    std::vector<uint64_t> draws_before;
+    int64_t moe_layer_after = 0;  // the context's MoE layer count after the forward
+};
+
+/// The checkpointed layer as one autograd node: forward(x, anchor) = body(x) without autograd; backward runs
+/// body(x) again with autograd and backpropagates the output's gradient through it (into the gates' leaves and x).
+/// `anchor`: an empty leaf that requires grad, so the node is in the graph even when x does not require grad.
+class layer_checkpoint_fn : public torch::autograd::Function<layer_checkpoint_fn> {
+public:
+    static torch::Tensor forward(torch::autograd::AutogradContext * c, const torch::Tensor & x, const torch::Tensor & anchor,
+                                 c10::intrusive_ptr<layer_replay> replay) {
+        (void)anchor;
+        c->save_for_backward({x});
+        c->saved_data["x_requires_grad"] = x.requires_grad();
+        forward_context ctx = replay->ctx;
+        torch::Tensor y = replay->body(ctx, x);
+        replay->moe_layer_after = ctx.moe_layer;
+        c->saved_data["replay"] = c10::IValue::make_capsule(std::move(replay));
+        return y;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext * c,
+                                                   torch::autograd::variable_list grads) {
+        const torch::Tensor x = c->get_saved_variables()[0];
+        const auto replay = c10::static_intrusive_pointer_cast<layer_replay>(c->saved_data["replay"].toCapsule());
+        const bool x_grad = c->saved_data["x_requires_grad"].toBool();
+        torch::Tensor xd = x.detach().requires_grad_(x_grad);
+        weight_source & w = replay->ctx.w;
+        const std::vector<uint64_t> draws_now = w.draw_state();
+        w.set_draw_state(replay->draws_before);
+        torch::Tensor y;
+        {
+            torch::AutoGradMode grad_on(true);
+            forward_context ctx = replay->ctx;
+            y = replay->body(ctx, xd);
+        }
+        w.set_draw_state(draws_now);
+        if (y.requires_grad()) {
+            torch::autograd::backward({y}, {grads[0]});
+        }
+        return {x_grad ? xd.grad() : torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    }
+};
+
+}  // namespace
+
+torch::Tensor run_layer(forward_context & ctx, const torch::Tensor & x, layer_body body) {
+    if (!ctx.recompute || !torch::GradMode::is_enabled() || ctx.observer || ctx.forced_experts || ctx.routing) {
+        return body(ctx, x);
+    }
+    forward_context copy = ctx;
+    copy.f_in = torch::Tensor();
+    copy.f_out = torch::Tensor();
+    copy.input = nullptr;
+    auto replay = c10::make_intrusive<layer_replay>(std::move(body), copy, ctx.w.draw_state());
+    // The node must be in the graph even when x does not require grad (the first layer of a rank's range).
+    static const torch::Tensor anchor = torch::empty({0}).requires_grad_(true);
+    torch::Tensor y = layer_checkpoint_fn::apply(x, anchor, replay);
+    // What the layer's forward did to the context (MoE's layer count) happens to the caller's too.
+    ctx.moe_layer = replay->moe_layer_after;
+    return y;
+}
+
 tp_split tp_split_of(const std::string & name) {
     if (name == "token_embd.weight" || name == "output.weight" || name == "output.bias") {
         return tp_split::vocab_parallel;

@@ -90,9 +90,26 @@ struct forward_context {
     /// f's last input and output: products sharing one input (Q, K and V; gate and up) share one f, so its backward
     /// all-reduces their summed gradient once.
     torch::Tensor f_in{}, f_out{};
+    /// Activation checkpointing (run_layer): the layers keep only their input for the backward and run again there.
+    bool recompute = false;
     int64_t layer_end(const model_hparams & hp) const { return end_layer < 0 ? hp.n_layer : end_layer; }
     bool last_stage(const model_hparams & hp) const { return layer_end(hp) == hp.n_layer; }
 };
+
+/// One decoder layer: the residual stream entering it → the stream leaving it ([B, T, n_embd], compute dtype), reading
+/// its weights through the context it is given. It must not keep the context or the input beyond the call.
+using layer_body = std::function<torch::Tensor(forward_context & ctx, const torch::Tensor & x)>;
+
+/// body(ctx, x), with activation checkpointing when ctx.recompute is set, autograd is recording and the forward has
+/// no observer, forced experts or routing log (the probes and the parity check, which must see each product once):
+/// the layer runs without autograd and only x is kept; the backward runs it again from x with autograd, at the same
+/// random draws of the weight source (weight_source::draw_state), and backpropagates through it. The values and
+/// gradients are those of the plain forward (the same operations on the same inputs); the memory the backward needs is
+/// the layers' inputs plus one layer's activations instead of every layer's, for one more forward of each layer
+/// (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"; torch.utils.checkpoint's reentrant variant).
+/// `body` and what it captures must outlive the backward (capture by value). The backward needs x or the weights
+/// to require gradients for the gates to get theirs (always so in training: the gates are leaves).
+torch::Tensor run_layer(forward_context & ctx, const torch::Tensor & x, layer_body body);
 
 /// "blk.<il>.<name>": the GGUF name of a layer's tensor.
 std::string layer_tensor(int64_t il, const char * name);

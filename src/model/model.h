@@ -57,6 +57,12 @@ public:
     void set_compute_dtype(torch::ScalarType dtype);
     torch::ScalarType compute_dtype() const { return dtype_; }
 
+    /// Activation checkpointing (blocks.h run_layer) in every later forward that records autograd: each layer keeps only
+    /// its input and runs again in the backward. Off by default. The training step sets it when the activations of
+    /// every layer would not fit (train_options::recompute).
+    void set_recompute_layers(bool on) { recompute_ = on; }
+    bool recompute_layers() const { return recompute_; }
+
     /// Called before every weight matmul (see matmul_observer); an empty function removes it.
     void set_observer(matmul_observer observer) { observer_ = std::move(observer); }
 
@@ -78,6 +84,7 @@ protected:
         c.first_layer = range_first_;
         c.end_layer = range_end_;
         c.moe_layer = hp_.n_expert > 0 ? range_first_ : 0;  // every layer of the MoE architectures is MoE
+        c.recompute = recompute_;
         return c;
     }
     /// Throws voodoo::error unless tokens is [B, T] int64 with T ≥ 1.
@@ -90,6 +97,7 @@ private:
     matmul_observer observer_;
     std::vector<torch::Tensor> forced_experts_;
     expert_routing * routing_log_ = nullptr;
+    bool recompute_ = false;
     const tensor_parallel * tp_ = nullptr;
     torch::Tensor range_input_;   // hidden_layers' range, for the duration of one call
     int64_t range_first_ = 0;

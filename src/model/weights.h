@@ -5,7 +5,9 @@
 
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace voodoo {
 
@@ -50,6 +52,13 @@ public:
         (void)name;
         return torch::matmul(x, w.t());
     }
+
+    /// The position of the random draws that get/rows/experts/product_with make (the gated student's Gumbel noise
+    /// and per-token routes; empty for sources that draw nothing). Recomputing a layer in the backward
+    /// (blocks.h run_layer) sets it back to where the layer's forward began, so the recomputed layer sees the same
+    /// draws as the forward it replaces, then restores it.
+    virtual std::vector<uint64_t> draw_state() const { return {}; }
+    virtual void set_draw_state(const std::vector<uint64_t> & state) { (void)state; }
 };
 
 }  // namespace voodoo

@@ -283,6 +283,7 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
         args.insert(args.end(), {"--mixture", t.mixture});
     }
     args.insert(args.end(), {"--candidates-on", t.candidates_on});
+    args.insert(args.end(), {"--recompute", t.recompute});
     args.insert(args.end(), {"--candidates", t.candidates});
     args.insert(args.end(), {"--build-ahead", t.build_ahead});
     for (const target & g : t.prune_goals) {

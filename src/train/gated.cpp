@@ -651,6 +651,14 @@ torch::Tensor gated_weights::product_with(const std::string & name, const torch:
     return routed_product(x, w, draw_routes(probs(it->second), n, next_route_seed()), tensors_[it->second]);
 }
 
+void gated_weights::set_draw_state(const std::vector<uint64_t> & state) {
+    if (state.size() != 2) {
+        fail("gated_weights::set_draw_state: {} values given, 2 expected (draw_state's)", state.size());
+    }
+    noise_calls_ = state[0];
+    route_calls_ = state[1];
+}
+
 bool gated_weights::has(const std::string & name) const { return index_.count(name) > 0 || dense_.has(name); }
 
 }  // namespace voodoo

@@ -161,6 +161,9 @@ public:
     bool has(const std::string & name) const override;
     /// Under PTQR, gated tensors answer each token with its routed candidate (routed_product); else x · wᵀ.
     torch::Tensor product_with(const std::string & name, const torch::Tensor & x, const torch::Tensor & w) override;
+    /// {Gumbel noise draws, route draws} made so far under the current seeds (weight_source::draw_state).
+    std::vector<uint64_t> draw_state() const override { return {noise_calls_, route_calls_}; }
+    void set_draw_state(const std::vector<uint64_t> & state) override;
 
 private:
     torch::Tensor forward_probs(size_t i);

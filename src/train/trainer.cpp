@@ -1165,6 +1165,31 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
     }
 
+    // Activation checkpointing: every layer's activations of a micro-batch, or only their inputs and one layer's.
+    {
+        int64_t io_per_token = 0;
+        for (size_t i = 0; i < gated.size(); ++i) {
+            if (local[i]) {
+                io_per_token += gated[i].tensor->ne[0] + gated[i].tensor->n_rows();
+            }
+        }
+        if (tensor_parallel) {
+            io_per_token /= ranks;
+        }
+        const int64_t act = activation_bytes_estimate(static_cast<int64_t>(o.batch) * seq, io_per_token);
+        const int64_t logits = 3 * loss_chunk * model->hparams().n_vocab * 4;
+        const int64_t total = device.is_cuda() ? device_total_memory(device) : 0;
+        const int64_t free_bytes = total > 0 ? std::max<int64_t>(1, total - teacher_bytes - candidate_device_bytes - logits) : 0;
+        // Tensor-parallel ranks communicate inside their layers, so they must all recompute or none: on when any would.
+        const bool recompute = !every_rank_has(!resolve_recompute(o.recompute, act, free_bytes));
+        (tensor_parallel ? *tp_model : *model).set_recompute_layers(recompute);
+        if (recompute || o.recompute != "auto") {
+            fmt::print(stderr, "voodoo: activation checkpointing {} ({}: the activations of {} × {} tokens ≈ {:.1f} GiB{})\n",
+                       recompute ? "on" : "off", o.recompute == "auto" ? "auto" : "--recompute " + o.recompute, o.batch, seq,
+                       gib(act), total > 0 ? fmt::format(", {:.1f} GiB free beside the teacher and the candidates", gib(free_bytes)) : "");
+        }
+    }
+
     const int64_t per_step = static_cast<int64_t>(o.batch) * o.accum;
     // The order of the epoch being read, shuffled once per epoch rather than once per sequence.
     int64_t order_epoch = 0;
@@ -1360,6 +1385,18 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
     res.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
     return res;
+}
+
+int64_t activation_bytes_estimate(int64_t tokens, int64_t io_per_token) { return 6 * tokens * io_per_token; }
+
+bool resolve_recompute(const std::string & mode, int64_t activation_bytes, int64_t free_bytes) {
+    if (mode == "on" || mode == "off") {
+        return mode == "on";
+    }
+    if (mode != "auto") {
+        fail("--recompute {}: expected on, off or auto", mode);
+    }
+    return free_bytes > 0 && activation_bytes > free_bytes;
 }
 
 residency_plan plan_residency(const std::vector<tensor_menu> & menus, const std::string & candidates_on,

@@ -77,6 +77,8 @@ struct train_options {
     std::string candidates_on = "auto"; // fused path: "gpu", "host" (pinned, streamed ahead of use) or "auto" (the GPU
                                         // while they fit beside the teacher; gated.h candidate_residency)
     int64_t loss_chunk = 0;             // positions per chunk of the CE/KL over the vocabulary (0 = ~512 MB of logits)
+    std::string recompute = "auto";     // activation checkpointing (blocks.h run_layer): "on", "off", or "auto": on when
+                                        // the training forward's activations would not fit the GPU (resolve_recompute)
     double max_token_seconds = 0;       // > 0: the final recipe's predicted generation time per token (speed_table.h)
                                         // may not exceed this; recipes over it are left out of the final selection
                                         // and the speed-constrained exact knapsack is added (quantize --max-slowdown)
@@ -162,6 +164,17 @@ struct residency_plan {
 /// `device_bytes`: the GPU's memory (device_total_memory; 0 for the CPU: nothing is planned).
 residency_plan plan_residency(const std::vector<tensor_menu> & menus, const std::string & candidates_on,
                               int64_t device_bytes, int64_t teacher_bytes);
+
+/// The training forward's saved activations, estimated: 6 bytes × tokens of a micro-batch × Σ (ne0 + rows) of the
+/// gated matrices the rank multiplies (`io_per_token`), the rule dry_run's memory plan uses (fitted to the measured
+/// Qwen3-0.6B step; the whole Llama-3-8B shape measured 3.5 bytes: docs/BENCHMARKS.md), in bytes.
+int64_t activation_bytes_estimate(int64_t tokens, int64_t io_per_token);
+
+/// Whether training recomputes each layer in the backward (activation checkpointing): `mode` "on" or "off" as given;
+/// "auto": on when the device is a GPU (`free_bytes` > 0: its memory less the teacher's weights, the candidates on it
+/// and the loss's logits) and activation_bytes_estimate exceeds free_bytes; never on the CPU (free_bytes = 0).
+/// Throws voodoo::error naming --recompute for another mode.
+bool resolve_recompute(const std::string & mode, int64_t activation_bytes, int64_t free_bytes);
 
 /// Checks a --device name ("cpu", "cuda", "cuda:N") against this build without touching the GPU, so that a
 /// parent process can refuse it at once and leave CUDA to its training child. Whether cuda:N exists is known

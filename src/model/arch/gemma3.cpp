@@ -43,16 +43,19 @@ public:
 
         for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
             const bool sliding = hp.is_swa(il);
-            const rope_tables & rope = sliding ? rope_swa : rope_global;
-            const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
-            qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
-            a.q = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_q_norm.weight"), a.q, hp.norm_rms_eps), rope, hp);
-            a.k = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_k_norm.weight"), a.k, hp.norm_rms_eps), rope, hp);
-            const torch::Tensor att = causal_attention(a.q, a.k, a.v, hp.kq_scale, sliding ? hp.n_swa : 0);
-            x = x + rms_norm(ctx, layer_tensor(il, "post_attention_norm.weight"), linear(ctx, layer_tensor(il, "attn_output.weight"), att),
-                             hp.norm_rms_eps);
-            const torch::Tensor f = geglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
-            x = x + rms_norm(ctx, layer_tensor(il, "post_ffw_norm.weight"), f, hp.norm_rms_eps);
+            const rope_tables rope = sliding ? rope_swa : rope_global;
+            x = run_layer(ctx, x, [this, il, rope, sliding](forward_context & ctx, const torch::Tensor & x_in) {
+                const model_hparams & hp = hp_;
+                const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x_in, hp.norm_rms_eps);
+                qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
+                a.q = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_q_norm.weight"), a.q, hp.norm_rms_eps), rope, hp);
+                a.k = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_k_norm.weight"), a.k, hp.norm_rms_eps), rope, hp);
+                const torch::Tensor att = causal_attention(a.q, a.k, a.v, hp.kq_scale, sliding ? hp.n_swa : 0);
+                const torch::Tensor x = x_in + rms_norm(ctx, layer_tensor(il, "post_attention_norm.weight"),
+                                                        linear(ctx, layer_tensor(il, "attn_output.weight"), att), hp.norm_rms_eps);
+                const torch::Tensor f = geglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+                return x + rms_norm(ctx, layer_tensor(il, "post_ffw_norm.weight"), f, hp.norm_rms_eps);
+            });
         }
         return ctx.last_stage(hp) ? rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps) : x;
     }

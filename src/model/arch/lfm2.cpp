@@ -38,10 +38,13 @@ public:
         const rope_tables rope = make_rope_tables(ctx, hp, T, tokens.device());
 
         for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
-            const std::string prefix = fmt::format("blk.{}", il);
-            const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
-            x = x + (hp.is_recurrent(il) ? gated_short_conv(ctx, prefix, h) : attention(ctx, il, h, rope));
-            x = x + swiglu_mlp(ctx, prefix, rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+            x = run_layer(ctx, x, [this, il, rope](forward_context & ctx, const torch::Tensor & x_in) {
+                const model_hparams & hp = hp_;
+                const std::string prefix = fmt::format("blk.{}", il);
+                const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x_in, hp.norm_rms_eps);
+                const torch::Tensor x = x_in + (hp.is_recurrent(il) ? gated_short_conv(ctx, prefix, h) : attention(ctx, il, h, rope));
+                return x + swiglu_mlp(ctx, prefix, rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+            });
         }
         return ctx.last_stage(hp) ? rms_norm(ctx, "token_embd_norm.weight", x, hp.norm_rms_eps) : x;
     }

@@ -31,15 +31,18 @@ public:
         const rope_tables rope = make_rope_tables(ctx, hp, T, tokens.device());
 
         for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
-            const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
-            torch::Tensor q = linear(ctx, layer_tensor(il, "attn_q.weight"), h).view({B, T, hp.n_head, hp.n_embd_head_k});
-            torch::Tensor k = linear(ctx, layer_tensor(il, "attn_k.weight"), h).view({B, T, hp.n_head_kv, hp.n_embd_head_k});
-            torch::Tensor v = linear(ctx, layer_tensor(il, "attn_v.weight"), h).view({B, T, hp.n_head_kv, hp.n_embd_head_v});
-            q = apply_rope(q, rope, hp);
-            k = apply_rope(k, rope, hp);
-            const torch::Tensor a = causal_attention(q, k, v, hp.kq_scale);
-            x = x + linear(ctx, layer_tensor(il, "attn_output.weight"), a);
-            x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+            x = run_layer(ctx, x, [this, il, rope, B, T](forward_context & ctx, const torch::Tensor & x_in) {
+                const model_hparams & hp = hp_;
+                const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x_in, hp.norm_rms_eps);
+                torch::Tensor q = linear(ctx, layer_tensor(il, "attn_q.weight"), h).view({B, T, hp.n_head, hp.n_embd_head_k});
+                torch::Tensor k = linear(ctx, layer_tensor(il, "attn_k.weight"), h).view({B, T, hp.n_head_kv, hp.n_embd_head_k});
+                torch::Tensor v = linear(ctx, layer_tensor(il, "attn_v.weight"), h).view({B, T, hp.n_head_kv, hp.n_embd_head_v});
+                q = apply_rope(q, rope, hp);
+                k = apply_rope(k, rope, hp);
+                const torch::Tensor a = causal_attention(q, k, v, hp.kq_scale);
+                const torch::Tensor x = x_in + linear(ctx, layer_tensor(il, "attn_output.weight"), a);
+                return x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+            });
         }
         return ctx.last_stage(hp) ? rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps) : x;
     }

@@ -29,12 +29,15 @@ public:
         const rope_tables rope = make_rope_tables(ctx, hp, T, tokens.device());
 
         for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
-            const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
-            qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
-            a.q = apply_rope(a.q, rope, hp);
-            a.k = apply_rope(a.k, rope, hp);
-            x = x + linear(ctx, layer_tensor(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
-            x = x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+            x = run_layer(ctx, x, [this, il, rope](forward_context & ctx, const torch::Tensor & x_in) {
+                const model_hparams & hp = hp_;
+                const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x_in, hp.norm_rms_eps);
+                qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
+                a.q = apply_rope(a.q, rope, hp);
+                a.k = apply_rope(a.k, rope, hp);
+                const torch::Tensor x = x_in + linear(ctx, layer_tensor(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
+                return x + swiglu_mlp(ctx, fmt::format("blk.{}", il), rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps));
+            });
         }
         return ctx.last_stage(hp) ? rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps) : x;
     }

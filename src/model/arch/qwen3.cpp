@@ -33,15 +33,18 @@ public:
         const rope_tables rope = make_rope_tables(ctx, hp, T, tokens.device());
 
         for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
-            const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
-            qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
-            // q, k: [B, T, heads, head_dim]; the norm runs over head_dim, per head.
-            a.q = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_q_norm.weight"), a.q, hp.norm_rms_eps), rope, hp);
-            a.k = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_k_norm.weight"), a.k, hp.norm_rms_eps), rope, hp);
-            x = x + linear(ctx, layer_tensor(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
-            const torch::Tensor f = rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps);
-            // qwen3moe: the mixture of experts (blocks.h moe_ffn) in every layer's FFN
-            x = x + (hp.n_expert > 0 ? moe_ffn(ctx, fmt::format("blk.{}", il), f, hp) : swiglu_mlp(ctx, fmt::format("blk.{}", il), f));
+            x = run_layer(ctx, x, [this, il, rope](forward_context & ctx, const torch::Tensor & x_in) {
+                const model_hparams & hp = hp_;
+                const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x_in, hp.norm_rms_eps);
+                qkv_heads a = attention_qkv(ctx, fmt::format("blk.{}", il), h, hp);
+                // q, k: [B, T, heads, head_dim]; the norm runs over head_dim, per head.
+                a.q = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_q_norm.weight"), a.q, hp.norm_rms_eps), rope, hp);
+                a.k = apply_rope(rms_norm(ctx, layer_tensor(il, "attn_k_norm.weight"), a.k, hp.norm_rms_eps), rope, hp);
+                const torch::Tensor x = x_in + linear(ctx, layer_tensor(il, "attn_output.weight"), causal_attention(a.q, a.k, a.v, hp.kq_scale));
+                const torch::Tensor f = rms_norm(ctx, layer_tensor(il, "ffn_norm.weight"), x, hp.norm_rms_eps);
+                // qwen3moe: the mixture of experts (blocks.h moe_ffn) in every layer's FFN
+                return x + (hp.n_expert > 0 ? moe_ffn(ctx, fmt::format("blk.{}", il), f, hp) : swiglu_mlp(ctx, fmt::format("blk.{}", il), f));
+            });
         }
         return ctx.last_stage(hp) ? rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps) : x;
     }

@@ -42,10 +42,13 @@ public:
         const rope_tables rope = text_rope_tables(ctx, tokens.size(1), tokens.device());
 
         for (int64_t il = ctx.first_layer; il < ctx.layer_end(hp); ++il) {
-            const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x, hp.norm_rms_eps);
-            x = x + (hp.is_recurrent(il) ? delta_net(ctx, il, h) : attention(ctx, il, h, rope));
-            const torch::Tensor f = rms_norm(ctx, layer_tensor(il, "post_attention_norm.weight"), x, hp.norm_rms_eps);
-            x = x + (hp.n_expert > 0 ? experts(ctx, il, f) : swiglu_mlp(ctx, fmt::format("blk.{}", il), f));
+            x = run_layer(ctx, x, [this, il, rope](forward_context & ctx, const torch::Tensor & x_in) {
+                const model_hparams & hp = hp_;
+                const torch::Tensor h = rms_norm(ctx, layer_tensor(il, "attn_norm.weight"), x_in, hp.norm_rms_eps);
+                const torch::Tensor x = x_in + (hp.is_recurrent(il) ? delta_net(ctx, il, h) : attention(ctx, il, h, rope));
+                const torch::Tensor f = rms_norm(ctx, layer_tensor(il, "post_attention_norm.weight"), x, hp.norm_rms_eps);
+                return x + (hp.n_expert > 0 ? experts(ctx, il, f) : swiglu_mlp(ctx, fmt::format("blk.{}", il), f));
+            });
         }
         return ctx.last_stage(hp) ? rms_norm(ctx, "output_norm.weight", x, hp.norm_rms_eps) : x;
     }
