@@ -176,6 +176,8 @@ TEST(train, recompute_auto_turns_on_only_when_a_gpu_would_not_hold_the_activatio
     EXPECT_FALSE(resolve_recompute("auto", int64_t{30} << 30, int64_t{40} << 30));
     // The whole Llama-3-8B shape: 2.89 M inputs and outputs of its gated matrices per token.
     EXPECT_EQ(activation_bytes_estimate(8 * 2048, 2'887'680), int64_t{6} * 8 * 2048 * 2'887'680);
+    // Recomputed: each layer's bf16 input (16,384 × 4096 × 2 bytes × 32 layers, 4 GiB) and one layer's share.
+    EXPECT_EQ(activation_bytes_recomputed(8 * 2048, 4096, 32, int64_t{32} << 30), (int64_t{4} << 30) + (int64_t{1} << 30));
     EXPECT_NE(error_of([] { resolve_recompute("sometimes", 0, 0); }).find("--recompute sometimes"), std::string::npos);
 }
 

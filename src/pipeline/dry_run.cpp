@@ -407,13 +407,38 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
         const double teacher = 2.0 * static_cast<double>(n_weights);
         // Logits, their gradient and the teacher's, f32, one loss chunk at a time (0: about 512 MB each).
         const double logits = 3.0 * (in.train.loss_chunk > 0 ? static_cast<double>(in.train.loss_chunk * n_vocab) * 4 : 512e6);
-        const double act = 6.0 * static_cast<double>(in.train.batch * seq) * static_cast<double>(io_per_token) + logits;
+        const int64_t tokens = static_cast<int64_t>(in.train.batch) * seq;
+        const int64_t act_layers = activation_bytes_estimate(tokens, io_per_token);
+        double act = static_cast<double>(act_layers) + logits;
         plan["gpu_memory"] = {{"candidates_bytes", cand}, {"teacher_bytes", teacher}, {"activations_bytes_estimate", act},
                               {"total_bytes_estimate", cand + teacher + act}, {"mixture", reference ? "reference" : "fused"}};
         // Where the fused path would keep them: the trainer's rule (plan_residency) on this machine's GPU.
         const residency_plan rp = plan_residency(menus, in.train.candidates_on,
                                                  device_total_memory(parse_train_device(in.train.device)),
                                                  static_cast<int64_t>(teacher));
+        // Activation checkpointing as the trainer decides it (resolve_recompute): the activations against what the GPU
+        // has beside the teacher, the GPU-resident candidates and the logits; with it, each layer keeps its input only.
+        int64_t n_embd = 0, n_layer = 0;
+        for (const gguf_tensor & t : src.tensors()) {
+            if (t.name == "token_embd.weight") {
+                n_embd = t.ne[0];
+            }
+            if (t.name.starts_with("blk.")) {
+                n_layer = std::max<int64_t>(n_layer, std::stoll(t.name.substr(4, t.name.find('.', 4) - 4)) + 1);
+            }
+        }
+        const double on_gpu = cand - (reference ? 0.0 : static_cast<double>(rp.host_bytes));
+        const int64_t free_bytes =
+            rp.device_bytes > 0 ? std::max<int64_t>(1, rp.device_bytes - static_cast<int64_t>(teacher + on_gpu + logits)) : 0;
+        const bool recompute = resolve_recompute(in.train.recompute, act_layers, free_bytes);
+        if (recompute) {
+            act = static_cast<double>(activation_bytes_recomputed(tokens, n_embd, n_layer, act_layers)) + logits;
+        }
+        plan["gpu_memory"]["recompute"] = recompute;
+        plan["gpu_memory"]["recompute_option"] = in.train.recompute;
+        plan["gpu_memory"]["activations_bytes_estimate"] = act;
+        plan["gpu_memory"]["activations_all_layers_bytes_estimate"] = static_cast<double>(act_layers) + logits;
+        plan["gpu_memory"]["total_bytes_estimate"] = cand + teacher + act;
         if (!reference && rp.device_bytes > 0) {
             const int64_t device_bytes = rp.device_bytes, host_bytes = rp.host_bytes;
             const int64_t host_tensors = std::count(rp.on_host.begin(), rp.on_host.end(), true);
@@ -470,6 +495,12 @@ std::string dry_run_to_text(const nlohmann::json & p) {
         s += fmt::format("GPU memory: candidates {} + teacher {} + activations ≈ {} = ≈ {}\n",
                          dry_bytes_text(g["candidates_bytes"].get<double>()), dry_bytes_text(g["teacher_bytes"].get<double>()),
                          dry_bytes_text(g["activations_bytes_estimate"].get<double>()), dry_bytes_text(g["total_bytes_estimate"].get<double>()));
+        if (g.value("recompute", false)) {
+            s += fmt::format("  activation checkpointing on (--recompute {}): each layer keeps its input and runs again in the "
+                             "backward; every layer's activations would take ≈ {}\n",
+                             g["recompute_option"].get<std::string>(),
+                             dry_bytes_text(g["activations_all_layers_bytes_estimate"].get<double>()));
+        }
     }
     if (p.contains("experts")) {
         const auto & e = p["experts"];

@@ -1389,6 +1389,10 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
 
 int64_t activation_bytes_estimate(int64_t tokens, int64_t io_per_token) { return 6 * tokens * io_per_token; }
 
+int64_t activation_bytes_recomputed(int64_t tokens, int64_t n_embd, int64_t n_layer, int64_t all_layers_bytes) {
+    return 2 * tokens * n_embd * n_layer + all_layers_bytes / std::max<int64_t>(1, n_layer);
+}
+
 bool resolve_recompute(const std::string & mode, int64_t activation_bytes, int64_t free_bytes) {
     if (mode == "on" || mode == "off") {
         return mode == "on";

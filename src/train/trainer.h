@@ -170,6 +170,11 @@ residency_plan plan_residency(const std::vector<tensor_menu> & menus, const std:
 /// Qwen3-0.6B step; the whole Llama-3-8B shape measured 3.5 bytes: docs/BENCHMARKS.md), in bytes.
 int64_t activation_bytes_estimate(int64_t tokens, int64_t io_per_token);
 
+/// The same activations with each layer recomputed in the backward (activation checkpointing): every layer's input,
+/// tokens × n_embd in bf16 (2 bytes), plus one layer's share of `all_layers_bytes` (activation_bytes_estimate), in
+/// bytes. n_layer ≥ 1.
+int64_t activation_bytes_recomputed(int64_t tokens, int64_t n_embd, int64_t n_layer, int64_t all_layers_bytes);
+
 /// Whether training recomputes each layer in the backward (activation checkpointing): `mode` "on" or "off" as given;
 /// "auto": on when the device is a GPU (`free_bytes` > 0: its memory less the teacher's weights, the candidates on it
 /// and the loss's logits) and activation_bytes_estimate exceeds free_bytes; never on the CPU (free_bytes = 0).
