@@ -95,19 +95,25 @@ private:
 
 int main(int argc, char ** argv) try {
     if (argc != 4 && argc != 5) {
-        std::cerr << "usage: voodoo-dist-worker MODEL OUT.json STEPS [layers|tp|tp-without-f]\n";
+        std::cerr << "usage: voodoo-dist-worker MODEL OUT.json STEPS [layers|tp|tp-without-f][-recompute]\n";
         return 2;
     }
     torch::set_num_threads(1);
     const gguf_file file(argv[1]);
     const int steps = std::stoi(argv[3]);
-    const std::string mode = argc == 5 ? argv[4] : "layers";
+    std::string mode = argc == 5 ? argv[4] : "layers";
+    // "-recompute": every forward of the student recomputes its layers in the backward (blocks.h run_layer).
+    const bool recompute = mode.ends_with("-recompute");
+    if (recompute) {
+        mode.resize(mode.size() - std::string("-recompute").size());
+    }
     if (mode != "layers" && mode != "tp" && mode != "tp-without-f") {
         std::cerr << "voodoo-dist-worker: MODE must be layers, tp or tp-without-f, not '" << mode << "'\n";
         return 2;
     }
     const bool tensor_parallel = mode != "layers";
     auto model = build_model(file);
+    model->set_recompute_layers(recompute);
     const model_hparams hp = model->hparams();  // the whole model's, before any split
     gguf_weights teacher_full(file);
 

@@ -329,6 +329,39 @@ TEST(dist, tensor_parallel_gloo_processes_give_the_single_process_losses_gradien
     }
 }
 
+TEST(dist, ranks_that_recompute_their_layers_give_the_single_process_gradients_bit_for_bit_with_layers_and_within_the_bound_with_tp) {
+    if (!dist::have_gloo()) {
+        GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";
+    }
+    // Activation checkpointing under both kinds of parallelism: a layer-sharded rank recomputes its layers from the
+    // stream it received; a tensor-parallel rank recomputes its shard of every layer, all-reducing again in the
+    // backward's forward, in the same order on every rank. The single process recomputes too (the same numbers as
+    // without: arch_recompute), so the comparisons are the ones of the tests above.
+    test::temp_dir dir;
+    write_fixture(small_fixture("llama", true, 4), dir.file("tied.gguf"));
+    {
+        test::temp_dir work;
+        const auto [a, b] = single_and_sharded(dir.file("tied.gguf"), 2, work, "layers-recompute");
+        ASSERT_FALSE(a.is_null());
+        ASSERT_FALSE(b.is_null());
+        EXPECT_EQ(b["ranks"], 2);
+        EXPECT_EQ(a["losses"], b["losses"]);
+        EXPECT_EQ(a["grads"], b["grads"]);
+        EXPECT_EQ(a["recipe"], b["recipe"]);
+    }
+    {
+        test::temp_dir work;
+        const auto [a, b] = single_and_sharded(dir.file("tied.gguf"), 2, work, "tp-recompute");
+        ASSERT_FALSE(a.is_null());
+        ASSERT_FALSE(b.is_null());
+        const tp_comparison c = compare_tp(a, b, 2);
+        EXPECT_LE(c.worst_loss, 1.0);
+        EXPECT_EQ(c.grads_over, 0) << "worst |Δ| / bound " << c.worst_grad;
+        EXPECT_GT(c.grads, 0);
+        EXPECT_EQ(a["recipe"], b["recipe"]);
+    }
+}
+
 TEST(dist, the_summation_bound_catches_tensor_parallelism_without_megatrons_f) {
     if (!dist::have_gloo()) {
         GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";
