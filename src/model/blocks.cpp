@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 
+#include <torch/csrc/autograd/engine.h>
 #include <torch/version.h>
 
 #include <fmt/format.h>
@@ -47,6 +48,12 @@ public:
 
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext * c,
                                                    torch::autograd::variable_list grads) {
+        // The recomputed layer's gradients reach the gates through their .grad (as torch.utils.checkpoint's reentrant
+        // variant): a backward that asks for gradients of chosen inputs only (autograd::grad) would not see them.
+        if (!torch::autograd::Engine::get_default_engine().is_checkpoint_valid()) {
+            fail("activation checkpointing (--recompute) needs a plain backward (torch::autograd::backward); a backward "
+                 "for chosen inputs (autograd::grad) would lose the recomputed layers' gradients: turn --recompute off");
+        }
         const torch::Tensor x = c->get_saved_variables()[0];
         const auto replay = c10::static_intrusive_pointer_cast<layer_replay>(c->saved_data["replay"].toCapsule());
         const bool x_grad = c->saved_data["x_requires_grad"].toBool();

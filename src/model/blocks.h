@@ -100,15 +100,18 @@ struct forward_context {
 /// its weights through the context it is given. It must not keep the context or the input beyond the call.
 using layer_body = std::function<torch::Tensor(forward_context & ctx, const torch::Tensor & x)>;
 
-/// body(ctx, x), with activation checkpointing when ctx.recompute is set, autograd is recording and the forward has
-/// no observer, forced experts or routing log (the probes and the parity check, which must see each product once):
+/// body(ctx, x), with activation checkpointing when ctx.recompute is set, autograd is recording (the probes and the
+/// selection run without it) and the forward has no observer, forced experts or routing log (the imatrix and the
+/// parity check, which must see each product once):
 /// the layer runs without autograd and only x is kept; the backward runs it again from x with autograd, at the same
 /// random draws of the weight source (weight_source::draw_state), and backpropagates through it. The values and
 /// gradients are those of the plain forward (the same operations on the same inputs); the memory the backward needs is
 /// the layers' inputs plus one layer's activations instead of every layer's, for one more forward of each layer
 /// (Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"; torch.utils.checkpoint's reentrant variant).
-/// `body` and what it captures must outlive the backward (capture by value). The backward needs x or the weights
-/// to require gradients for the gates to get theirs (always so in training: the gates are leaves).
+/// `body` and what it captures must outlive the backward (capture by value), and so must ctx.w, whose settings
+/// (temperature, seeds, routing mode) must not change before the backward: only its draw counters are set back.
+/// The gradients reach leaves through their .grad, so the backward must be a plain one (torch::autograd::backward);
+/// under autograd::grad the backward throws voodoo::error rather than lose them.
 torch::Tensor run_layer(forward_context & ctx, const torch::Tensor & x, layer_body body);
 
 /// "blk.<il>.<name>": the GGUF name of a layer's tensor.

@@ -17,7 +17,8 @@ public:
 
     /// tokens [B, T] int64 (ids < n_vocab; every sequence starts at position 0) → logits [B, T, n_vocab] f32,
     /// on tokens' device: head(hidden(tokens)). Holds no autograd state of its own: gradients flow only into
-    /// what `w` returns. Throws voodoo::error when tokens is not [B, T] int64 or an id is out of range.
+    /// what `w` returns. With set_recompute_layers, the graph refers to this model and to `w` until the backward,
+    /// which asks `w` for the layers' weights again: both must outlive it, and `w`'s settings must not change before. Throws voodoo::error when tokens is not [B, T] int64 or an id is out of range.
     torch::Tensor forward(const torch::Tensor & tokens, weight_source & w);
 
     /// The last hidden states, after the output norm: tokens [B, T] → [B, T, n_embd] in the compute dtype.

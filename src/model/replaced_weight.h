@@ -29,6 +29,9 @@ public:
     torch::Tensor product_with(const std::string & name, const torch::Tensor & x, const torch::Tensor & w) override {
         return base_.product_with(name, x, w);
     }
+    /// The base's draws (a recomputed layer sets them back: blocks.h run_layer).
+    std::vector<uint64_t> draw_state() const override { return base_.draw_state(); }
+    void set_draw_state(const std::vector<uint64_t> & state) override { base_.set_draw_state(state); }
 
 private:
     weight_source & base_;

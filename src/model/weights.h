@@ -56,7 +56,8 @@ public:
     /// The position of the random draws that get/rows/experts/product_with make (the gated student's Gumbel noise
     /// and per-token routes; empty for sources that draw nothing). Recomputing a layer in the backward
     /// (blocks.h run_layer) sets it back to where the layer's forward began, so the recomputed layer sees the same
-    /// draws as the forward it replaces, then restores it.
+    /// draws as the forward it replaces, then restores it. Only the counters: the seeds and modes the draws depend on
+    /// must stay as they were until the backward (the trainer sets them once per step).
     virtual std::vector<uint64_t> draw_state() const { return {}; }
     virtual void set_draw_state(const std::vector<uint64_t> & state) { (void)state; }
 };

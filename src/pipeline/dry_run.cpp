@@ -16,6 +16,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -420,11 +421,13 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
         // has beside the teacher, the GPU-resident candidates and the logits; with it, each layer keeps its input only.
         int64_t n_embd = 0, n_layer = 0;
         for (const gguf_tensor & t : src.tensors()) {
-            if (t.name == "token_embd.weight") {
+            if (t.name == "token_embd.weight" || (n_embd == 0 && t.name == "output.weight")) {
                 n_embd = t.ne[0];
             }
-            if (t.name.starts_with("blk.")) {
-                n_layer = std::max<int64_t>(n_layer, std::stoll(t.name.substr(4, t.name.find('.', 4) - 4)) + 1);
+            int64_t il = -1;
+            if (t.name.starts_with("blk.") &&
+                std::from_chars(t.name.data() + 4, t.name.data() + t.name.size(), il).ec == std::errc()) {
+                n_layer = std::max<int64_t>(n_layer, il + 1);
             }
         }
         const double on_gpu = cand - (reference ? 0.0 : static_cast<double>(rp.host_bytes));

@@ -1179,9 +1179,19 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const int64_t act = activation_bytes_estimate(static_cast<int64_t>(o.batch) * seq, io_per_token);
         const int64_t logits = 3 * loss_chunk * model->hparams().n_vocab * 4;
         const int64_t total = device.is_cuda() ? device_total_memory(device) : 0;
-        const int64_t free_bytes = total > 0 ? std::max<int64_t>(1, total - teacher_bytes - candidate_device_bytes - logits) : 0;
+        // The source's own device copies, when the teacher is another file (else one set serves both).
+        int64_t source_bytes = 0;
+        if (teacher_own) {
+            for (const gguf_tensor & t : src.tensors()) {
+                source_bytes += t.n_elements() * (t.n_dims >= 2 ? 2 : 4);
+            }
+        }
+        const int64_t free_bytes =
+            total > 0 ? std::max<int64_t>(1, total - teacher_bytes - source_bytes - candidate_device_bytes - logits) : 0;
         // Tensor-parallel ranks communicate inside their layers, so they must all recompute or none: on when any would.
-        const bool recompute = !every_rank_has(!resolve_recompute(o.recompute, act, free_bytes));
+        // Layer-sharded ranks each decide for their own layers.
+        const bool mine = resolve_recompute(o.recompute, act, free_bytes);
+        const bool recompute = tensor_parallel ? !every_rank_has(!mine) : mine;
         (tensor_parallel ? *tp_model : *model).set_recompute_layers(recompute);
         if (recompute || o.recompute != "auto") {
             fmt::print(stderr, "voodoo: activation checkpointing {} ({}: the activations of {} × {} tokens ≈ {:.1f} GiB{})\n",
