@@ -973,3 +973,18 @@ TEST(arch_recompute, every_architecture_gives_the_same_loss_and_every_weights_gr
         EXPECT_GE(again.gets - plain.gets, 5 * n_layer) << "plain " << plain.gets << ", recomputed " << again.gets;
     }
 }
+
+TEST(arch_recompute, a_backward_for_chosen_inputs_is_refused_rather_than_losing_the_recomputed_layers_gradients) {
+    // The recomputed layers' gradients reach the leaves through .grad (a plain backward). autograd::grad asks for the
+    // gradients of chosen inputs only (here the embedding, below every layer) and would lose what the recomputed layers
+    // give the leaves: refused.
+    const gguf_file file(test::stories260k());
+    auto model = build_model(file);
+    model->set_recompute_layers(true);
+    gguf_weights base(file);
+    leaf_weights w(base);
+    const torch::Tensor tokens = torch::randint(model->hparams().n_vocab, {1, 8}, torch::kLong);
+    const torch::Tensor loss = model->forward(tokens, w).square().mean();
+    const std::string e = test::error_of([&] { torch::autograd::grad({loss}, {w.leaves.at("token_embd.weight")}); });
+    EXPECT_NE(e.find("--recompute"), std::string::npos) << e;
+}
