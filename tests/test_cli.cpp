@@ -358,6 +358,16 @@ TEST(cli, quantize_killed_with_sigkill_in_any_stage_then_run_again_makes_the_sam
     }
     const auto times = nlohmann::json::parse(voodoo::test::read_file(work + "/times.json"));
     const int train_ms = static_cast<int>(1000 * times["train"].get<double>());
+    // Host memory by stage: the peak so far at each stage's end never falls, and the train stage (a child process
+    // holding the model and its candidates) leaves one above the job's start.
+    const auto & rss = times.at("max_rss_bytes_at_stage_end");
+    int64_t last = 0;
+    for (const char * stage : {"data", "imatrix", "target", "train", "export", "baselines", "eval", "card"}) {
+        ASSERT_TRUE(rss.contains(stage)) << stage;
+        EXPECT_GE(rss[stage].get<int64_t>(), last) << stage;
+        last = rss[stage].get<int64_t>();
+    }
+    EXPECT_GT(rss["train"].get<int64_t>(), int64_t{1} << 20);
 
     struct point {
         std::string header;

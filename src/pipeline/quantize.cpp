@@ -37,6 +37,7 @@
 #include <set>
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -50,7 +51,18 @@ namespace fs = std::filesystem;
 struct stage_mark {
     std::string name;
     std::chrono::steady_clock::time_point at;
+    int64_t max_rss_before = 0;  // max_rss_so_far() when the stage began: the previous stage's value at its end
 };
+
+// The largest resident set so far of this process or of any child it has waited for (the train stage's child), in
+// bytes: getrusage's ru_maxrss (KiB on Linux), RUSAGE_SELF and RUSAGE_CHILDREN. It never falls, so a stage whose
+// value at its end is above the previous stage's set a new peak.
+int64_t max_rss_so_far() {
+    rusage self{}, children{};
+    getrusage(RUSAGE_SELF, &self);
+    getrusage(RUSAGE_CHILDREN, &children);
+    return int64_t{1024} * std::max<int64_t>(self.ru_maxrss, children.ru_maxrss);
+}
 
 std::vector<stage_mark> & stage_marks() {
     static std::vector<stage_mark> marks;
@@ -58,7 +70,7 @@ std::vector<stage_mark> & stage_marks() {
 }
 
 void stage(const char * name, const std::string & what) {
-    stage_marks().push_back({name, std::chrono::steady_clock::now()});
+    stage_marks().push_back({name, std::chrono::steady_clock::now(), max_rss_so_far()});
     fmt::print(stderr, "== {}: {}\n", name, what);
 }
 
@@ -76,13 +88,21 @@ void report_stage_times(const std::string & work) {
         const double s = std::chrono::duration<double>(until - marks[i].at).count();
         j[marks[i].name] = j.value(marks[i].name, 0.0) + s;
     }
+    // Host memory by stage: max_rss_so_far() at each stage's end (the mark of the next, or now).
+    nlohmann::ordered_json rss = nlohmann::ordered_json::object();
+    for (size_t i = 0; i < marks.size(); ++i) {
+        rss[marks[i].name] = i + 1 < marks.size() ? marks[i + 1].max_rss_before : max_rss_so_far();
+    }
     const double total = std::chrono::duration<double>(end - marks.front().at).count();
     std::string line;
     for (const auto & [name, s] : j.items()) {
         line += fmt::format("{}{} {:.1f} s", line.empty() ? "" : " · ", name, s.get<double>());
     }
     j["total"] = total;
-    fmt::print(stderr, "== times: {} · total {:.1f} s ({})\n", line, total, (fs::path(work) / "times.json").string());
+    // Not a stage: readers that sum the stages skip it (it is an object, not seconds).
+    j["max_rss_bytes_at_stage_end"] = rss;
+    fmt::print(stderr, "== times: {} · total {:.1f} s, peak RSS {:.1f} GiB ({})\n", line, total,
+               static_cast<double>(max_rss_so_far()) / 1073741824.0, (fs::path(work) / "times.json").string());
     write_file_atomic((fs::path(work) / "times.json").string(), j.dump(2) + "\n");
     marks.clear();
 }
