@@ -49,6 +49,18 @@ train_options quick(const std::string & run_dir) {
     return o;
 }
 
+/// Compares two runs' log.jsonl line by line, every field but the timing (tokens_per_s) equal; returns the lines read.
+int same_log_lines(const std::string & path_a, const std::string & path_b) {
+    std::ifstream a(path_a), b(path_b);
+    int lines = 0;
+    for (std::string la, lb; std::getline(a, la) && std::getline(b, lb); ++lines) {
+        nlohmann::json ja = nlohmann::json::parse(la), jb = nlohmann::json::parse(lb);
+        ja.erase("tokens_per_s");
+        jb.erase("tokens_per_s");
+        EXPECT_EQ(ja, jb) << lines;
+    }
+    return lines;
+}
 
 }  // namespace
 
@@ -125,15 +137,7 @@ TEST(train, a_teacher_in_another_file_with_the_same_weights_trains_what_the_shar
     const train_result shared = train_gates(src, src, data.train(), nullptr, quick(dir.file("shared")));
     const train_result own = train_gates(src, teacher, data.train(), nullptr, quick(dir.file("own")));
     EXPECT_EQ(test::read_file(dir.file("shared/recipe.json")), test::read_file(dir.file("own/recipe.json")));
-    std::ifstream a(dir.file("shared/log.jsonl")), b(dir.file("own/log.jsonl"));
-    int lines = 0;
-    for (std::string la, lb; std::getline(a, la) && std::getline(b, lb); ++lines) {
-        nlohmann::json ja = nlohmann::json::parse(la), jb = nlohmann::json::parse(lb);
-        ja.erase("tokens_per_s");
-        jb.erase("tokens_per_s");
-        EXPECT_EQ(ja, jb) << lines;
-    }
-    EXPECT_EQ(lines, 8);
+    EXPECT_EQ(same_log_lines(dir.file("shared/log.jsonl"), dir.file("own/log.jsonl")), 8);
 }
 
 TEST(train, recomputing_the_layers_trains_the_same_log_and_recipe_bit_for_bit_with_gumbel_noise_and_routed_tokens) {
@@ -156,15 +160,7 @@ TEST(train, recomputing_the_layers_trains_the_same_log_and_recipe_bit_for_bit_wi
         run("recomputed", "on");
         EXPECT_EQ(test::read_file(dir.file(routing + "-plain/recipe.json")),
                   test::read_file(dir.file(routing + "-recomputed/recipe.json")));
-        std::ifstream a(dir.file(routing + "-plain/log.jsonl")), b(dir.file(routing + "-recomputed/log.jsonl"));
-        int lines = 0;
-        for (std::string la, lb; std::getline(a, la) && std::getline(b, lb); ++lines) {
-            nlohmann::json ja = nlohmann::json::parse(la), jb = nlohmann::json::parse(lb);
-            ja.erase("tokens_per_s");
-            jb.erase("tokens_per_s");
-            EXPECT_EQ(ja, jb) << lines;
-        }
-        EXPECT_EQ(lines, 8);
+        EXPECT_EQ(same_log_lines(dir.file(routing + "-plain/log.jsonl"), dir.file(routing + "-recomputed/log.jsonl")), 8);
     }
 }
 

@@ -634,10 +634,15 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
 
     // Whether the teacher fits the GPU at all: decided before any work.
-    int64_t teacher_bytes = 0;
-    for (const gguf_tensor & t : teacher.tensors()) {
-        teacher_bytes += t.n_elements() * (t.n_dims >= 2 ? 2 : 4);
-    }
+    // A file's weights as the GPU holds them: matrices in bf16, vectors in f32.
+    const auto device_copy_bytes = [](const gguf_file & f) {
+        int64_t n = 0;
+        for (const gguf_tensor & t : f.tensors()) {
+            n += t.n_elements() * (t.n_dims >= 2 ? 2 : 4);
+        }
+        return n;
+    };
+    const int64_t teacher_bytes = device_copy_bytes(teacher);
     const auto gib = [](int64_t n) { return static_cast<double>(n) / 1073741824.0; };
     if (path == mixture_path::fused) {
         const residency_plan plan = plan_residency(all_menus, o.candidates_on, device_total_memory(device), teacher_bytes);
@@ -1180,12 +1185,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const int64_t logits = 3 * loss_chunk * model->hparams().n_vocab * 4;
         const int64_t total = device.is_cuda() ? device_total_memory(device) : 0;
         // The source's own device copies, when the teacher is another file (else one set serves both).
-        int64_t source_bytes = 0;
-        if (teacher_own) {
-            for (const gguf_tensor & t : src.tensors()) {
-                source_bytes += t.n_elements() * (t.n_dims >= 2 ? 2 : 4);
-            }
-        }
+        const int64_t source_bytes = teacher_own ? device_copy_bytes(src) : 0;
         const int64_t free_bytes =
             total > 0 ? std::max<int64_t>(1, total - teacher_bytes - source_bytes - candidate_device_bytes - logits) : 0;
         // Tensor-parallel ranks communicate inside their layers, so they must all recompute or none: on when any would.
