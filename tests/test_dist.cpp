@@ -532,8 +532,10 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
         const auto two = run_two_ranks(args, out, "--parallel " + mode, "--parallel " + mode);
         ASSERT_EQ(two.exit_code, 0) << two.output;
         EXPECT_NE(two.output.find("rank 1 of 2 (cpu, gloo), --parallel " + mode), std::string::npos) << two.output;
-        // The probe's measurements split over the ranks (the same values: the layer-sharded log is equal bit for bit).
-        EXPECT_NE(two.output.find("probe: rank 1 of 2 measures"), std::string::npos) << two.output;
+        // The probe's measurements split over the ranks: with tp half the candidates each, with layers every
+        // candidate's forward rank to rank (the same values: the layer-sharded log is equal bit for bit).
+        EXPECT_NE(two.output.find(mode == "tp" ? "probe: rank 1 of 2 measures" : "probe: rank 1 of 2 runs layers ["),
+                  std::string::npos) << two.output;
         // The candidates' building split too: each rank quantizes half of them into the shared cache, then reads all.
         for (const char * r : {"candidates: rank 0 of 2 built ", "candidates: rank 1 of 2 built "}) {
             const size_t at = two.output.find(r);
@@ -546,7 +548,8 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
         }
         EXPECT_EQ(recipe_types(out + "/recipe.json"), recipe_types(dir.file("one/recipe.json")));
         // The selection's recipes, measured one by each rank in turn: the single process's KL values bit for bit.
-        EXPECT_NE(two.output.find("select: rank 1 of 2 measures "), std::string::npos) << two.output;
+        EXPECT_NE(two.output.find(mode == "tp" ? "select: rank 1 of 2 measures " : "select: rank 1 of 2 runs layers ["),
+                  std::string::npos) << two.output;
         const nlohmann::json sel_one = read_json(dir.file("one/selection.json")), sel_two = read_json(out + "/selection.json");
         ASSERT_EQ(sel_one.size(), sel_two.size());
         for (size_t i = 0; i < sel_one.size(); ++i) {
@@ -595,6 +598,64 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
     }
 }
 
+TEST(dist, layer_sharded_ranks_probe_and_select_rank_to_rank_reading_only_their_own_layers_and_give_the_single_process_values) {
+    if (!dist::have_gloo()) {
+        GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";
+    }
+    // With --parallel layers the probe's and the selection's forwards run rank to rank, so no rank reads another rank's
+    // layers (what lets a teacher larger than one GPU train): each rank reports the tensors it read, and together they
+    // are the file's, each once, but a tied embedding, which the first rank embeds with and the last rank's head
+    // reads. The probe's ΔKL, the selection's KL and the recipe are the single process's bit for bit. Two models: an
+    // untied head (stories260K, whose output.weight is probed on the last rank alone) and a tied one (a llama fixture,
+    // whose token_embd candidates the first and the last rank both read).
+    test::temp_dir dir;
+    write_calibration_text(dir.file("t.txt"));
+    fixture_spec spec;
+    spec.vocab_path = std::string(VOODOO_SOURCE_DIR) + "/.deps/llama.cpp/models/ggml-vocab-llama-spm.gguf";
+    spec.n_embd = 64;
+    spec.n_layer = 3;
+    spec.n_head = 2;
+    spec.n_head_kv = 1;
+    spec.head_dim = 32;
+    spec.n_ff = 128;
+    spec.weight_type = GGML_TYPE_F16;
+    spec.tied_output = true;
+    write_fixture(spec, dir.file("tied.gguf"));
+    for (const auto & [model, tied] : {std::pair{test::stories260k(), false}, std::pair{dir.file("tied.gguf"), true}}) {
+        SCOPED_TRACE(model);
+        const std::string data = dir.file(tied ? "d-tied" : "d");
+        const auto made = test::run_voodoo(fmt::format("data --model {} --text {} --ctx 64 --val-fraction 0.1 --out {}", model,
+                                                       dir.file("t.txt"), data));
+        ASSERT_EQ(made.exit_code, 0) << made.output;
+        const std::string args = fmt::format("train --model {} --data {} {} --menu Q4_0,Q8_0 --steps 3 "
+                                             "--probe-sequences 2 --select-sequences 2 -t 1", model, data,
+                                             tied ? "--ratio 0.8" : "--target-size 420000");
+        const std::string one = dir.file(tied ? "one-tied" : "one"), two = dir.file(tied ? "two-tied" : "two");
+        const auto single = test::run_shell(fmt::format("env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} --out {} 2>&1", VOODOO_BIN,
+                                                        args, one));
+        ASSERT_EQ(single.exit_code, 0) << single.output;
+        const auto ranks = run_two_ranks(args, two, "--parallel layers", "--parallel layers");
+        ASSERT_EQ(ranks.exit_code, 0) << ranks.output;
+        EXPECT_EQ(read_json(one + "/probe.json"), read_json(two + "/probe.json"));
+        EXPECT_EQ(read_json(one + "/selection.json"), read_json(two + "/selection.json"));
+        EXPECT_EQ(read_json(one + "/recipe.json")["tensors"], read_json(two + "/recipe.json")["tensors"]);
+        const size_t n_tensors = gguf_file(model).tensors().size();
+        size_t read_by_both = 0;
+        for (int r = 0; r < 2; ++r) {
+            const std::string head = fmt::format("rank {} of 2: read ", r);
+            const size_t at = ranks.output.find(head);
+            ASSERT_NE(at, std::string::npos) << ranks.output;
+            const size_t n = std::stoul(ranks.output.substr(at + head.size()));
+            const std::string rest = ranks.output.substr(at, ranks.output.find('\n', at) - at);
+            EXPECT_NE(rest.find(fmt::format(" of the source's {} tensors, each of its own layers, embedding or head", n_tensors)),
+                      std::string::npos) << rest;
+            EXPECT_LT(n, n_tensors) << rest;
+            read_by_both += n;
+        }
+        EXPECT_EQ(read_by_both, n_tensors + (tied ? 1 : 0)) << ranks.output;
+    }
+}
+
 TEST(dist, a_rank_keeps_on_its_device_only_the_candidates_of_its_layers_or_its_shards_and_trains_the_same_recipe) {
     if (!dist::have_gloo()) {
         GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";
@@ -634,7 +695,7 @@ TEST(dist, a_rank_keeps_on_its_device_only_the_candidates_of_its_layers_or_its_s
     }
 }
 
-TEST(dist, voodoo_imatrix_as_two_ranks_gives_the_single_process_counts_and_each_sum_within_one_f32_ulp) {
+TEST(dist, voodoo_imatrix_as_two_ranks_gives_the_single_process_counts_each_sum_within_one_f32_ulp_and_by_layers_bit_for_bit) {
     if (!dist::have_gloo()) {
         GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";
     }
@@ -674,6 +735,35 @@ TEST(dist, voodoo_imatrix_as_two_ranks_gives_the_single_process_counts_and_each_
     }
     EXPECT_GT(columns, 0);
     EXPECT_GT(equal, columns * 9 / 10) << equal << " of " << columns << " columns equal bit for bit";
+    // --parallel layers: every forward rank to rank (rank 0 the first layers, rank 1 the rest and the head), so each
+    // entry is summed on one rank in the single process's order and the all-reduce adds zeros: bit for bit.
+    {
+        const std::string by_layers = dir.file("layers.gguf");
+        const auto lay = run_two_ranks(args + " --parallel layers", by_layers, "", "");
+        ASSERT_EQ(lay.exit_code, 0) << lay.output;
+        EXPECT_NE(lay.output.find("rank 1 of 2: imatrix of layers ["), std::string::npos) << lay.output;
+        // Each rank read only its layers' tensors (and the embedding or the norm and head): together each once.
+        const size_t n_tensors = gguf_file(test::stories260k()).tensors().size();
+        size_t read_by_both = 0;
+        for (int r = 0; r < 2; ++r) {
+            const std::string head = fmt::format("rank {} of 2: read ", r);
+            const size_t at = lay.output.find(head);
+            ASSERT_NE(at, std::string::npos) << lay.output;
+            const size_t n = std::stoul(lay.output.substr(at + head.size()));
+            EXPECT_LT(n, n_tensors);
+            read_by_both += n;
+        }
+        EXPECT_EQ(read_by_both, n_tensors) << lay.output;
+        const imatrix c = read_imatrix(by_layers);
+        EXPECT_EQ(a.chunk_count, c.chunk_count);
+        ASSERT_EQ(a.entries.size(), c.entries.size());
+        for (const auto & [name, ea] : a.entries) {
+            SCOPED_TRACE(name);
+            ASSERT_TRUE(c.entries.count(name));
+            EXPECT_EQ(ea.counts, c.entries.at(name).counts);
+            EXPECT_EQ(ea.in_sum2, c.entries.at(name).in_sum2);
+        }
+    }
     // Ranks started with other options are refused on every rank (else their shares would not add up to any run's).
     const auto other = run_two_ranks(args, dir.file("other.gguf"), "", "--chunks 8", /*both_fail=*/true);
     EXPECT_EQ(other.exit_code, 0) << other.output;

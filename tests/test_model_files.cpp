@@ -248,19 +248,15 @@ TEST(cli, voodoo_fixture_writes_a_model_libllama_and_check_parity_accept) {
     EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
-TEST(model_weights, dropped_copies_are_made_again_with_the_same_values_and_only_those_not_kept_are_dropped) {
-    // Matrices converted to bf16 are kept (as a GPU teacher's are on the device); dropping those of layer 1 frees
-    // exactly their bytes, leaves layer 0's the same tensors, and a later get() makes layer 1's again bit for bit.
+TEST(model_weights, the_tensors_read_are_those_get_and_rows_served_and_no_other) {
+    // What a layer-sharded rank reports having read (trainer, tests/test_dist.cpp): every name get() or rows() served,
+    // once, sorted; a name that is not in the file is refused and not counted.
     const gguf_file src(test::stories260k());
     gguf_weights w(src, torch::kCPU, 1, torch::kBFloat16);
-    const torch::Tensor q0 = w.get("blk.0.attn_q.weight"), q1 = w.get("blk.1.attn_q.weight");
-    const torch::Tensor q1_copy = q1.clone();
-    ASSERT_EQ(q1.scalar_type(), torch::kBFloat16);
-    const int64_t dropped = w.drop_kept_copies([](const std::string & name) { return !name.starts_with("blk.1."); });
-    EXPECT_EQ(dropped, q1.numel() * 2);
-    EXPECT_TRUE(w.get("blk.0.attn_q.weight").is_same(q0));
-    const torch::Tensor again = w.get("blk.1.attn_q.weight");
-    EXPECT_FALSE(again.is_same(q1));
-    EXPECT_TRUE(torch::equal(again, q1_copy));
-    EXPECT_EQ(w.drop_kept_copies([](const std::string &) { return true; }), 0);
+    EXPECT_TRUE(w.tensors_read().empty());
+    w.get("blk.1.attn_q.weight");
+    w.get("blk.1.attn_q.weight");  // kept: served from the copy
+    w.rows("token_embd.weight", torch::tensor({3, 1}, torch::kLong));
+    EXPECT_THROW(w.get("blk.9.attn_q.weight"), error);
+    EXPECT_EQ(w.tensors_read(), (std::vector<std::string>{"blk.1.attn_q.weight", "token_embd.weight"}));
 }

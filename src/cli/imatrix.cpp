@@ -65,7 +65,9 @@ command add_imatrix(CLI::App & app) {
                 "  voodoo imatrix --model model.gguf --data data/ --chunks 64 --out imatrix.gguf\n"
                 "  voodoo imatrix --model model.gguf --show imatrix.dat     (check one made by llama-imatrix)\n"
                 "  torchrun --no-python --nproc-per-node 2 voodoo imatrix --model model.gguf --data data/ --device cuda \\\n"
-                "      --out imatrix.gguf     (the chunks split over 2 GPUs; --forward torch on the CPU)");
+                "      --out imatrix.gguf     (the chunks split over 2 GPUs; --forward torch on the CPU)\n"
+                "  torchrun --no-python --nproc-per-node 2 voodoo imatrix … --device cuda --parallel layers\n"
+                "                             (each GPU holds half the layers: a model larger than one GPU)");
     struct options {
         imatrix_options collect;
         std::string out;
@@ -73,6 +75,7 @@ command add_imatrix(CLI::App & app) {
         std::string device = "cpu";
         std::string forward = "auto";
         int64_t batch_tokens = 8192;
+        std::string parallel = "chunks";
         std::string json;
     };
     auto o = std::make_shared<options>();
@@ -95,6 +98,11 @@ command add_imatrix(CLI::App & app) {
     sub->add_option("--batch-tokens", o->batch_tokens,
                     "LibTorch forward: tokens per forward (whole chunks, at least one; the unit several ranks share out)")
         ->capture_default_str()->check(CLI::Range(int64_t{1}, std::numeric_limits<int64_t>::max()));
+    sub->add_option("--parallel", o->parallel,
+                    "Several ranks (torchrun's variables): chunks (each rank runs whole forwards of a share of the chunks; "
+                    "each column within one f32 ulp of one process's) or layers (every forward rank to rank, each rank "
+                    "holding only its own layers: a model larger than one GPU; one process's imatrix bit for bit)")
+        ->capture_default_str()->check(CLI::IsMember({"chunks", "layers"}));
     add_json_option(sub, o->json, "The summary");
     data->needs(out);
     out->needs(data);
@@ -135,7 +143,8 @@ command add_imatrix(CLI::App & app) {
                 fmt::print(stderr, "rank {} of {} ({}, {}): imatrix\n", env->rank, env->world_size, where.str(),
                            group->backend());
             }
-            im = torch_forward ? collect_imatrix_torch(o->collect, parse_train_device(o->device), o->batch_tokens, group.get())
+            im = torch_forward ? collect_imatrix_torch(o->collect, parse_train_device(o->device), o->batch_tokens, group.get(),
+                                                       o->parallel == "layers")
                                : collect_imatrix(o->collect);
             if (group && group->rank() != 0) {
                 return 0;  // rank 0 writes the file and the summary

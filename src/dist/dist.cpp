@@ -369,6 +369,48 @@ bool layer_shard_uses(const std::string & name, std::pair<int64_t, int64_t> laye
     return end == n_layer;
 }
 
+namespace {
+
+// l of "blk.l.…", else −1 (as layer_shard_uses reads it).
+int64_t layer_of_name(const std::string & name) {
+    if (!name.starts_with("blk.")) {
+        return -1;
+    }
+    const size_t dot = name.find('.', 4);
+    const std::string digits = name.substr(4, dot == std::string::npos ? std::string::npos : dot - 4);
+    if (digits.empty() || digits.find_first_not_of("0123456789") != std::string::npos || digits.size() > 9) {
+        return -1;
+    }
+    return std::stoll(digits);
+}
+
+}  // namespace
+
+int layer_pipeline::rank() const { return pg ? pg->rank() : 0; }
+int layer_pipeline::size() const { return pg ? pg->size() : 1; }
+
+bool layer_pipeline::uses(const std::string & name) const { return layer_shard_uses(name, mine(), n_layer, tied_head); }
+
+int layer_pipeline::start_of(const std::string & name) const {
+    const int64_t l = layer_of_name(name);
+    if (l >= 0) {
+        for (size_t r = 0; r < layers.size(); ++r) {
+            if (l >= layers[r].first && l < layers[r].second) {
+                return static_cast<int>(r);
+            }
+        }
+        fail("tensor '{}': layer {} is outside the pipeline's {} layers", name, l, n_layer);
+    }
+    return name == "output.weight" && !tied_head ? size() - 1 : 0;
+}
+
+int layer_pipeline::owner_of(const std::string & name) const {
+    if (layer_of_name(name) >= 0) {
+        return start_of(name);
+    }
+    return name.starts_with("token_embd") ? 0 : size() - 1;
+}
+
 void require_same_on_every_rank(process_group & pg, uint64_t value, const std::string & what) {
     // max(v) and max(~v) = ~min(v), as int64 bit patterns: equal everywhere exactly when max == min.
     torch::Tensor hi = torch::tensor({static_cast<int64_t>(value)}, torch::kLong);

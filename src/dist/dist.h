@@ -104,6 +104,30 @@ std::vector<std::pair<int64_t, int64_t>> balance_layers_of(const gguf_file & fil
 /// balance_layers_of weighs. A name "blk.<i>." whose i is not a number counts as no layer's (false).
 bool layer_shard_uses(const std::string & name, std::pair<int64_t, int64_t> layers, int64_t n_layer, bool tied_head);
 
+/// One rank's place in a pipeline of layer-sharded ranks (issue #17), for the forwards that are not training steps:
+/// the probe and the selection's recipes (train/probe.h), whose every forward then runs rank to rank, so a rank reads
+/// the teacher's and the candidates' weights of its own layers only. `layers` holds every rank's [first, end)
+/// (balance_layers_of), so any rank knows where a forward that changes one tensor starts.
+struct layer_pipeline {
+    process_group * pg = nullptr;
+    std::vector<std::pair<int64_t, int64_t>> layers;  // [rank] → [first, end), contiguous from 0 to n_layer
+    int64_t n_layer = 0;
+    bool tied_head = false;  // the head is token_embd (no output.weight)
+
+    int rank() const;
+    int size() const;
+    /// This rank's [first, end).
+    std::pair<int64_t, int64_t> mine() const { return layers.at(static_cast<size_t>(rank())); }
+    /// Whether this rank reads tensor `name` in a forward (layer_shard_uses).
+    bool uses(const std::string & name) const;
+    /// The rank where a forward that differs from the source's only in `name` must start: the rank of layer l for
+    /// "blk.l.…", the last rank for an untied head (output.weight: only the logits change), else the first.
+    int start_of(const std::string & name) const;
+    /// The one rank that counts `name` in a sum over ranks: the rank of its layer, the first rank for token_embd (also
+    /// used by the last when tied), the last for every other tensor.
+    int owner_of(const std::string & name) const;
+};
+
 /// Checks that every rank of `pg` passed the same `value` (a hash of its options and inputs; two collectives).
 /// Throws voodoo::error on every rank, naming `what`, when any two differ.
 void require_same_on_every_rank(process_group & pg, uint64_t value, const std::string & what);

@@ -294,10 +294,15 @@ void reduce_over_ranks(dist::process_group & pg, const gguf_file & file, std::ma
     }
 }
 
+// The stream one layer-sharded rank passes to the next.
+constexpr int imatrix_stream_tag = 31;
+
 }  // namespace
 
-imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, int64_t batch_tokens, dist::process_group * pg) {
+imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, int64_t batch_tokens, dist::process_group * pg,
+                              bool layers) {
     const int rank = pg ? pg->rank() : 0, ranks = pg ? pg->size() : 1;
+    const bool pipelined = layers && pg && ranks > 1;
     const token_data data(o.data_dir);
     data.require_vocab_of(o.model);
     const token_file & train = data.train();
@@ -309,10 +314,19 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
                                              XXH3_64bits(train.tokens().data(), train.tokens().size_bytes()));
         dist::require_same_on_every_rank(*pg, XXH3_64bits(same.data(), same.size()),
                                          "--chunks, --batch-tokens or the calibration chunks");
+        dist::require_same_on_every_rank(*pg, pipelined ? 1 : 0, "--parallel");
     }
 
     const gguf_file file(o.model);
     auto model = build_model(file);
+    // Layer sharding: this rank's layers, and every forward passes through every rank.
+    const std::pair<int64_t, int64_t> my_layers =
+        pipelined ? dist::balance_layers_of(file, ranks)[static_cast<size_t>(rank)]
+                  : std::pair<int64_t, int64_t>{0, model->hparams().n_layer};
+    if (pipelined) {
+        fmt::print(stderr, "rank {} of {}: imatrix of layers [{}, {}), every chunk's forward rank to rank\n", rank, ranks,
+                   my_layers.first, my_layers.second);
+    }
     gguf_weights w(file, device, o.n_threads);
     torch::NoGradGuard no_grad;
 
@@ -339,7 +353,8 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
         // This rank's forwards: the single process's j-th, for j ≡ rank (mod ranks); their first chunks.
         std::vector<int64_t> firsts;
         int64_t mine = 0, done = 0;
-        for (int64_t first = per_forward * rank; first < n_chunks; first += per_forward * ranks) {
+        const int64_t split = pipelined ? 1 : ranks, my_share = pipelined ? 0 : rank;
+        for (int64_t first = per_forward * my_share; first < n_chunks; first += per_forward * split) {
             firsts.push_back(first);
             mine += std::min(per_forward, n_chunks - first);
         }
@@ -354,16 +369,31 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
                 }
             }
             const torch::Tensor tokens = torch::tensor(ids, torch::kLong).reshape({n, ctx}).to(device);
-            const torch::Tensor h = model->hidden(tokens, w);
-            // The head on every position, one chunk at a time (libllama computes every chunk's logits: the
-            // head's entry counts every token), without keeping [n, ctx, n_vocab] logits at once.
-            for (int64_t i = 0; i < n; ++i) {
-                model->head(h[i], w);
+            torch::Tensor in;  // the first rank (or the one process) starts from the tokens
+            if (pipelined && rank > 0) {
+                in = torch::empty({n, ctx, model->hparams().n_embd},
+                                  torch::TensorOptions().dtype(model->compute_dtype()).device(device));
+                pg->recv(in, rank - 1, imatrix_stream_tag);
+            }
+            const torch::Tensor h = pipelined ? model->hidden_layers(tokens, in, my_layers.first, my_layers.second, w)
+                                              : model->hidden(tokens, w);
+            if (pipelined && rank < ranks - 1) {
+                pg->send(h, rank + 1, imatrix_stream_tag);
+            } else {
+                // The head on every position, one chunk at a time (libllama computes every chunk's logits: the
+                // head's entry counts every token), without keeping [n, ctx, n_vocab] logits at once.
+                for (int64_t i = 0; i < n; ++i) {
+                    model->head(h[i], w);
+                }
             }
             const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
             done += n;
             bar.add(n, fmt::format("{:.0f} tok/s", static_cast<double>(done * ctx) / std::max(s, 1e-9)));
         }
+    }
+    if (pipelined) {
+        fmt::print(stderr, "rank {} of {}: read {} of the model's {} tensors\n", rank, ranks, w.tensors_read().size(),
+                   file.tensors().size());
     }
     if (pg && ranks > 1) {
         reduce_over_ranks(*pg, file, sums, rows_seen, device);

@@ -51,7 +51,12 @@ imatrix collect_imatrix(const imatrix_options & options);
 /// the f64 sums differ from it only in the order of at most n_forwards additions of non-negative terms (relative
 /// error ≤ γ_n in f64, Higham), far below half an f32 ulp, so each rounded column is the single process's or one
 /// f32 ulp from it.
+/// With `layers` true (`--parallel layers`: a model larger than one GPU) every forward runs rank to rank instead:
+/// rank r holds the contiguous layers dist::balance_layers_of gives it (the first rank the embedding, the last the
+/// output norm and the head), reads no other weights, runs its layers on the stream the rank before sent and passes
+/// the result on. Each entry is then summed by one rank in the single process's order, and the all-reduce adds only
+/// zeros to it: the single process's imatrix bit for bit (tests/test_dist.cpp).
 imatrix collect_imatrix_torch(const imatrix_options & options, torch::Device device, int64_t batch_tokens = 8192,
-                              dist::process_group * pg = nullptr);
+                              dist::process_group * pg = nullptr, bool layers = false);
 
 }  // namespace voodoo

@@ -60,11 +60,14 @@ torch::Tensor gguf_weights::host_tensor(const std::string & name) {
     return out;
 }
 
+std::vector<std::string> gguf_weights::tensors_read() const { return {read_.begin(), read_.end()}; }
+
 torch::Tensor gguf_weights::get(const std::string & name) {
     if (auto it = cache_.find(name); it != cache_.end()) {
         return it->second;
     }
     const gguf_tensor & t = file_.tensor(name);
+    read_.insert(name);
     torch::Tensor host = host_tensor(name);
     const bool convert = matrix_dtype_ && t.n_dims >= 2 && host.scalar_type() != *matrix_dtype_;
     if (device_.is_cpu() && is_float_type(t.type) && !convert) {
@@ -75,21 +78,9 @@ torch::Tensor gguf_weights::get(const std::string & name) {
     return kept;
 }
 
-int64_t gguf_weights::drop_kept_copies(const std::function<bool(const std::string &)> & keep) {
-    int64_t bytes = 0;
-    for (auto it = cache_.begin(); it != cache_.end();) {
-        if (keep(it->first)) {
-            ++it;
-            continue;
-        }
-        bytes += it->second.numel() * static_cast<int64_t>(it->second.element_size());
-        it = cache_.erase(it);
-    }
-    return bytes;
-}
-
 torch::Tensor gguf_weights::rows(const std::string & name, const torch::Tensor & ids) {
     const gguf_tensor & t = file_.tensor(name);
+    read_.insert(name);
     if (t.n_dims != 2) {
         fail("'{}': rows() of tensor '{}' needs a 2-D tensor, it has shape {}", file_.path(), name,
              shape_str(t.shape()));

@@ -6,6 +6,7 @@
 #include <optional>
 #include <string>
 #include <functional>
+#include <set>
 #include <unordered_map>
 
 namespace voodoo {
@@ -36,10 +37,9 @@ public:
 
     const gguf_file & file() const { return file_; }
 
-    /// Drops the kept copies (device copies, dequantized or converted tensors) of every tensor for which `keep` is
-    /// false; a later get() or rows() of one makes it again, the same values. Returns the bytes dropped (tensors no
-    /// one else holds are then freed). For a layer-sharded rank, whose training reads only its own layers.
-    int64_t drop_kept_copies(const std::function<bool(const std::string &)> & keep);
+    /// The names of the tensors get() or rows() has served since construction, sorted: what this object read (a
+    /// layer-sharded rank reads only its own layers', tests/test_dist.cpp).
+    std::vector<std::string> tensors_read() const;
 
 private:
     /// The tensor on the CPU: a view of the map (float types) or a dequantized copy.
@@ -50,6 +50,7 @@ private:
     int n_threads_;
     std::optional<torch::ScalarType> matrix_dtype_;
     std::unordered_map<std::string, torch::Tensor> cache_;  // dequantized or device copies
+    std::set<std::string> read_;                             // tensors_read()
 };
 
 /// The torch dtype ggml type `type` is kept as: kFloat, kHalf or kBFloat16 for F32/F16/BF16 (the same

@@ -324,12 +324,14 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
 }
 
 // `exe imatrix …` on a GPU in a child process, for the reason train_in_child gives; with ranks > 1 as that many
-// torchrun-style ranks, each running a share of the chunks (issue #17), rank r > 0 logging to `<out>.rank<r>.log`.
+// torchrun-style ranks (issue #17), each running a share of the chunks, or with `layers` (--parallel layers) each its
+// share of the layers of every chunk's forward; rank r > 0 logging to `<out>.rank<r>.log`.
 void imatrix_in_child(const std::string & exe, const imatrix_options & io, const std::string & device,
-                      const std::string & out, int ranks) {
+                      const std::string & out, int ranks, bool layers) {
     const std::vector<std::string> args = {exe, "imatrix", "--model", io.model, "--data", io.data_dir, "--out", out,
                                            "--chunks", fmt::format("{}", io.max_chunks), "--threads",
-                                           fmt::format("{}", io.n_threads), "--device", device, "--forward", "torch"};
+                                           fmt::format("{}", io.n_threads), "--device", device, "--forward", "torch",
+                                           "--parallel", layers ? "layers" : "chunks"};
     if (ranks > 1) {
         run_ranks(args, ranks, out + ".rank", fmt::format("imatrix stage ('{} imatrix' as {} ranks on {})", exe, ranks, device),
                   "the imatrix stage was stopped; run the same command again");
@@ -987,7 +989,7 @@ quantize_result run_quantize(const quantize_options & opts) {
             if (o.train.device == "cpu") {
                 write_imatrix_gguf(imatrix_path, collect_imatrix(io));
             } else if (!o.train_exe.empty()) {
-                imatrix_in_child(o.train_exe, io, o.train.device, imatrix_path, o.gpus);
+                imatrix_in_child(o.train_exe, io, o.train.device, imatrix_path, o.gpus, o.train.parallel == "layers");
             } else {
                 write_imatrix_gguf(imatrix_path, collect_imatrix_torch(io, parse_train_device(o.train.device)));
             }

@@ -3,6 +3,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "common/progress.h"
+#include "dist/dist.h"
 #include "ggml/types.h"
 #include "model/replaced_weight.h"
 #include "train/candidates.h"
@@ -14,7 +15,9 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <limits>
+#include <optional>
 #include <unordered_map>
 
 #define XXH_INLINE_ALL
@@ -163,13 +166,167 @@ private:
     torch::Tensor final_;
 };
 
+// Layer sharding (issue #17): a stream [B, T, n_embd] in the model's compute dtype on the tokens' device, the shape
+// of what one rank passes to the next.
+torch::Tensor empty_stream(causal_lm & model, const torch::Tensor & tokens) {
+    return torch::empty({tokens.size(0), tokens.size(1), model.hparams().n_embd},
+                        torch::TensorOptions().dtype(model.compute_dtype()).device(tokens.device()));
+}
+
+// Messages between neighbouring ranks of the probe's pipeline (Gloo tells them apart; NCCL keeps their order).
+enum : int { teacher_stream_tag = 21, source_stream_tag = 22, candidate_stream_tag = 23 };
+
+// One forward of `w` rank to rank: this rank's layers on the stream received from the rank before (the first rank from
+// the tokens), passed on to the next. Returns this rank's result: on the last rank hidden(tokens, w) bit for bit.
+torch::Tensor pipeline_hidden(causal_lm & model, const torch::Tensor & tokens, weight_source & w,
+                              const dist::layer_pipeline & p, int tag) {
+    const int rank = p.rank(), size = p.size();
+    const auto [first, end] = p.mine();
+    torch::Tensor in;
+    if (rank > 0) {
+        in = empty_stream(model, tokens);
+        p.pg->recv(in, rank - 1, tag);
+    }
+    torch::Tensor out = model.hidden_layers(tokens, in, first, end, w);
+    if (rank < size - 1) {
+        p.pg->send(out, rank + 1, tag);
+    }
+    return out;
+}
+
+// source_streams for one rank of a pipeline: the source model's stream entering every `stride`-th of this rank's
+// layers (counted from its first), and what its last layer gives (on the last rank, the output norm's result).
+class rank_streams {
+public:
+    rank_streams(causal_lm & model, const torch::Tensor & tokens, weight_source & dense, const dist::layer_pipeline & p,
+                 int64_t max_bytes)
+        : range_(p.mine()) {
+        const auto [first, end] = range_;
+        const int64_t per_layer = tokens.numel() * model.hparams().n_embd * torch::elementSize(model.compute_dtype());
+        stride_ = std::max<int64_t>(1, (per_layer * (end - first) + max_bytes - 1) / std::max<int64_t>(1, max_bytes));
+        torch::Tensor x;
+        if (p.rank() > 0) {
+            x = empty_stream(model, tokens);
+            p.pg->recv(x, p.rank() - 1, source_stream_tag);
+        }
+        for (int64_t a = first; a < end; a += stride_) {
+            at_.push_back(x);
+            x = model.hidden_layers(tokens, x, a, std::min(end, a + stride_), dense);
+        }
+        if (p.rank() < p.size() - 1) {
+            p.pg->send(x, p.rank() + 1, source_stream_tag);
+        }
+        last_ = x;
+    }
+    // This rank's part of the forward of `w` that differs from the source's from layer l on (l in this rank's range),
+    // from the kept stream at or below l.
+    torch::Tensor from_layer(causal_lm & model, const torch::Tensor & tokens, int64_t l, weight_source & w) const {
+        const int64_t j = (l - range_.first) / stride_;
+        return model.hidden_layers(tokens, at_[static_cast<size_t>(j)], range_.first + j * stride_, range_.second, w);
+    }
+    const torch::Tensor & last() const { return last_; }
+
+private:
+    std::pair<int64_t, int64_t> range_;
+    int64_t stride_ = 1;
+    std::vector<torch::Tensor> at_;
+    torch::Tensor last_;
+};
+
+// "blk.l.…" → l, else −1.
+int64_t layer_of_tensor(const std::string & name) { return source_streams::layer_of(name); }
+
+// Every rank's values of `out` where `measured` is true, from the one rank that computed each (`mine`): one all-reduce
+// adds only zeros to each value, so every rank ends with the computing rank's bits.
+void gather_measured(dist::process_group & pg, std::vector<std::vector<double>> & out,
+                     const std::function<bool(size_t, size_t)> & measured, const std::function<bool(size_t, size_t)> & mine) {
+    std::vector<double> flat;
+    for (size_t i = 0; i < out.size(); ++i) {
+        for (size_t k = 0; k < out[i].size(); ++k) {
+            flat.push_back(measured(i, k) && mine(i, k) ? out[i][k] : 0.0);
+        }
+    }
+    std::vector<torch::Tensor> all{torch::tensor(flat, torch::kDouble)};
+    pg.all_reduce_sum(all);
+    const double * v = all[0].data_ptr<double>();
+    for (size_t i = 0, at = 0; i < out.size(); ++i) {
+        for (size_t k = 0; k < out[i].size(); ++k, ++at) {
+            if (measured(i, k)) {
+                out[i][k] = v[at];
+            }
+        }
+    }
+}
+
+// probe_sensitivity over a pipeline of layer-sharded ranks (its doc comment says how).
+std::vector<std::vector<double>> probe_pipelined(causal_lm & model, weight_source & dense, weight_source & teacher,
+                                                 const std::vector<gated_tensor> & gated, const torch::Tensor & tokens,
+                                                 torch::Device device, int64_t chunk,
+                                                 const std::function<bool(size_t, size_t)> & wanted,
+                                                 std::vector<std::vector<double>> out, int64_t stream_bytes,
+                                                 const dist::layer_pipeline & p) {
+    const int rank = p.rank(), last = p.size() - 1;
+    int64_t n_mine = 0;  // the candidates whose forward passes through this rank
+    for (size_t i = 0; i < gated.size(); ++i) {
+        for (size_t k = 0; k < gated[i].types.size(); ++k) {
+            n_mine += wanted(i, k) && p.start_of(gated[i].tensor->name) <= rank;
+        }
+    }
+    const torch::Tensor h_t = pipeline_hidden(model, tokens, teacher, p, teacher_stream_tag);
+    const rank_streams streams(model, tokens, dense, p, stream_bytes);
+    std::optional<teacher_logp> t_logp;
+    double base = 0;
+    auto kl = [&](const torch::Tensor & h_s, weight_source & w) {
+        return t_logp->cached() ? t_logp->kl(model, h_s, w) : kl_of(model, h_s, w, h_t, teacher, tokens, chunk);
+    };
+    if (rank == last) {
+        t_logp.emplace(model, h_t, teacher, chunk);
+        base = kl(streams.last(), dense);
+    }
+    progress bar("probe", n_mine, "cand");
+    replaced_weight swap(dense);
+    for (size_t i = 0; i < gated.size(); ++i) {
+        const gated_tensor & g = gated[i];
+        const std::string & name = g.tensor->name;
+        const int start = p.start_of(name);
+        for (size_t k = 0; k < g.types.size(); ++k) {
+            if (!wanted(i, k) || rank < start) {
+                continue;
+            }
+            swap.set(name, p.uses(name) ? candidate_weights(g, k, device).view(torch_shape(g)) : torch::Tensor());
+            torch::Tensor h;
+            if (rank > start) {
+                torch::Tensor in = empty_stream(model, tokens);
+                p.pg->recv(in, rank - 1, candidate_stream_tag);
+                h = model.hidden_layers(tokens, in, p.mine().first, p.mine().second, swap);
+            } else if (const int64_t l = layer_of_tensor(name); l >= 0) {
+                h = streams.from_layer(model, tokens, l, swap);
+            } else if (rank == last && start == last) {
+                h = streams.last();  // an untied head: only the logits change
+            } else {
+                h = model.hidden_layers(tokens, torch::Tensor(), 0, p.mine().second, swap);  // the embedding
+            }
+            if (rank < last) {
+                p.pg->send(h, rank + 1, candidate_stream_tag);
+            } else {
+                out[i][k] = kl(h, swap) - base;
+            }
+            bar.add(1);
+        }
+    }
+    bar.finish();
+    gather_measured(*p.pg, out, wanted, [&](size_t, size_t) { return rank == last; });
+    return out;
+}
+
 }  // namespace
 
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
                                                    const torch::Tensor & tokens, torch::Device device, int64_t chunk,
                                                    torch::ScalarType dtype,
-                                                   const std::vector<std::vector<bool>> * measure, int64_t stream_bytes) {
+                                                   const std::vector<std::vector<bool>> * measure, int64_t stream_bytes,
+                                                   const dist::layer_pipeline * pipe) {
     if (measure && measure->size() != gated.size()) {
         fail("probe_sensitivity: a plan of {} tensors for {} gated tensors", measure->size(), gated.size());
     }
@@ -187,6 +344,10 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
     }
     torch::NoGradGuard no_grad;
     dtype_scope scope(model, dtype);
+    if (pipe && pipe->size() > 1) {
+        return probe_pipelined(model, dense, teacher, gated, tokens, device, chunk, wanted, std::move(out), stream_bytes,
+                               *pipe);
+    }
     const torch::Tensor h_t = model.hidden(tokens, teacher);
     const teacher_logp t_logp(model, h_t, teacher, chunk);
     const source_streams streams(model, tokens, dense, stream_bytes);
@@ -211,10 +372,17 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
 }
 
 std::vector<std::vector<double>> weighted_errors(weight_source & dense, const std::vector<gated_tensor> & gated,
-                                                 const importance_map * importance, torch::Device device) {
+                                                 const importance_map * importance, torch::Device device,
+                                                 const dist::layer_pipeline * pipe) {
     torch::NoGradGuard no_grad;
     std::vector<std::vector<double>> out;
+    const bool split = pipe && pipe->size() > 1;
+    const auto owned = [&](size_t i) { return !split || pipe->owner_of(gated[i].tensor->name) == pipe->rank(); };
     for (const gated_tensor & g : gated) {
+        if (!owned(out.size())) {
+            out.emplace_back(g.types.size(), 0.0);  // another rank's: its values come with the all-reduce below
+            continue;
+        }
         const int64_t ne0 = g.tensor->ne[0];
         const int64_t experts = g.tensor->n_dims >= 3 ? g.tensor->ne[2] : 1;
         const torch::Tensor w = dense.get(g.tensor->name).to(device, torch::kFloat).reshape({experts, -1, ne0});
@@ -229,6 +397,9 @@ std::vector<std::vector<double>> weighted_errors(weight_source & dense, const st
             row.push_back((d.square() * a).sum(torch::kDouble).item<double>());
         }
         out.push_back(std::move(row));
+    }
+    if (split) {
+        gather_measured(*pipe->pg, out, [](size_t, size_t) { return true; }, [&](size_t i, size_t) { return owned(i); });
     }
     return out;
 }
@@ -457,19 +628,29 @@ std::vector<std::vector<double>> load_probe(const std::string & path, const std:
 
 double recipe_kl(causal_lm & model, weight_source & dense, weight_source & teacher,
                  const std::vector<gated_tensor> & gated, const std::vector<int> & choice,
-                 const torch::Tensor & tokens, torch::Device device, int64_t chunk) {
+                 const torch::Tensor & tokens, torch::Device device, int64_t chunk, const dist::layer_pipeline * pipe) {
     if (choice.size() != gated.size()) {
         fail("recipe_kl: {} choices for {} gated tensors", choice.size(), gated.size());
     }
     torch::NoGradGuard no_grad;
     dtype_scope f32(model, torch::kFloat);
+    const bool split = pipe && pipe->size() > 1;
     chosen_weights w(dense);
     for (size_t i = 0; i < gated.size(); ++i) {
-        w.set(gated[i].tensor->name,
-              candidate_weights(gated[i], static_cast<size_t>(choice[i]), device).view(torch_shape(gated[i])));
+        if (!split || pipe->uses(gated[i].tensor->name)) {  // a layer-sharded rank: its own layers' candidates only
+            w.set(gated[i].tensor->name,
+                  candidate_weights(gated[i], static_cast<size_t>(choice[i]), device).view(torch_shape(gated[i])));
+        }
     }
-    const torch::Tensor h_t = model.hidden(tokens, teacher);
-    return kl_of(model, model.hidden(tokens, w), w, h_t, teacher, tokens, chunk);
+    if (!split) {
+        const torch::Tensor h_t = model.hidden(tokens, teacher);
+        return kl_of(model, model.hidden(tokens, w), w, h_t, teacher, tokens, chunk);
+    }
+    const torch::Tensor h_t = pipeline_hidden(model, tokens, teacher, *pipe, teacher_stream_tag);
+    const torch::Tensor h_s = pipeline_hidden(model, tokens, w, *pipe, candidate_stream_tag);
+    std::vector<std::vector<double>> kl{{pipe->rank() == pipe->size() - 1 ? kl_of(model, h_s, w, h_t, teacher, tokens, chunk) : 0.0}};
+    gather_measured(*pipe->pg, kl, [](size_t, size_t) { return true; }, [&](size_t, size_t) { return pipe->rank() == pipe->size() - 1; });
+    return kl[0][0];
 }
 
 }  // namespace voodoo

@@ -14,6 +14,10 @@
 
 namespace voodoo {
 
+namespace dist {
+struct layer_pipeline;
+}
+
 /// ΔKL(teacher ‖ student) of every candidate alone on `tokens` ([B, T] int64 on the weights' device):
 /// [tensor][menu type], nats per token, where the student is `dense` with that one tensor replaced by the
 /// candidate's ggml to_float. Runs the model in `dtype` (kFloat, the default; kBFloat16 only to measure
@@ -27,12 +31,21 @@ namespace voodoo {
 /// a head of its own (output.weight, untied) runs only the head. The same arithmetic as a whole forward
 /// (causal_lm::hidden_layers), so the same ΔKL bit for bit (tests/test_arch.cpp, every architecture), in about
 /// half the time on a model whose layers outweigh its head.
+///
+/// `pipe` (layer sharding over several processes, issue #17): every rank of pipe->pg calls this with the same
+/// arguments, and each candidate's forward runs rank to rank: its tensor's rank starts it (from its own kept stream
+/// entering that layer; the first rank from the tokens, the last alone for an untied head), each later rank runs its
+/// layers on the stream it receives and passes it on, and the last rank computes the KL; one all-reduce then gives
+/// every rank every value. A rank reads only the weights and candidates of its own layers (layer_pipeline::uses), so
+/// a teacher larger than one device can be probed; each keeps the streams of its own layers within `stream_bytes`.
+/// The same operations on the same values as one process: the same ΔKL bit for bit (tests/test_dist.cpp).
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
                                                    const torch::Tensor & tokens, torch::Device device, int64_t chunk,
                                                    torch::ScalarType dtype = torch::kFloat,
                                                    const std::vector<std::vector<bool>> * measure = nullptr,
-                                                   int64_t stream_bytes = int64_t(2) << 30);
+                                                   int64_t stream_bytes = int64_t(2) << 30,
+                                                   const dist::layer_pipeline * pipe = nullptr);
 
 /// The importance-weighted squared error of every candidate, [tensor][menu type]:
 ///   E_k = Σ_rows Σ_j a_j · (W_ij − deq(Q_k)_ij)²,
@@ -42,8 +55,12 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
 /// input factor the imatrix's diagonal is, the second-order ΔKL of candidate k is c_t · E_k up to the
 /// output factor c_t, which is the same for every type of one tensor. Exact 0 for a candidate equal to the
 /// source. Computed on `device` in f32 (f64 sums).
+/// With `pipe` (layer sharding, issue #17) a rank computes the entries of the tensors it owns
+/// (layer_pipeline::owner_of) and reads no other tensor's weights, and one all-reduce, which adds only zeros to each
+/// entry, gives every rank every entry: the single process's values bit for bit.
 std::vector<std::vector<double>> weighted_errors(weight_source & dense, const std::vector<gated_tensor> & gated,
-                                                 const importance_map * importance, torch::Device device);
+                                                 const importance_map * importance, torch::Device device,
+                                                 const dist::layer_pipeline * pipe = nullptr);
 
 /// Of `live` (indices into e, each e > 0), n spread evenly in log e: targets evenly spaced in log e from the largest to
 /// the least (n = 1: the largest), each taking the nearest index not yet taken. Every index (largest e first) when
@@ -103,8 +120,12 @@ probe_anchor_choice resolve_probe_anchors(const std::string & path, const std::s
 /// Mean KL(teacher ‖ student) in nats per token on `tokens`, in f32, where every gated tensor i is its
 /// candidate choice[i] (a one-hot recipe, as it will be exported) and every other tensor is `dense`'s.
 /// This is what the final selection compares (the calibration validation split).
+/// `pipe` (layer sharding, issue #17): every rank calls this with the same arguments; the teacher's and the recipe's
+/// forwards run rank to rank, each rank reading only its own layers' weights and candidates, the last computes the KL
+/// and every rank returns it: one process's value bit for bit.
 double recipe_kl(causal_lm & model, weight_source & dense, weight_source & teacher,
                  const std::vector<gated_tensor> & gated, const std::vector<int> & choice,
-                 const torch::Tensor & tokens, torch::Device device, int64_t chunk);
+                 const torch::Tensor & tokens, torch::Device device, int64_t chunk,
+                 const dist::layer_pipeline * pipe = nullptr);
 
 }  // namespace voodoo

@@ -23,6 +23,7 @@
 #include <torch/torch.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <unistd.h>
@@ -405,7 +406,8 @@ std::vector<int> select_recipe(train_result & res, const gguf_file & src, causal
                                const std::vector<gated_tensor> & gated, const std::vector<tensor_menu> & menus,
                                const budget & b, const std::vector<std::vector<double>> & probs,
                                const std::vector<std::vector<double>> & sens, const torch::Tensor & tokens,
-                               torch::Device device, int64_t chunk, const train_options & o) {
+                               torch::Device device, int64_t chunk, const train_options & o,
+                               const dist::layer_pipeline * pipe) {
     std::vector<std::pair<std::string, std::vector<int>>> cands = {{"trained", finalize_choice(b, probs, sens)},
                                                                    {"probe-exact", allocate_exact(b, sens)},
                                                                    {"probe-greedy", greedy_choice(b, sens)}};
@@ -435,25 +437,30 @@ std::vector<int> select_recipe(train_result & res, const gguf_file & src, causal
         apply_speed_limit(cands, src, menus, b, sens, o);
     }
     // Each distinct recipe measured once, the j-th by rank j mod N (issue #17); one all-reduce gives every rank every
-    // value, adding only zeros to each: the single process's values bit for bit.
+    // value, adding only zeros to each: the single process's values bit for bit. Layer-sharded ranks (`pipe`) measure
+    // every recipe together instead, each forward running rank to rank (recipe_kl), so no rank holds another's layers.
     std::vector<std::vector<int>> distinct;
     for (const auto & [name, choice] : cands) {
         if (std::find(distinct.begin(), distinct.end(), choice) == distinct.end()) {
             distinct.push_back(choice);
         }
     }
-    const int ranks = o.group ? o.group->size() : 1, rank = o.group ? o.group->rank() : 0;
+    const bool pipelined = pipe && pipe->size() > 1;
+    const int ranks = o.group && !pipelined ? o.group->size() : 1, rank = o.group && !pipelined ? o.group->rank() : 0;
     const int64_t n_distinct = static_cast<int64_t>(distinct.size());
     const int64_t n_mine = n_distinct / ranks + (n_distinct % ranks > rank ? 1 : 0);
     if (ranks > 1) {
         fmt::print(stderr, "select: rank {} of {} measures {} of the {} recipes\n", rank, ranks, n_mine, n_distinct);
+    } else if (pipelined) {
+        fmt::print(stderr, "select: rank {} of {} runs layers [{}, {}) of the forwards of the {} recipes\n", pipe->rank(),
+                   pipe->size(), pipe->mine().first, pipe->mine().second, n_distinct);
     }
     std::vector<double> kl(distinct.size(), 0.0);
     {
         progress bar("select", n_mine, "recipes");
         for (size_t j = 0; j < distinct.size(); ++j) {
             if (static_cast<int>(j % static_cast<size_t>(ranks)) == rank) {
-                kl[j] = recipe_kl(model, dense, teacher, gated, distinct[j], tokens, device, chunk);
+                kl[j] = recipe_kl(model, dense, teacher, gated, distinct[j], tokens, device, chunk, pipe);
                 bar.add(1);
             }
         }
@@ -593,6 +600,10 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
     }
     std::pair<int64_t, int64_t> my_layers{0, 0};
+    // Layer sharding's pipeline for the probe and the selection (train/probe.h): every forward runs rank to rank.
+    dist::layer_pipeline pipe;
+    pipe.pg = o.group;
+    pipe.tied_head = src.find_tensor("output.weight") == nullptr;
     if (layer_sharding) {
         if (o.st_gumbel_fraction > 0) {
             fail("--st-gumbel-fraction {} with --parallel layers: the Gumbel noise is drawn per process in the order of "
@@ -600,7 +611,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                  o.st_gumbel_fraction);
         }
         try {
-            my_layers = dist::balance_layers_of(src, ranks)[static_cast<size_t>(rank)];
+            pipe.layers = dist::balance_layers_of(src, ranks);
+            my_layers = pipe.layers[static_cast<size_t>(rank)];
         } catch (const error & e) {
             fail("--parallel layers over {} ranks (WORLD_SIZE, or quantize --gpus): {}; use fewer ranks, or --parallel tp",
                  ranks, e.what());
@@ -635,10 +647,15 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
 
     // Whether the teacher fits the GPU at all: decided before any work.
     // A file's weights as the GPU holds them: matrices in bf16, vectors in f32.
-    const auto device_copy_bytes = [](const gguf_file & f) {
+    // A layer-sharded rank holds only the tensors of its layers (and the embedding or the head): the probe and the
+    // selection run rank to rank too (train/probe.h).
+    const bool tied = src.find_tensor("output.weight") == nullptr;
+    const auto device_copy_bytes = [&](const gguf_file & f) {
         int64_t n = 0;
         for (const gguf_tensor & t : f.tensors()) {
-            n += t.n_elements() * (t.n_dims >= 2 ? 2 : 4);
+            if (!layer_sharding || dist::layer_shard_uses(t.name, my_layers, pipe.layers.empty() ? 0 : pipe.layers.back().second, tied)) {
+                n += t.n_elements() * (t.n_dims >= 2 ? 2 : 4);
+            }
         }
         return n;
     };
@@ -648,7 +665,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const residency_plan plan = plan_residency(all_menus, o.candidates_on, device_total_memory(device), teacher_bytes);
         if (!plan.teacher_fits) {
             fail("the teacher's weights in bf16 ({:.1f} GiB) and the activations' reserve ({:.1f} GiB) do not fit {} "
-                 "({:.1f} GiB): a larger GPU, or several (issue #17: not built yet), is what would work",
+                 "({:.1f} GiB): a larger GPU, or several with their layers sharded (voodoo quantize --gpus N --parallel "
+                 "layers, or torchrun), is what would work",
                  gib(teacher_bytes), gib(plan.reserve), device.str(), gib(plan.device_bytes));
         }
     }
@@ -664,6 +682,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                                                             : torch::kFloat;
     std::unique_ptr<causal_lm> model = build_model(src);
     model->set_compute_dtype(compute);
+    pipe.n_layer = model->hparams().n_layer;
+    const dist::layer_pipeline * const pipeline = layer_sharding ? &pipe : nullptr;
     // On a GPU the matrices stay in bf16 (converted where an f32 forward uses them: exact for a BF16 source).
     const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(torch::kBFloat16) : std::nullopt;
     gguf_weights dense(src, device, 0, keep);
@@ -750,13 +770,24 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         return build_candidates(src, m, importance, cache, n_threads);
     };
 
-    // The probe, its measurements split over the ranks (issue #17): rank r measures the planned candidates r, r + N,
-    // r + 2N, … (in tensor order, so every rank gets some of every layer), and one all-reduce gives every rank every
-    // value. Each value is measured by one rank with one process's arithmetic, so the result is the single process's.
+    // The probe, its measurements split over the ranks (issue #17). Tensor parallelism: rank r measures the planned
+    // candidates r, r + N, r + 2N, … (in tensor order, so every rank gets some of every layer) with the whole model, and
+    // one all-reduce gives every rank every value. Layer sharding: every candidate's forward runs rank to rank, each
+    // rank holding only its own layers' weights (probe_sensitivity's pipeline). Either way each value is computed with
+    // one process's arithmetic, so the result is the single process's.
     auto probe_over_ranks = [&](std::vector<gated_tensor> & g, const std::vector<std::vector<bool>> & plan) {
-        if (ranks == 1) {
+        if (ranks == 1 || layer_sharding) {
             std::vector<std::vector<bool>> p = plan;
-            return probe_sensitivity(*model, dense, teacher_weights, g, probe_tokens, device, loss_chunk, probe_dtype, &p);
+            if (layer_sharding) {
+                int64_t n = 0;
+                for (const auto & row : plan) {
+                    n += std::count(row.begin(), row.end(), true);
+                }
+                fmt::print(stderr, "probe: rank {} of {} runs layers [{}, {}) of the forwards of the {} candidates planned\n",
+                           rank, ranks, my_layers.first, my_layers.second, n);
+            }
+            return probe_sensitivity(*model, dense, teacher_weights, g, probe_tokens, device, loss_chunk, probe_dtype, &p,
+                                     int64_t(2) << 30, pipeline);
         }
         std::vector<std::vector<bool>> mine = plan;
         int64_t n = 0;
@@ -1030,7 +1061,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         // Every candidate equal to the source (E = 0) has ΔKL 0 without a forward; with --probe-anchors N only N
         // types per tensor are measured and the rest predicted from their importance-weighted error. What the
         // eager probe measured is not measured again; with anchors, the eager types are the anchors.
-        const std::vector<std::vector<double>> err = weighted_errors(dense, gated, importance, device);
+        const std::vector<std::vector<double>> err = weighted_errors(dense, gated, importance, device, pipeline);
         std::vector<std::vector<bool>> plan = anchor_plan(gated, err, anchors);
         std::vector<std::vector<bool>> measured_mask = plan;
         std::vector<std::vector<double>> known(gated.size());
@@ -1159,17 +1190,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                    ranks, device.str(), std::count(local.begin(), local.end(), true), local.size(),
                    tensor_parallel ? " (this rank's shards)" : "", candidate_device_bytes / 1048576.0, candidate_device_bytes);
     }
-    if (layer_sharding) {
-        // Training reads only this rank's layers (and the embedding or the head): the copies the probe made of the
-        // others' weights leave the device until the selection reads them again.
-        const int64_t dropped =
-            dense.drop_kept_copies(on_this_rank) + (teacher_own ? teacher_own->drop_kept_copies(on_this_rank) : 0);
-        if (dropped > 0) {  // on the CPU the weights are views of the file's map: nothing to drop
-            fmt::print(stderr, "rank {} of {}: the weights of the other ranks' layers off {} for training: {:.1f} MiB\n",
-                       rank, ranks, device.str(), dropped / 1048576.0);
-        }
-    }
-
     // Activation checkpointing: every layer's activations of a micro-batch, or only their inputs and one layer's.
     {
         int64_t io_per_token = 0;
@@ -1341,7 +1361,24 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     const torch::Tensor sel_tokens = res.select_held_apart ? tokens_of(*val, sel_chunks, train.ctx()) : probe_tokens;
     res.select_tokens_shape = {sel_tokens.size(0), sel_tokens.size(1)};
     const std::vector<int> choice = select_recipe(res, src, *model, dense, teacher_weights, gated, menus, b, probs, sens,
-                                                  sel_tokens, device, loss_chunk, o);
+                                                  sel_tokens, device, loss_chunk, o, pipeline);
+    if (layer_sharding) {
+        // What this rank's device held of the source (and of a teacher of its own): the tensors its layers use, and no
+        // other (the probe, the training and the selection all ran rank to rank).
+        const auto report = [&](const char * what, const gguf_file & f, const gguf_weights & w) {
+            std::vector<std::string> others;
+            const std::vector<std::string> read = w.tensors_read();
+            std::copy_if(read.begin(), read.end(), std::back_inserter(others),
+                         [&](const std::string & name) { return !on_this_rank(name); });
+            fmt::print(stderr, "rank {} of {}: read {} of the {}'s {} tensors{}{}\n", rank, ranks, read.size(), what,
+                       f.tensors().size(), others.empty() ? ", each of its own layers, embedding or head" : "; of other ranks': ",
+                       fmt::join(others, ", "));
+        };
+        report("source", src, dense);
+        if (teacher_own) {
+            report("teacher", teacher, *teacher_own);
+        }
+    }
     res.final_recipe = recipe_from_choice(src, menus, choice, probs, o.goal);
     res.final_recipe.imatrix = o.imatrix_path;
     res.total_bytes = b.total(choice);
