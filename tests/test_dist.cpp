@@ -653,6 +653,25 @@ TEST(dist, layer_sharded_ranks_probe_and_select_rank_to_rank_reading_only_their_
             read_by_both += n;
         }
         EXPECT_EQ(read_by_both, n_tensors + (tied ? 1 : 0)) << ranks.output;
+        // Host memory too: each rank holds the candidate bytes of its own layers' tensors only (the last line of each
+        // rank is the kept candidates'), together every candidate (a tied embedding's on both ranks).
+        int64_t held_by_both = 0, all = 0;
+        for (int r = 0; r < 2; ++r) {
+            const std::string head = fmt::format("rank {} of 2: candidates in host memory: ", r);
+            const size_t at = ranks.output.rfind(head);
+            ASSERT_NE(at, std::string::npos) << ranks.output;
+            const size_t open = ranks.output.find('(', at);
+            size_t used = 0;
+            const int64_t held = std::stoll(ranks.output.substr(open + 1), &used);
+            all = std::stoll(ranks.output.substr(open + 1 + used + 4));  // "N of M bytes"
+            EXPECT_GT(held, 0);
+            EXPECT_LT(held, all);
+            held_by_both += held;
+        }
+        EXPECT_GE(held_by_both, all);
+        if (!tied) {
+            EXPECT_EQ(held_by_both, all);
+        }
     }
 }
 

@@ -42,7 +42,9 @@ routing_mode parse_routing(const std::string & s);
 struct gated_tensor {
     const gguf_tensor * tensor;                 // the source tensor (shape, name)
     std::vector<ggml_type> types;               // the menu, K types
-    std::vector<std::vector<uint8_t>> bytes;    // K candidates, tensor_bytes(types[k], shape) each
+    std::vector<std::vector<uint8_t>> bytes;    // K candidates, tensor_bytes(types[k], shape) each; empty where a
+                                                // layer-sharded rank does not hold them (build_candidates' keep)
+    std::vector<uint64_t> hashes;               // K xxh3-64 of the bytes (build_candidates; empty: hash the bytes)
     torch::Tensor gate;                         // [K] f32 logits g, a leaf that requires grad (on the device)
     torch::Tensor grad_p;                       // [K] f64: last backward's ∂L/∂p_k = ⟨∂L/∂W_eff, deq(Q_k)⟩
     int n_threads = 0;                          // dequantization threads (0 = all cores)

@@ -526,7 +526,10 @@ std::string probe_identity(const std::vector<gated_tensor> & gated, const torch:
         for (size_t k = 0; k < g.types.size(); ++k) {
             const int32_t type = g.types[k];
             XXH3_64bits_update(st, &type, sizeof type);
-            XXH3_64bits_update(st, g.bytes[k].data(), g.bytes[k].size());
+            // Each candidate by the xxh3-64 of its bytes (build_candidates keeps it where a layer-sharded rank drops
+            // the bytes), so every rank and one process name the same candidates alike.
+            const uint64_t h = k < g.hashes.size() ? g.hashes[k] : XXH3_64bits(g.bytes[k].data(), g.bytes[k].size());
+            XXH3_64bits_update(st, &h, sizeof h);
         }
     }
     const torch::Tensor t = tokens.to(torch::kCPU, torch::kLong).contiguous();

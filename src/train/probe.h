@@ -82,7 +82,7 @@ std::vector<std::vector<bool>> anchor_plan(const std::vector<gated_tensor> & gat
 void predict_from_anchors(const std::vector<gated_tensor> & gated, const std::vector<std::vector<double>> & err,
                           std::vector<std::vector<double>> & sens);
 
-/// The identity of a probe: the candidates' bytes (every type of every menu), the probe tokens, the model's
+/// The identity of a probe: the candidates' bytes (every type of every menu, each by its xxh3-64: gated_tensor::hashes), the probe tokens, the model's
 /// tensor names, the probe's dtype and its anchors per tensor (0 = all), as 16 hex digits. A probe file with another identity is never reused.
 std::string probe_identity(const std::vector<gated_tensor> & gated, const torch::Tensor & tokens,
                            torch::ScalarType dtype = torch::kFloat, int anchors = 0);

@@ -106,13 +106,14 @@ std::vector<std::string> apply_cpu_defaults(train_options & o, const std::functi
 
 std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vector<tensor_menu> & menus,
                                            const importance_map * importance, const candidate_cache & cache,
-                                           int threads) {
+                                           int threads, const std::function<bool(const std::string &)> & keep) {
     std::vector<gated_tensor> out(menus.size());
     std::vector<std::pair<size_t, size_t>> jobs;
     for (size_t i = 0; i < menus.size(); ++i) {
         out[i].tensor = menus[i].tensor;
         out[i].types = menus[i].types;
         out[i].bytes.resize(menus[i].types.size());
+        out[i].hashes.resize(menus[i].types.size());
         for (size_t k = 0; k < menus[i].types.size(); ++k) {
             jobs.emplace_back(i, k);
         }
@@ -142,7 +143,12 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
         const auto [i, k] = jobs[j];
         try {
             const gguf_tensor & t = *menus[i].tensor;
-            out[i].bytes[k] = candidate_bytes(src, t, menus[i].types[k], importance_for(importance, t), &cache, {}, job_threads);
+            std::vector<uint8_t> & b = out[i].bytes[k];
+            b = candidate_bytes(src, t, menus[i].types[k], importance_for(importance, t), &cache, {}, job_threads);
+            out[i].hashes[k] = XXH3_64bits(b.data(), b.size());
+            if (keep && !keep(t.name)) {
+                std::vector<uint8_t>().swap(b);
+            }
         } catch (...) {
             std::lock_guard<std::mutex> lock(failure_mutex);
             failure = failure ? failure : std::current_exception();
@@ -684,6 +690,12 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     model->set_compute_dtype(compute);
     pipe.n_layer = model->hparams().n_layer;
     const dist::layer_pipeline * const pipeline = layer_sharding ? &pipe : nullptr;
+    // Whether this rank uses a tensor: every one, but under layer sharding those of its layers (and the embedding or
+    // the head). A layer-sharded rank reads no other tensor's weights or candidates, and holds no other's candidate
+    // bytes in host memory (build_candidates' keep).
+    const auto on_this_rank = [&](const std::string & name) { return !layer_sharding || pipe.uses(name); };
+    const std::function<bool(const std::string &)> keep_bytes =
+        layer_sharding ? std::function<bool(const std::string &)>(on_this_rank) : nullptr;
     // On a GPU the matrices stay in bf16 (converted where an f32 forward uses them: exact for a BF16 source).
     const std::optional<torch::ScalarType> keep = device.is_cuda() ? std::optional(torch::kBFloat16) : std::nullopt;
     gguf_weights dense(src, device, 0, keep);
@@ -767,7 +779,19 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
             o.group->barrier();
         }
-        return build_candidates(src, m, importance, cache, n_threads);
+        std::vector<gated_tensor> built = build_candidates(src, m, importance, cache, n_threads, keep_bytes);
+        if (layer_sharding) {
+            int64_t held = 0, all = 0;
+            for (const gated_tensor & g : built) {
+                for (size_t k = 0; k < g.types.size(); ++k) {
+                    held += static_cast<int64_t>(g.bytes[k].size());
+                    all += static_cast<int64_t>(tensor_bytes(g.types[k], g.tensor->ne, g.tensor->name));
+                }
+            }
+            fmt::print(stderr, "rank {} of {}: candidates in host memory: {:.1f} of {:.1f} MiB ({} of {} bytes), those of "
+                               "its layers\n", rank, ranks, held / 1048576.0, all / 1048576.0, held, all);
+        }
+        return built;
     };
 
     // The probe, its measurements split over the ranks (issue #17). Tensor parallelism: rank r measures the planned
@@ -974,10 +998,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // Layer sharding (issue #17): a rank keeps on its device only the candidates of the tensors its layers use; the
     // probe and the selection read the others from host memory through ggml's to_float (the values the device's copy
     // gives, bit for bit), as the eager probe reads every candidate.
-    const bool tied_head = src.find_tensor("output.weight") == nullptr;
-    const auto on_this_rank = [&](const std::string & name) {
-        return !layer_sharding || dist::layer_shard_uses(name, my_layers, model->hparams().n_layer, tied_head);
-    };
     std::vector<bool> local(menus.size(), true);
     std::vector<tensor_menu> local_menus;
     for (size_t i = 0; i < menus.size(); ++i) {
