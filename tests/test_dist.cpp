@@ -675,6 +675,73 @@ TEST(dist, layer_sharded_ranks_probe_and_select_rank_to_rank_reading_only_their_
     }
 }
 
+TEST(dist, the_dry_run_says_what_each_rank_holds_with_layers_or_with_tp) {
+    // `voodoo quantize --dry-run --gpus 2` plans each rank of the train stage by the trainer's rules, making nothing.
+    // Layer sharding (stories260K): each rank its layers' tensors of the teacher and their candidates, the two together
+    // the whole (the head is untied). Tensor parallelism (a llama fixture whose splits fall on Q4_0's blocks): every
+    // rank the whole teacher, and all candidates in host memory and on its device for the probe, half of their bytes
+    // (its shards) on its device for training.
+    test::temp_dir dir;
+    fixture_spec spec;
+    spec.vocab_path = std::string(VOODOO_SOURCE_DIR) + "/.deps/llama.cpp/models/ggml-vocab-llama-spm.gguf";
+    spec.weight_type = GGML_TYPE_F16;
+    write_fixture(spec, dir.file("m.gguf"));
+    const std::string text = test::shared_data() + "/text/tinystories/tinystories_val.txt";
+    for (const auto & [model, mode] : {std::pair{test::stories260k(), std::string("layers")}, std::pair{dir.file("m.gguf"), std::string("tp")}}) {
+        SCOPED_TRACE(mode);
+        const std::string bpw = mode == "layers" ? "11" : "6";  // inside each model's range with this menu
+        const test::run_result r = test::run_voodoo_stdout(fmt::format(
+            "quantize {} --text {} --target-bpw {} --menu Q4_0,Q8_0 --ctx 64 --candidates all --eval-chunks 0 --work {} "
+            "--gpus 2 --parallel {} --dry-run --json -", model, text, bpw, dir.file("w-" + mode), mode));
+        ASSERT_EQ(r.exit_code, 0) << r.output;
+        EXPECT_FALSE(std::filesystem::exists(dir.file("w-" + mode))) << "a dry run makes nothing";
+        const nlohmann::json p = nlohmann::json::parse(r.output);
+        ASSERT_TRUE(p.contains("ranks")) << r.output;
+        EXPECT_EQ(p["ranks"]["parallel"], mode);
+        const auto & per_rank = p["ranks"]["per_rank"];
+        ASSERT_EQ(per_rank.size(), 2u);
+        int64_t whole_teacher = 0;
+        for (const gguf_tensor & t : gguf_file(model).tensors()) {
+            whole_teacher += t.n_elements() * (t.n_dims >= 2 ? 2 : 4);
+        }
+        const int64_t candidates = p["candidates"]["bytes"].get<int64_t>();
+        ASSERT_GT(candidates, 0);
+        int64_t teacher_sum = 0, host_sum = 0, training_sum = 0;
+        for (const auto & e : per_rank) {
+            teacher_sum += e["teacher_bytes"].get<int64_t>();
+            host_sum += e["candidates_host_bytes"].get<int64_t>();
+            training_sum += e["candidates_device_bytes_training"].get<int64_t>();
+            if (mode == "layers") {
+                EXPECT_LT(e["teacher_bytes"].get<int64_t>(), whole_teacher);
+                EXPECT_LT(e["candidates_host_bytes"].get<int64_t>(), candidates);
+                EXPECT_EQ(e["candidates_device_bytes"], e["candidates_host_bytes"]);
+                EXPECT_EQ(e["candidates_device_bytes_training"], e["candidates_host_bytes"]);
+            } else {
+                EXPECT_EQ(e["teacher_bytes"].get<int64_t>(), whole_teacher);
+                EXPECT_EQ(e["candidates_host_bytes"].get<int64_t>(), candidates);
+                EXPECT_EQ(e["candidates_device_bytes"].get<int64_t>(), candidates);
+                EXPECT_EQ(e["candidates_device_bytes_training"].get<int64_t>() * 2, candidates);
+            }
+        }
+        if (mode == "layers") {
+            EXPECT_EQ(teacher_sum, whole_teacher);
+            EXPECT_EQ(host_sum, candidates);
+            EXPECT_EQ(per_rank[0]["layers"][0], 0);
+            EXPECT_EQ(per_rank[0]["layers"][1], per_rank[1]["layers"][0]);
+            EXPECT_EQ(per_rank[1]["layers"][1], 5);  // stories260K's layers
+        } else {
+            EXPECT_EQ(training_sum, candidates);
+        }
+        // The text form says it too.
+        const test::run_result text_form = test::run_voodoo_stdout(fmt::format(
+            "quantize {} --text {} --target-bpw {} --menu Q4_0,Q8_0 --ctx 64 --candidates all --eval-chunks 0 --work {} "
+            "--gpus 2 --parallel {} --dry-run", model, text, bpw, dir.file("w-" + mode), mode));
+        ASSERT_EQ(text_form.exit_code, 0) << text_form.output;
+        EXPECT_NE(text_form.output.find("ranks of the train stage (--gpus 2 --parallel " + mode + "), each holding:"),
+                  std::string::npos) << text_form.output;
+    }
+}
+
 TEST(dist, a_rank_keeps_on_its_device_only_the_candidates_of_its_layers_or_its_shards_and_trains_the_same_recipe) {
     if (!dist::have_gloo()) {
         GTEST_SKIP() << "this build has no c10d Gloo (libgloo-dev)";

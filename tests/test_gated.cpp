@@ -1,6 +1,9 @@
+#include "dist/dist.h"
 #include "gate_grad_bound.h"
+#include "ggml/gguf.h"
 #include "ggml/quant.h"
 #include "ggml/types.h"
+#include "model/fixture.h"
 #include "test_util.h"
 #include "tolerance.h"
 #include "train/candidates.h"
@@ -8,6 +11,8 @@
 #include "train/trainer.h"
 
 #include <gtest/gtest.h>
+
+#include <deque>
 
 using namespace voodoo;
 using test::gamma_n;
@@ -308,6 +313,48 @@ TEST(gated, the_trainers_residency_plan_refuses_a_teacher_that_does_not_fit_and_
     EXPECT_EQ(p.all_bytes, sum);
     // The CPU: nothing planned.
     EXPECT_EQ(plan_residency(menus, "host", 0, 1).host_bytes, 0);
+}
+
+TEST(gated, a_tensor_parallel_ranks_residency_plan_counts_the_bytes_of_its_shards) {
+    // Under tensor parallelism a rank places only its shards of the candidates on its device (dist::shard_gated_tensor),
+    // so its plan counts those: on a llama fixture whose every split falls on the menu's blocks, the two ranks' bytes
+    // of each tensor are its whole candidates' bytes (rows or whole blocks of each row split in two), and each rank's
+    // total is half the single process's.
+    test::temp_dir dir;
+    fixture_spec spec;
+    spec.vocab_path = std::string(VOODOO_SOURCE_DIR) + "/.deps/llama.cpp/models/ggml-vocab-llama-spm.gguf";
+    spec.weight_type = GGML_TYPE_F16;
+    write_fixture(spec, dir.file("m.gguf"));
+    gguf_file f(dir.file("m.gguf"));
+    menu_options mo;
+    mo.types = {GGML_TYPE_Q4_0, GGML_TYPE_Q8_0};
+    const std::vector<tensor_menu> menus = build_menus(f, mo);
+    const int64_t gib = int64_t{1} << 30;
+    const residency_plan one = plan_residency(menus, "host", 80 * gib, gib);
+    const residency_plan r0 = plan_residency(menus, "host", 80 * gib, gib, 0, 2);
+    const residency_plan r1 = plan_residency(menus, "host", 80 * gib, gib, 1, 2);
+    ASSERT_EQ(one.bytes.size(), menus.size());
+    for (size_t i = 0; i < menus.size(); ++i) {
+        SCOPED_TRACE(menus[i].tensor->name);
+        EXPECT_EQ(r0.bytes[i] + r1.bytes[i], one.bytes[i]);
+        EXPECT_EQ(r0.bytes[i], r1.bytes[i]);
+        // What the rank's shards really hold.
+        gated_tensor g;
+        g.tensor = menus[i].tensor;
+        g.types = menus[i].types;
+        for (ggml_type t : g.types) {
+            g.bytes.emplace_back(tensor_bytes(t, g.tensor->ne, g.tensor->name), uint8_t{0});
+        }
+        std::deque<gguf_tensor> shapes;
+        const gated_tensor shard = dist::shard_gated_tensor(g, 1, 2, shapes);
+        int64_t held = 0;
+        for (const auto & b : shard.bytes) {
+            held += static_cast<int64_t>(b.size());
+        }
+        EXPECT_EQ(r1.bytes[i], held);
+    }
+    EXPECT_EQ(r0.all_bytes * 2, one.all_bytes);
+    EXPECT_EQ(r0.host_bytes, r0.all_bytes);
 }
 
 // Per-token quant routing (issue #22).

@@ -95,7 +95,7 @@ command add_quantize(CLI::App & app) {
         ->capture_default_str()->check(CLI::PositiveNumber);
     sub->add_option("--parallel", o->q.train.parallel,
                     "With --gpus > 1: tp (tensor parallelism, Megatron style; llama, qwen2, qwen3) or layers "
-                    "(contiguous layers per GPU)")
+                    "(contiguous layers per GPU, in every stage that runs the model: a model larger than one GPU)")
         ->capture_default_str()->check(CLI::IsMember({"tp", "layers"}));
     sub->add_option("--candidates", o->q.train.candidates,
                     "Which candidates to build: targets (those some recipe under the targets could use: a few per tensor "

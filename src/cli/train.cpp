@@ -125,7 +125,8 @@ command add_train(CLI::App & app) {
     sub->add_option("-t,--threads", o->t.threads, "Threads (0 = all cores)")->capture_default_str()->check(non_negative());
     sub->add_option("--parallel", o->t.parallel,
                     "Under torchrun (WORLD_SIZE > 1): how the ranks split the training step: tp (tensor parallelism: "
-                    "every layer split, Megatron style; llama, qwen2, qwen3) or layers (contiguous layers per rank)")
+                    "every layer split, Megatron style; llama, qwen2, qwen3) or layers (contiguous layers per rank, the probe and "
+                    "the selection too: each rank holds only its own layers, for a model larger than one GPU)")
         ->capture_default_str()->check(CLI::IsMember({"tp", "layers"}));
     return {sub, [o, bpw, size, ratio, sub] {
         train_options t = o->t;

@@ -600,6 +600,19 @@ std::string tp_split_problem(const gguf_tensor & t, const std::vector<ggml_type>
     return {};
 }
 
+std::array<int64_t, 4> tp_shard_ne(const gguf_tensor & t, int rank, int size) {
+    std::array<int64_t, 4> ne = t.ne;
+    const tp_split split = tp_split_of(t.name);
+    if (split == tp_split::column_parallel || split == tp_split::vocab_parallel) {
+        const auto [lo, hi] = tp_range_of(t.name, t.ne[1], rank, size);
+        ne[1] = hi - lo;
+    } else if (split == tp_split::row_parallel) {
+        const auto [lo, hi] = tp_range_of(t.name, t.ne[0], rank, size);
+        ne[0] = hi - lo;
+    }
+    return ne;
+}
+
 gated_tensor shard_gated_tensor(const gated_tensor & full, int rank, int size, std::deque<gguf_tensor> & shapes) {
     const gguf_tensor & t = *full.tensor;
     gguf_tensor shard = t;

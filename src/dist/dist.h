@@ -10,6 +10,7 @@
 
 #include <torch/torch.h>
 
+#include <array>
 #include <chrono>
 #include <deque>
 #include <cstdint>
@@ -203,6 +204,11 @@ private:
 /// that does not, naming the tensor, the type, the rank's columns and what would work. The trainer asks before any
 /// work.
 std::string tp_split_problem(const gguf_tensor & t, const std::vector<ggml_type> & types, int size);
+
+/// The shape (ggml order) of rank `rank`'s shard of tensor `t` under tensor parallelism over `size` ranks
+/// (tp_split_of): rows tp_range_of(ne1) for column- and vocabulary-parallel tensors, columns tp_range_of(ne0) for
+/// row-parallel ones, a replicated tensor whole. What shard_gated_tensor's candidates hold (bytes: tensor_bytes of it).
+std::array<int64_t, 4> tp_shard_ne(const gguf_tensor & t, int rank, int size);
 
 /// The candidates of rank `rank` of `size` for one gated tensor under tensor parallelism: the same menu, each
 /// candidate's bytes cut to the rank's shard (tp_split_of: whole rows for column- and vocabulary-parallel tensors;

@@ -350,7 +350,8 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
 
     const auto start = std::chrono::steady_clock::now();
     {
-        // This rank's forwards: the single process's j-th, for j ≡ rank (mod ranks); their first chunks.
+        // This rank's forwards: the single process's j-th, for j ≡ rank (mod ranks), or with layer sharding every one
+        // (its layers of each); their first chunks.
         std::vector<int64_t> firsts;
         int64_t mine = 0, done = 0;
         const int64_t split = pipelined ? 1 : ranks, my_share = pipelined ? 0 : rank;

@@ -3,6 +3,7 @@
 #include "common/error.h"
 #include "common/units.h"
 #include "common/file.h"
+#include "dist/dist.h"
 #include "eval/speed_table.h"
 #include "export/export.h"
 #include "ggml/quant.h"
@@ -452,6 +453,71 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
             plan["gpu_memory"]["fits"] = rp.teacher_fits;
         }
     }
+    if (in.ranks > 1) {
+        // What each rank of the train stage holds (issue #17), by the trainer's rules: the teacher's tensors as a GPU
+        // keeps them (matrices bf16, vectors f32) and the candidates. Layer sharding: each rank its layers' tensors
+        // (and the embedding or the head) and their candidates, in every stage. Tensor parallelism: the whole teacher
+        // (its probe and selection read whole tensors), its shards of the candidates on the device, the whole
+        // candidates in host memory.
+        const bool layers = in.train.parallel == "layers";
+        const bool tied = src.find_tensor("output.weight") == nullptr;
+        std::vector<std::pair<int64_t, int64_t>> ranges;
+        if (layers) {
+            try {
+                ranges = dist::balance_layers_of(src, in.ranks);
+            } catch (const error & e) {
+                fail("--parallel layers over {} ranks (--gpus): {}; use fewer ranks, or --parallel tp", in.ranks, e.what());
+            }
+        }
+        if (!layers) {  // what the trainer refuses before any work, refused here too
+            for (const tensor_menu & m : menus) {
+                if (const std::string problem = dist::tp_split_problem(*m.tensor, m.types, in.ranks); !problem.empty()) {
+                    fail("--parallel tp over {} ranks: {}", in.ranks, problem);
+                }
+            }
+        }
+        const int64_t n_layer = ranges.empty() ? 0 : ranges.back().second;
+        const auto candidate_bytes_of = [](const tensor_menu & m) {
+            int64_t n = 0;
+            for (const ggml_type type : m.types) {
+                n += static_cast<int64_t>(tensor_bytes(type, m.tensor->ne, m.tensor->name));
+            }
+            return n;
+        };
+        const int64_t device_bytes = gpu ? device_total_memory(parse_train_device(in.train.device)) : 0;
+        nlohmann::json per_rank = nlohmann::json::array();
+        for (int r = 0; r < in.ranks; ++r) {
+            const auto uses = [&](const std::string & name) {
+                return !layers || dist::layer_shard_uses(name, ranges[static_cast<size_t>(r)], n_layer, tied);
+            };
+            int64_t teacher = 0, host = 0;
+            for (const gguf_tensor & t : src.tensors()) {
+                teacher += uses(t.name) ? t.n_elements() * (t.n_dims >= 2 ? 2 : 4) : 0;
+            }
+            std::vector<tensor_menu> mine;
+            for (const tensor_menu & m : menus) {
+                if (uses(m.tensor->name)) {
+                    mine.push_back(m);
+                    host += candidate_bytes_of(m);
+                }
+            }
+            // On the device: the whole candidates of its tensors for the probe (a tensor-parallel rank's shards
+            // replace them for training).
+            const residency_plan rp = plan_residency(mine, in.train.candidates_on, device_bytes, teacher);
+            const int64_t training = layers ? rp.all_bytes : plan_residency(mine, "gpu", 0, 0, r, in.ranks).all_bytes;
+            nlohmann::json e = {{"rank", r}, {"teacher_bytes", teacher}, {"candidates_device_bytes", rp.all_bytes},
+                                {"candidates_device_bytes_training", training}, {"candidates_host_bytes", host}};
+            if (layers) {
+                e["layers"] = {ranges[static_cast<size_t>(r)].first, ranges[static_cast<size_t>(r)].second};
+            }
+            if (device_bytes > 0) {
+                e["device_bytes"] = device_bytes;
+                e["fits"] = rp.teacher_fits;
+            }
+            per_rank.push_back(e);
+        }
+        plan["ranks"] = {{"parallel", in.train.parallel}, {"per_rank", per_rank}};
+    }
     return plan;
 }
 
@@ -522,6 +588,28 @@ std::string dry_run_to_text(const nlohmann::json & p) {
                                            g["host_candidate_tensors"].get<int64_t>(), dry_bytes_text(g["host_candidates_bytes"].get<double>()))
                              : std::string("every candidate on the GPU"),
                          g["fits"].get<bool>() ? "" : "; the teacher does not fit beside the activations' reserve: the run will refuse");
+    }
+    if (p.contains("ranks")) {
+        const auto & rk = p["ranks"];
+        s += fmt::format("ranks of the train stage (--gpus {} --parallel {}), each holding:\n", rk["per_rank"].size(),
+                         rk["parallel"].get<std::string>());
+        for (const auto & e : rk["per_rank"]) {
+            const double dev = e["candidates_device_bytes"].get<double>(), train = e["candidates_device_bytes_training"].get<double>();
+            s += fmt::format("  rank {}{}: teacher {}, candidates {} on its device{} and {} in host memory{}\n",
+                             e["rank"].get<int>(),
+                             e.contains("layers") ? fmt::format(" (layers [{}, {}))", e["layers"][0].get<int64_t>(),
+                                                                e["layers"][1].get<int64_t>())
+                                                  : std::string(),
+                             dry_bytes_text(e["teacher_bytes"].get<double>()), dry_bytes_text(dev),
+                             train != dev ? fmt::format(" (the probe's; its shards for training: {})", dry_bytes_text(train))
+                                          : std::string(),
+                             dry_bytes_text(e["candidates_host_bytes"].get<double>()),
+                             !e.contains("fits") ? std::string()
+                             : e["fits"].get<bool>()
+                                 ? fmt::format(" (fits its {} GPU)", dry_bytes_text(e["device_bytes"].get<double>()))
+                                 : fmt::format("; the teacher does NOT fit its {} GPU beside the activations' reserve: the "
+                                               "run will refuse", dry_bytes_text(e["device_bytes"].get<double>())));
+        }
     }
     s += "stages (estimated here; rates and method in --json):\n";
     double total = 0;

@@ -34,6 +34,7 @@ struct dry_run_input {
     int64_t eval_files = 0;                 // files the eval would compare (0 = no eval stage)
     int64_t eval_tokens_per_file = 0;       // tokens each eval file runs
     int ggml_threads = 0;                   // libllama's threads (imatrix, eval)
+    int ranks = 1;                          // the train stage's ranks (quantize --gpus; train.parallel says how)
 };
 
 /// The plan as JSON: {"model", "device", "menus": [{"tensors", "n", "types"}], "candidates": {"count", "bytes",

@@ -656,6 +656,7 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
     in.train.menu.has_imatrix = true;
     in.train.threads = o.threads;
     in.ggml_threads = o.ggml_threads;
+    in.ranks = std::max(1, o.gpus);
     in.cache_dir = (fs::path(work) / "candidates").string();
     in.ctx = o.ctx;
     for (const std::string & t : o.texts) {

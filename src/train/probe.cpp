@@ -225,6 +225,7 @@ public:
         return model.hidden_layers(tokens, at_[static_cast<size_t>(j)], range_.first + j * stride_, range_.second, w);
     }
     const torch::Tensor & last() const { return last_; }
+    void drop_last() { last_ = torch::Tensor(); }
 
 private:
     std::pair<int64_t, int64_t> range_;
@@ -272,8 +273,12 @@ std::vector<std::vector<double>> probe_pipelined(causal_lm & model, weight_sourc
             n_mine += wanted(i, k) && p.start_of(gated[i].tensor->name) <= rank;
         }
     }
-    const torch::Tensor h_t = pipeline_hidden(model, tokens, teacher, p, teacher_stream_tag);
-    const rank_streams streams(model, tokens, dense, p, stream_bytes);
+    torch::Tensor h_t = pipeline_hidden(model, tokens, teacher, p, teacher_stream_tag);
+    rank_streams streams(model, tokens, dense, p, stream_bytes);
+    if (rank != last) {  // only the last rank compares logits: the others' ends of the two streams were passed on
+        h_t = torch::Tensor();
+        streams.drop_last();
+    }
     std::optional<teacher_logp> t_logp;
     double base = 0;
     auto kl = [&](const torch::Tensor & h_s, weight_source & w) {
@@ -517,7 +522,7 @@ std::string probe_identity(const std::vector<gated_tensor> & gated, const torch:
     XXH3_64bits_reset(st);
     const int32_t dt = static_cast<int32_t>(dtype);
     XXH3_64bits_update(st, &dt, sizeof dt);
-    if (anchors > 0) {  // 0 hashes as before, so full probes of earlier runs stay valid
+    if (anchors > 0) {  // 0 hashes nothing here, so a full probe and an anchored one of the same candidates differ
         const int32_t a = anchors;
         XXH3_64bits_update(st, &a, sizeof a);
     }

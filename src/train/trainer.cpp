@@ -995,9 +995,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         share_grid(b, b_all);  // the exact knapsack of the kept types is the full menus' restricted to them
     }
 
-    // Layer sharding (issue #17): a rank keeps on its device only the candidates of the tensors its layers use; the
-    // probe and the selection read the others from host memory through ggml's to_float (the values the device's copy
-    // gives, bit for bit), as the eager probe reads every candidate.
+    // Layer sharding (issue #17): a rank keeps on its device (and in host memory) only the candidates of the tensors
+    // its layers use; the probe and the selection run rank to rank, so no rank reads another's.
     std::vector<bool> local(menus.size(), true);
     std::vector<tensor_menu> local_menus;
     for (size_t i = 0; i < menus.size(); ++i) {
@@ -1010,15 +1009,18 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // Where the fused path's candidates live, and whether they fit: decided before they are built.
     std::vector<bool> on_host(menus.size(), false);
     if (path == mixture_path::fused) {
+        // Whole candidates: a tensor-parallel rank places them whole for the probe (its shards replace them only for
+        // training), so the whole ones are what must fit beside the teacher.
         const residency_plan plan = plan_residency(local_menus, o.candidates_on, device_total_memory(device), teacher_bytes);
-        // Every candidate's bytes stay in host memory too (export and the probe read them): the pinned copies come on
-        // top of them.
+        // Every candidate's bytes stay in host memory too (the probe and the selection read them): the pinned copies
+        // come on top of them. A layer-sharded rank holds its own layers' only (build_candidates' keep).
         const int64_t host_total = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGE_SIZE));
-        if (plan.host_bytes > 0 && plan.all_bytes + plan.host_bytes > host_total * 7 / 10) {
+        const int64_t whole = plan.all_bytes;
+        if (plan.host_bytes > 0 && whole + plan.host_bytes > host_total * 7 / 10) {
             fail("the candidates ({:.1f} GiB) and the pinned copies of those left to host memory ({:.1f} GiB) exceed 70% "
                  "of this machine's {:.1f} GiB: a smaller menu (--menu with fewer types), a GPU with more memory, or "
-                 "several GPUs (issue #17) would fit",
-                 gib(plan.all_bytes), gib(plan.host_bytes), gib(host_total));
+                 "several GPUs with their layers sharded (--gpus N --parallel layers) would fit",
+                 gib(whole), gib(plan.host_bytes), gib(host_total));
         }
         if (plan.host_bytes > 0) {
             fmt::print(stderr, "candidates: {:.2f} GiB of {} tensors in pinned host memory, moved to {} ahead of use "
@@ -1471,13 +1473,14 @@ bool resolve_recompute(const std::string & mode, int64_t activation_bytes, int64
 }
 
 residency_plan plan_residency(const std::vector<tensor_menu> & menus, const std::string & candidates_on,
-                              int64_t device_bytes, int64_t teacher_bytes) {
+                              int64_t device_bytes, int64_t teacher_bytes, int tp_rank, int tp_size) {
     residency_plan p;
     const candidate_residency mode = parse_candidate_residency(candidates_on);
     for (const tensor_menu & m : menus) {
         int64_t n = 0;
+        const std::array<int64_t, 4> ne = tp_size > 1 ? dist::tp_shard_ne(*m.tensor, tp_rank, tp_size) : m.tensor->ne;
         for (const ggml_type type : m.types) {
-            n += static_cast<int64_t>(tensor_bytes(type, m.tensor->ne, m.tensor->name));
+            n += static_cast<int64_t>(tensor_bytes(type, ne, m.tensor->name));
         }
         p.bytes.push_back(n);
         p.all_bytes += n;

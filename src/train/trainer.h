@@ -165,8 +165,11 @@ struct residency_plan {
     bool teacher_fits = true;       // teacher_bytes + reserve ≤ device_bytes
 };
 /// `device_bytes`: the GPU's memory (device_total_memory; 0 for the CPU: nothing is planned).
+/// `tp_rank` of `tp_size` > 1 (tensor parallelism, issue #17): each tensor counts the bytes of that rank's shards of
+/// its candidates (dist::tp_shard_ne), what the rank holds on its device for training (the dry run's per-rank plan;
+/// for the probe a tensor-parallel rank places whole candidates, which is what the trainer plans with).
 residency_plan plan_residency(const std::vector<tensor_menu> & menus, const std::string & candidates_on,
-                              int64_t device_bytes, int64_t teacher_bytes);
+                              int64_t device_bytes, int64_t teacher_bytes, int tp_rank = 0, int tp_size = 1);
 
 /// The training forward's saved activations, estimated: 6 bytes × tokens of a micro-batch × Σ (ne0 + rows) of the
 /// gated matrices the rank multiplies (`io_per_token`), the rule dry_run's memory plan uses (fitted to the measured
