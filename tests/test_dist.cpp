@@ -536,16 +536,23 @@ TEST(dist, voodoo_train_under_torchruns_variables_trains_the_single_process_reci
         // candidate's forward rank to rank (the same values: the layer-sharded log is equal bit for bit).
         EXPECT_NE(two.output.find(mode == "tp" ? "probe: rank 1 of 2 measures" : "probe: rank 1 of 2 runs layers ["),
                   std::string::npos) << two.output;
-        // The candidates' building split too: each rank quantizes half of them into the shared cache, then reads all.
+        // The candidates' building split too: with tp each rank quantizes half of them into the shared cache, then
+        // reads all; with layers each those of its own layers' tensors, which it alone reads.
+        long built_by_both = 0, of = 0;
         for (const char * r : {"candidates: rank 0 of 2 built ", "candidates: rank 1 of 2 built "}) {
             const size_t at = two.output.find(r);
             ASSERT_NE(at, std::string::npos) << r << two.output;
             size_t used = 0;
             const long built = std::stol(two.output.substr(at + std::strlen(r)), &used);
-            const long of = std::stol(two.output.substr(at + std::strlen(r) + used + 4));  // "N of M"
+            of = std::stol(two.output.substr(at + std::strlen(r) + used + 4));  // "N of M"
             EXPECT_GT(built, 0);
-            EXPECT_LE(2 * built, of + 1) << "at most half of them, rounded up";
+            EXPECT_LT(built, of);
+            if (mode == "tp") {
+                EXPECT_LE(2 * built, of + 1) << "at most half of them, rounded up";
+            }
+            built_by_both += built;
         }
+        EXPECT_EQ(built_by_both, of);
         EXPECT_EQ(recipe_types(out + "/recipe.json"), recipe_types(dir.file("one/recipe.json")));
         // The selection's recipes, measured one by each rank in turn: the single process's KL values bit for bit.
         EXPECT_NE(two.output.find(mode == "tp" ? "select: rank 1 of 2 measures " : "select: rank 1 of 2 runs layers ["),

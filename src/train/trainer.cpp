@@ -104,6 +104,12 @@ std::vector<std::string> apply_cpu_defaults(train_options & o, const std::functi
     return set;
 }
 
+namespace {
+
+bool keep_all_or(const std::function<bool(const std::string &)> & keep, const std::string & name) { return !keep || keep(name); }
+
+}  // namespace
+
 std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vector<tensor_menu> & menus,
                                            const importance_map * importance, const candidate_cache & cache,
                                            int threads, const std::function<bool(const std::string &)> & keep) {
@@ -113,8 +119,8 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
         out[i].tensor = menus[i].tensor;
         out[i].types = menus[i].types;
         out[i].bytes.resize(menus[i].types.size());
-        out[i].hashes.resize(menus[i].types.size());
-        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+        out[i].hashes.resize(menus[i].types.size(), 0);
+        for (size_t k = 0; keep_all_or(keep, menus[i].tensor->name) && k < menus[i].types.size(); ++k) {
             jobs.emplace_back(i, k);
         }
     }
@@ -146,9 +152,6 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
             std::vector<uint8_t> & b = out[i].bytes[k];
             b = candidate_bytes(src, t, menus[i].types[k], importance_for(importance, t), &cache, {}, job_threads);
             out[i].hashes[k] = XXH3_64bits(b.data(), b.size());
-            if (keep && !keep(t.name)) {
-                std::vector<uint8_t>().swap(b);
-            }
         } catch (...) {
             std::lock_guard<std::mutex> lock(failure_mutex);
             failure = failure ? failure : std::current_exception();
@@ -755,18 +758,24 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     };
 
     // The candidates, their building split over the ranks (issue #17): rank r quantizes candidates r, r + N, … (in
-    // tensor order) into the cache, all ranks wait for each other, and then every rank reads them all from the cache
-    // (the run directory's, which ranks share: the same host, or a shared folder across hosts), building whatever it
-    // does not find there (another host's own cache) as one process would. The bytes are llama.cpp's either way.
+    // tensor order; with layer sharding, those of the tensors it owns: layer_pipeline::owner_of) into the cache, all
+    // ranks wait for each other, and then every rank reads from the cache (the run directory's, which ranks share: the
+    // same host, or a shared folder across hosts) those it uses: all of them, or with layer sharding its own layers'
+    // (whose other candidates' hashes come from their owners), building whatever it does not find there (another
+    // host's own cache) as one process would. The bytes are llama.cpp's either way.
     auto build_over_ranks = [&](const std::vector<tensor_menu> & m) {
         if (ranks > 1) {
             std::vector<candidate_prefetch::job> mine;
             int64_t all = 0;
             for (const tensor_menu & t : m) {
                 for (ggml_type type : t.types) {
-                    if (type != t.tensor->type && all++ % ranks == rank) {
+                    if (type == t.tensor->type) {
+                        continue;
+                    }
+                    if (layer_sharding ? pipe.owner_of(t.tensor->name) == rank : all % ranks == rank) {
                         mine.push_back({t.tensor, type});
                     }
+                    ++all;
                 }
             }
             const auto t0 = std::chrono::steady_clock::now();
@@ -781,6 +790,23 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         std::vector<gated_tensor> built = build_candidates(src, m, importance, cache, n_threads, keep_bytes);
         if (layer_sharding) {
+            // The other ranks' candidates' xxh3-64 (the probe's identity), from their owners: one all-reduce to which
+            // every other rank adds zeros.
+            std::vector<int64_t> h;
+            for (const gated_tensor & g : built) {
+                const bool owned = pipe.owner_of(g.tensor->name) == rank;
+                for (const uint64_t x : g.hashes) {
+                    h.push_back(owned ? static_cast<int64_t>(x) : 0);
+                }
+            }
+            std::vector<torch::Tensor> hv{torch::tensor(h, torch::kLong)};
+            o.group->all_reduce_sum(hv);
+            const int64_t * v = hv[0].data_ptr<int64_t>();
+            for (gated_tensor & g : built) {
+                for (uint64_t & x : g.hashes) {
+                    x = static_cast<uint64_t>(*v++);
+                }
+            }
             int64_t held = 0, all = 0;
             for (const gated_tensor & g : built) {
                 for (size_t k = 0; k < g.types.size(); ++k) {
@@ -901,7 +927,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 if (ranks > 1) {  // each rank builds its share ahead, as build_over_ranks splits the rest
                     std::vector<std::pair<size_t, size_t>> mine;
                     for (size_t j = 0; j < ahead_jobs.size(); ++j) {
-                        if (static_cast<int>(j % static_cast<size_t>(ranks)) == rank) {
+                        if (layer_sharding ? pipe.owner_of(all_menus[ahead_jobs[j].first].tensor->name) == rank
+                                           : static_cast<int>(j % static_cast<size_t>(ranks)) == rank) {
                             mine.push_back(ahead_jobs[j]);
                         }
                     }

@@ -129,10 +129,10 @@ struct train_result {
 nlohmann::json selection_to_json(const train_result & r);
 
 /// Every candidate's bytes of `menus` (menu order), quantized on `threads` cores (0 = all) through `cache`,
-/// with a progress bar, and each one's xxh3-64 (gated_tensor::hashes). `keep` (optional): the tensors whose bytes
-/// this process holds; of the others only the hashes are kept (a layer-sharded rank, issue #17: its host memory holds
-/// the candidates of its own layers only). Throws voodoo::error naming the tensor when llama.cpp's quantizer refuses
-/// a type.
+/// with a progress bar, and each one's xxh3-64 (gated_tensor::hashes). `keep` (optional): the tensors whose
+/// candidates this process builds or reads and holds; the others get empty bytes and hashes 0, which the caller fills
+/// (a layer-sharded rank, issue #17: it reads and holds the candidates of its own layers only, the other hashes come
+/// from their owners). Throws voodoo::error naming the tensor when llama.cpp's quantizer refuses a type.
 std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vector<tensor_menu> & menus,
                                            const importance_map * importance, const candidate_cache & cache,
                                            int threads, const std::function<bool(const std::string &)> & keep = {});
