@@ -747,6 +747,12 @@ TEST(dist, the_dry_run_says_what_each_rank_holds_with_layers_or_with_tp) {
         EXPECT_NE(text_form.output.find("ranks of the train stage (--gpus 2 --parallel " + mode + "), each holding:"),
                   std::string::npos) << text_form.output;
     }
+    // A split the trainer refuses is refused by the dry run too, the model's first: the fixture's 4 heads over 3 ranks.
+    const test::run_result three = test::run_voodoo(fmt::format(
+        "quantize {} --text {} --target-bpw 6 --menu Q4_0,Q8_0 --ctx 64 --eval-chunks 0 --work {} --gpus 3 --parallel tp "
+        "--dry-run", dir.file("m.gguf"), text, dir.file("w-three")));
+    EXPECT_NE(three.exit_code, 0) << three.output;
+    EXPECT_NE(three.output.find("head_count = 4 is not a multiple of 3"), std::string::npos) << three.output;
 }
 
 TEST(dist, a_rank_keeps_on_its_device_only_the_candidates_of_its_layers_or_its_shards_and_trains_the_same_recipe) {

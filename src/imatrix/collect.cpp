@@ -314,7 +314,7 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
                                              XXH3_64bits(train.tokens().data(), train.tokens().size_bytes()));
         dist::require_same_on_every_rank(*pg, XXH3_64bits(same.data(), same.size()),
                                          "--chunks, --batch-tokens or the calibration chunks");
-        dist::require_same_on_every_rank(*pg, pipelined ? 1 : 0, "--parallel");
+        dist::require_same_on_every_rank(*pg, pipelined ? 1 : 0, "the --parallel options");
     }
 
     const gguf_file file(o.model);
@@ -324,7 +324,7 @@ imatrix collect_imatrix_torch(const imatrix_options & o, torch::Device device, i
         pipelined ? dist::balance_layers_of(file, ranks)[static_cast<size_t>(rank)]
                   : std::pair<int64_t, int64_t>{0, model->hparams().n_layer};
     if (pipelined) {
-        fmt::print(stderr, "rank {} of {}: imatrix of layers [{}, {}), every chunk's forward rank to rank\n", rank, ranks,
+        fmt::print(stderr, "rank {} of {}: imatrix of layers [{}, {}) (--parallel layers), every chunk's forward rank to rank\n", rank, ranks,
                    my_layers.first, my_layers.second);
     }
     gguf_weights w(file, device, o.n_threads);

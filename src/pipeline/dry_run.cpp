@@ -6,6 +6,7 @@
 #include "dist/dist.h"
 #include "eval/speed_table.h"
 #include "export/export.h"
+#include "model/registry.h"
 #include "ggml/quant.h"
 #include "ggml/types.h"
 #include "train/budget.h"
@@ -469,7 +470,18 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
                 fail("--parallel layers over {} ranks (--gpus): {}; use fewer ranks, or --parallel tp", in.ranks, e.what());
             }
         }
-        if (!layers) {  // what the trainer refuses before any work, refused here too
+        if (!layers) {  // what the trainer refuses before any work, refused here too, in its order: the model's split
+                        // (heads, FFN width; set_tensor_parallel), then each menu's
+            struct planned_ranks : tensor_parallel {  // a split only: no forward runs
+                int n = 1;
+                int rank() const override { return 0; }
+                int size() const override { return n; }
+                torch::Tensor copy_to(const torch::Tensor & x) const override { return x; }
+                torch::Tensor reduce_from(const torch::Tensor & x) const override { return x; }
+                torch::Tensor max_over(const torch::Tensor & x) const override { return x; }
+            } planned;
+            planned.n = in.ranks;
+            build_model(src)->set_tensor_parallel(&planned);
             for (const tensor_menu & m : menus) {
                 if (const std::string problem = dist::tp_split_problem(*m.tensor, m.types, in.ranks); !problem.empty()) {
                     fail("--parallel tp over {} ranks: {}", in.ranks, problem);
