@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, bg, bg-wait. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, dry-8b, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -198,6 +198,23 @@ e2e-8b)
     cp /tmp/e2e-8b/times.json "$OUT/e2e/times-8b.json" 2>/dev/null
     cp /tmp/e2e-8b/eval.md "$OUT/e2e/llama3-8b-eval.md" 2>/dev/null; cp /tmp/e2e-8b/eval.json "$OUT/e2e/llama3-8b-eval.json" 2>/dev/null
     awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 + 0 > m) m = $2 + 0} END {print "peak GPU memory used:", m, "MiB"}' "$OUT/e2e/gpu-mem-8b.csv"
+    ;;
+dry-8b)
+    # Issue #16 ("will it fit?"): the dry run of the default job on the Llama-3.1-8B shape (the fixture of e2e-8b;
+    # every option at its default, as e2e-1.7b runs the 1.7B shape): its menus, candidates, disk verdict for the work
+    # folder's file system, GPU memory and stage estimates. Frees the 1.7B run's files first so the disk is this
+    # machine's as a fresh job would find it.
+    log dry-run llama3.1-8b shape
+    rm -rf /tmp/e2e-17b /tmp/qwen3-1.7b-shape.gguf
+    mkdir -p "$OUT/e2e"
+    [ -f /tmp/llama3-8b-shape.gguf ] || /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch llama \
+        --vocab "$D/llama/models/ggml-vocab-llama-bpe.gguf" --n-embd 4096 --n-layer 32 --n-head 32 --n-head-kv 8 \
+        --head-dim 128 --n-ff 14336 --type bf16 --rope-freq-base 500000 -o /tmp/llama3-8b-shape.gguf > "$OUT/e2e/fixture-8b.log" 2>&1
+    df -B1 /tmp | tee "$OUT/e2e/df-8b.txt"; free -b | tee -a "$OUT/e2e/df-8b.txt"
+    /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/llama3-8b-shape.gguf --text "$D/data/text/wikitext-2-raw/wiki.valid.raw" \
+        --like Q4_K_M --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --device cuda \
+        --work /tmp/e2e-8b --dry-run --json "$OUT/e2e/dry-8b.json" > "$OUT/e2e/dry-8b.log" 2>&1
+    grep -vE '^\s+(Command|User|System|Percent|Average|Major|Minor|Volun|Invol|Swaps|File|Socket|Signals|Page|Exit)' "$OUT/e2e/dry-8b.log" | tail -40
     ;;
 bench-small)
     log bench qwen3-0.6b

@@ -15,6 +15,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <sys/stat.h>
+
 namespace {
 
 using voodoo::test::stories260k;
@@ -212,3 +214,41 @@ TEST(baseline_cli, all_that_fit_makes_every_file_and_marks_the_ones_that_fell_ba
 }
 
 }  // namespace
+
+TEST(baseline, a_folder_keyed_on_its_inputs_reuses_a_stock_file_already_made_and_describes_it_alike) {
+    // voodoo quantize --like Q4_0 makes the stock file for its size before training; its eval's baselines then read
+    // that same file (reuse_existing) instead of quantizing the model again (issue #16: 26 s at the Qwen3-1.7B
+    // shape, ≈ 105 s at Llama-3.1-8B's). The description must be make_baseline's, field for field.
+    voodoo::test::temp_dir dir;
+    const std::string folder = dir.file("b");
+    voodoo::baseline_options o = options();
+    const auto made = voodoo::make_baselines(o, {"Q4_0", "Q8_0"}, folder);
+    ASSERT_EQ(made.size(), 2u);
+    ASSERT_TRUE(made[0].ok && made[1].ok) << made[0].error << made[1].error;
+    struct stat before {};
+    ASSERT_EQ(stat(made[0].path.c_str(), &before), 0);
+
+    o.reuse_existing = true;
+    std::filesystem::remove(made[1].path);  // one file gone: that one is made again, the other read
+    const auto again = voodoo::make_baselines(o, {"Q4_0", "Q8_0"}, folder);
+    ASSERT_EQ(again.size(), 2u);
+    struct stat after {};
+    ASSERT_EQ(stat(again[0].path.c_str(), &after), 0);
+    EXPECT_EQ(after.st_ino, before.st_ino) << "the existing file was quantized again (a new file renamed over it)";
+    for (size_t i = 0; i < 2; ++i) {
+        EXPECT_TRUE(again[i].ok) << again[i].error;
+        EXPECT_EQ(again[i].file_bytes, made[i].file_bytes);
+        EXPECT_EQ(again[i].tensor_bytes, made[i].tensor_bytes);
+        EXPECT_EQ(again[i].n_weights, made[i].n_weights);
+        EXPECT_EQ(again[i].type_counts, made[i].type_counts);
+        EXPECT_EQ(again[i].tensor_types, made[i].tensor_types);
+    }
+    EXPECT_EQ(voodoo::test::read_file(again[1].path).size(), made[1].file_bytes);
+
+    o.reuse_existing = false;  // the default (voodoo baseline): always made, so a changed imatrix is never missed
+    const auto remade = voodoo::make_baselines(o, {"Q4_0"}, folder);
+    ASSERT_TRUE(remade[0].ok);
+    struct stat third {};
+    ASSERT_EQ(stat(remade[0].path.c_str(), &third), 0);
+    EXPECT_NE(third.st_ino, before.st_ino);
+}

@@ -368,6 +368,14 @@ TEST(cli, quantize_killed_with_sigkill_in_any_stage_then_run_again_makes_the_sam
         last = rss[stage].get<int64_t>();
     }
     EXPECT_GT(rss["train"].get<int64_t>(), int64_t{1} << 20);
+    // The work folder's disk by stage: the candidate cache is there by the train stage's end, and the export adds
+    // the file (nothing is removed in between).
+    const auto & disk = times.at("work_disk_bytes_at_stage_end");
+    ASSERT_TRUE(disk.contains("train") && disk.contains("export"));
+    EXPECT_GE(disk["train"].get<int64_t>(), voodoo::tree_disk_bytes(work + "/candidates"));
+    EXPECT_GT(voodoo::tree_disk_bytes(work + "/candidates"), 0);
+    EXPECT_GE(disk["export"].get<int64_t>() - disk["train"].get<int64_t>(),
+              voodoo::tree_disk_bytes(work + "/stories260K.Voodoo73.gguf"));
 
     struct point {
         std::string header;

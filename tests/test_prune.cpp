@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <limits>
 #include <map>
@@ -398,4 +399,67 @@ TEST(prune, the_candidate_schedule_changes_no_byte_whatever_the_threads) {
             }
         }
     }
+}
+
+namespace {
+
+// A tmpfs of `bytes` mounted at `dir` for the life of the object (root only: `mounted` false elsewhere).
+struct small_disk {
+    std::string dir;
+    bool mounted = false;
+    small_disk(std::string d, int64_t bytes) : dir(std::move(d)) {
+        std::filesystem::create_directories(dir);
+        mounted = std::system(fmt::format("mount -t tmpfs -o size={} tmpfs '{}' 2>/dev/null", bytes, dir).c_str()) == 0;
+    }
+    ~small_disk() {
+        if (mounted) {
+            (void)std::system(fmt::format("umount '{}'", dir).c_str());
+        }
+    }
+};
+
+}  // namespace
+
+TEST(prune, a_cache_without_disk_room_for_its_candidates_stops_before_building_them_and_says_what_would_fit) {
+    // Issue #16 ("will it fit?"): the kept candidates of the default menu at 8B are tens of GB. The build checks the
+    // room on the cache's disk first (need + the 256 MiB reserve against statvfs's free bytes) and stops with what
+    // would fit, instead of failing on a full disk part way.
+    const test::temp_dir tmp;
+    const std::string dir = tmp.path.string();
+    small_disk tight(dir + "/tight", k_disk_reserve_bytes + (int64_t{64} << 10));
+    if (!tight.mounted) {
+        GTEST_SKIP() << "mounting a tmpfs needs root (CI runs as root)";
+    }
+    small_disk roomy(dir + "/roomy", k_disk_reserve_bytes + (int64_t{16} << 20));
+    ASSERT_TRUE(roomy.mounted);
+    // free_disk_bytes of a folder not made yet is its nearest existing ancestor's.
+    EXPECT_EQ(free_disk_bytes(tight.dir + "/not/yet"), free_disk_bytes(tight.dir));
+    EXPECT_LE(free_disk_bytes(tight.dir), k_disk_reserve_bytes + (int64_t{64} << 10));
+
+    const std::string text = test::shared_data() + "/text/tinystories/tinystories_val.txt";
+    ASSERT_EQ(test::run_voodoo(fmt::format("data --model {} --text {} --ctx 128 --out {}/data", test::stories260k(), text, dir)).exit_code, 0);
+    auto train = [&](const std::string & cache, const std::string & out) {
+        return test::run_voodoo(fmt::format("train --model {} --data {}/data --target-bpw 9 --menu Q4_0,Q5_0,Q8_0,F16 "
+                                            "--steps 2 --batch 1 --probe-sequences 1 --select-sequences 1 --candidates all "
+                                            "--cache {} --out {} -t 2",
+                                            test::stories260k(), dir, cache, out));
+    };
+    const auto refused = train(tight.dir + "/candidates", dir + "/run-tight");
+    EXPECT_EQ(refused.exit_code, 1) << refused.output;
+    for (const std::string & said : {std::string("not enough disk for the candidates still to build"), tight.dir + "/candidates",
+                                     std::string("free there"), std::string("--work"), std::string("--menu")}) {
+        EXPECT_NE(refused.output.find(said), std::string::npos) << said << "\n" << refused.output;
+    }
+    EXPECT_FALSE(std::filesystem::exists(dir + "/run-tight/recipe.json"));
+    EXPECT_LT(tree_disk_bytes(tight.dir), int64_t{64} << 10) << "nothing was built before the check";
+
+    const auto ok = train(roomy.dir + "/candidates", dir + "/run-roomy");
+    ASSERT_EQ(ok.exit_code, 0) << ok.output;
+    EXPECT_TRUE(std::filesystem::exists(dir + "/run-roomy/recipe.json"));
+    // What it wrote is what the check counted (a second run needs nothing more).
+    const int64_t written = tree_disk_bytes(roomy.dir + "/candidates");
+    EXPECT_GT(written, 0);
+    const auto again = train(roomy.dir + "/candidates", dir + "/run-again");
+    ASSERT_EQ(again.exit_code, 0) << again.output;
+    EXPECT_EQ(tree_disk_bytes(roomy.dir + "/candidates"), written);
 }

@@ -414,6 +414,12 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     EXPECT_GT(before["candidates"]["to_build"].get<int64_t>(), 0);
     EXPECT_TRUE(before["sizes"]["targets"][0]["bytes"].is_null());
     EXPECT_TRUE(before["sizes"]["exact"].get<bool>());  // the imatrix's header keys as the imatrix stage will write them
+    // The disk: the candidates to build are exact with --candidates all; the --like file's size is not known yet.
+    EXPECT_EQ(before["disk"]["candidates_to_build_bytes"], before["candidates"]["to_build_bytes"]);
+    EXPECT_TRUE(before["disk"]["candidates_exact"].get<bool>());
+    EXPECT_EQ(before["disk"]["exported_files_unknown"], 1);
+    EXPECT_EQ(before["disk"]["folder"], work + "/candidates");
+    EXPECT_GT(before["disk"]["free_bytes"].get<int64_t>(), 0);  // the work folder's nearest existing ancestor's
     std::vector<std::string> stages;
     for (const auto & s : before["stages"]) {
         stages.push_back(s["stage"]);
@@ -447,12 +453,15 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     EXPECT_EQ(after["candidates"]["in_cache"], before["candidates"]["to_build"]);
     EXPECT_EQ(after["candidates"]["in_cache_bytes"], before["candidates"]["to_build_bytes"]);
     EXPECT_EQ(after["candidates"]["to_build"], 0);
+    EXPECT_EQ(after["disk"]["candidates_to_build_bytes"], 0.0);
+    EXPECT_EQ(after["disk"]["exported_files_unknown"], 0);
     EXPECT_TRUE(after["sizes"]["exact"].get<bool>());
     // The range before the imatrix existed was already the exact one (the keys it will write were counted).
     EXPECT_EQ(after["sizes"]["min_bytes"], before["sizes"]["min_bytes"]);
     EXPECT_EQ(after["sizes"]["max_bytes"], before["sizes"]["max_bytes"]);
     const std::string stock = work + "/baselines/stories260K-Q5_0.gguf";
     EXPECT_EQ(after["sizes"]["targets"][0]["bytes"].get<double>(), static_cast<double>(file_size(stock)));
+    EXPECT_EQ(after["disk"]["exported_files_bytes"].get<double>(), static_cast<double>(file_size(stock)));
     EXPECT_TRUE(after["sizes"]["targets"][0]["feasible"].get<bool>());
     std::string made;
     for (const auto & e : std::filesystem::directory_iterator(work)) {

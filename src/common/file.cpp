@@ -13,6 +13,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 namespace voodoo {
@@ -43,6 +44,36 @@ bool remove_tree(const std::string & path) noexcept {
         return 0;
     }, 16, FTW_DEPTH | FTW_PHYS);
     return rc == 0 && ok;
+}
+
+int64_t tree_disk_bytes(const std::string & path) noexcept {
+    struct stat st {};
+    if (lstat(path.c_str(), &st) != 0) {
+        return 0;
+    }
+    static thread_local int64_t sum;
+    sum = 0;
+    nftw(path.c_str(), [](const char *, const struct stat * s, int, struct FTW *) {
+        sum += static_cast<int64_t>(s->st_blocks) * 512;
+        return 0;
+    }, 16, FTW_PHYS);
+    return sum;
+}
+
+int64_t free_disk_bytes(const std::string & path) noexcept {
+    std::string p = path.empty() ? std::string(".") : path;
+    for (int up = 0; up < 256; ++up) {
+        struct statvfs v {};
+        if (statvfs(p.c_str(), &v) == 0) {
+            return static_cast<int64_t>(v.f_bavail) * static_cast<int64_t>(v.f_frsize);
+        }
+        if (errno != ENOENT && errno != ENOTDIR) {
+            return -1;
+        }
+        const size_t cut = p.find_last_of('/', p.size() > 1 && p.back() == '/' ? p.size() - 2 : std::string::npos);
+        p = cut == std::string::npos ? std::string(".") : cut == 0 ? std::string("/") : p.substr(0, cut);
+    }
+    return -1;
 }
 
 bool same_file(const std::string & a, const std::string & b) {

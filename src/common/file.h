@@ -23,6 +23,16 @@ bool same_file(const std::string & a, const std::string & b);
 /// (seen on the GPU machine: tests/test_util.h's temp_dir and the eval plot's scratch folder).
 bool remove_tree(const std::string & path) noexcept;
 
+/// The bytes `path` takes on its disk: st_blocks × 512 (du's count, so a sparse file counts what it holds) of
+/// the file, or of every file and folder under it, links not followed. 0 for a missing path. For the job's
+/// report of disk by stage (issue #16).
+int64_t tree_disk_bytes(const std::string & path) noexcept;
+
+/// Bytes an unprivileged writer may still put on the file system holding `path` (statvfs: f_bavail ×
+/// f_frsize), or of its nearest existing ancestor when it does not exist yet (a work folder a run will
+/// create). -1 when none can be read.
+int64_t free_disk_bytes(const std::string & path) noexcept;
+
 /// A read-only, private memory map of a whole file. Empty files map to an empty span.
 class mapped_file {
 public:

@@ -159,21 +159,7 @@ baseline_result quantize_one(const baseline_options & opt, const stock_recipe & 
         }
     }
     file.commit();
-
-    baseline_result res;
-    res.recipe = r.name;
-    res.path = out;
-    const gguf_file made(out);
-    res.file_bytes = made.file_size();
-    for (const gguf_tensor & t : made.tensors()) {
-        res.tensor_bytes += t.n_bytes;
-        res.n_weights += t.n_elements();
-        res.type_counts[type_name(t.type)] += 1;
-        res.tensor_types.push_back(t.type);
-    }
-    res.bpw = res.n_weights > 0 ? 8.0 * static_cast<double>(res.tensor_bytes) / static_cast<double>(res.n_weights) : 0;
-    res.ok = true;
-    return res;
+    return describe_baseline(r.name, out);
 }
 
 /// A bad source is our error, never an abort inside llama.cpp.
@@ -203,6 +189,23 @@ void check_imatrix_given(const stock_recipe & r, const baseline_options & opt) {
 }
 
 }  // namespace
+
+baseline_result describe_baseline(const std::string & recipe_name, const std::string & out) {
+    baseline_result res;
+    res.recipe = recipe_name;
+    res.path = out;
+    const gguf_file made(out);
+    res.file_bytes = made.file_size();
+    for (const gguf_tensor & t : made.tensors()) {
+        res.tensor_bytes += t.n_bytes;
+        res.n_weights += t.n_elements();
+        res.type_counts[type_name(t.type)] += 1;
+        res.tensor_types.push_back(t.type);
+    }
+    res.bpw = res.n_weights > 0 ? 8.0 * static_cast<double>(res.tensor_bytes) / static_cast<double>(res.n_weights) : 0;
+    res.ok = true;
+    return res;
+}
 
 baseline_result make_baseline(const baseline_options & opt, const std::string & recipe_name, const std::string & out) {
     const stock_recipe & r = recipe_by_name(recipe_name);
@@ -241,8 +244,9 @@ std::vector<baseline_result> make_baselines(const baseline_options & opt, const 
     for (const stock_recipe * r : rs) {
         const std::string out = (std::filesystem::path(out_dir) / (stem + "-" + r->name + ".gguf")).string();
         baseline_result res;
+        const bool reused = opt.reuse_existing && std::filesystem::exists(out);
         try {
-            res = quantize_one(opt, *r, im.get(), out);
+            res = reused ? describe_baseline(r->name, out) : quantize_one(opt, *r, im.get(), out);
         } catch (const error & e) {
             res.recipe = r->name;
             res.path = out;
@@ -255,7 +259,7 @@ std::vector<baseline_result> make_baselines(const baseline_options & opt, const 
             }
         }
         results.push_back(std::move(res));
-        bar.add(1, r->name);
+        bar.add(1, reused ? r->name + " (already made)" : r->name);
     }
     return results;
 }

@@ -35,6 +35,10 @@ struct baseline_options {
     std::string imatrix;            // llama.cpp imatrix (GGUF or legacy .dat, src/imatrix), or empty
     int n_threads = 0;              // 0 = every core
     bool allow_requantize = false;  // llama_model_quantize_params.allow_requantize: a quantized source is accepted
+    bool reuse_existing = false;    // make_baselines: a file already at its path is read, not made again. Only for a
+                                    // folder whose files are known to come from this source and imatrix (voodoo
+                                    // quantize keys its baselines folder on both and empties it when either changes);
+                                    // the files are written whole or not at all (atomic), so one there is complete
 };
 
 struct baseline_result {
@@ -66,8 +70,14 @@ baseline_result make_baseline(const baseline_options & opt, const std::string & 
 /// of llama-quantize gets.
 std::vector<std::string> recipes_all_that_fit(bool has_imatrix);
 
+/// Reads a stock file already made (by make_baseline) into its result: sizes, BPW and tensor types, as
+/// make_baseline reports them. Throws voodoo::error when `path` is not a readable GGUF.
+baseline_result describe_baseline(const std::string & recipe_name, const std::string & path);
+
 /// Makes each recipe as `<out_dir>/<source stem>-<RECIPE>.gguf`. A recipe llama.cpp fails on is
-/// reported (ok = false, error) and the others are still made; same_types_as marks duplicates.
+/// reported (ok = false, error) and the others are still made; same_types_as marks duplicates. With
+/// opt.reuse_existing a file already there is described, not made again (issue #16: `voodoo quantize --like
+/// Q4_K_M` makes the stock file for its size before training, and its eval's baselines are the same file).
 /// Throws voodoo::error for bad options (unknown recipe, missing imatrix, unwritable folder).
 std::vector<baseline_result> make_baselines(const baseline_options & opt, const std::vector<std::string> & recipes,
                                             const std::string & out_dir);

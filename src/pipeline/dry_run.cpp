@@ -89,15 +89,7 @@ double dry_axpy_seconds(int threads) {
     return best / static_cast<double>(1 << 22);
 }
 
-std::string dry_bytes_text(double b) {
-    if (b >= 1024.0 * 1024 * 1024) {
-        return fmt::format("{:.2f} GiB", b / (1024.0 * 1024 * 1024));
-    }
-    if (b >= k_mib) {
-        return fmt::format("{:.2f} MiB", b / k_mib);
-    }
-    return fmt::format("{:.1f} KiB", b / 1024.0);
-}
+std::string dry_bytes_text(double b) { return bytes_text(b); }
 
 std::string dry_seconds_text(double s) {
     if (s < 1) {
@@ -271,6 +263,30 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
     plan["sizes"] = {{"min_bytes", range.min_total}, {"max_bytes", range.max_total}, {"min_bpw", 8 * range.min_total / w},
                      {"max_bpw", 8 * range.max_total / w}, {"of", ref.kind == target_kind::bpw ? "tensor data" : "file"},
                      {"exact", imatrix_known || !in.planned_imatrix_file.empty()}, {"targets", targets}};
+
+    // Disk: the cache's folder and what the run would write there (issue #16: "will it fit?"). The candidates to
+    // build are exact for --candidates all and an upper bound with targets (the probe decides; the run checks the
+    // room for what it keeps before building it: check_disk_room). The exported files' bytes are the targets' that
+    // are known; the stock files are counted, their bytes known only once made.
+    {
+        double files = 0;
+        int64_t unknown = 0;
+        for (const auto & t : targets) {
+            if (t["bytes"].is_null()) {
+                ++unknown;
+            } else {
+                files += t["bytes"].get<double>();
+            }
+        }
+        const int64_t free = free_disk_bytes(in.cache_dir);
+        const double need = to_build_bytes + files + static_cast<double>(k_disk_reserve_bytes);
+        plan["disk"] = {{"folder", in.cache_dir}, {"free_bytes", free}, {"candidates_to_build_bytes", to_build_bytes},
+                        {"candidates_exact", in.train.candidates != "targets"}, {"exported_files", targets.size()},
+                        {"exported_files_bytes", files},
+                        {"exported_files_unknown", unknown}, {"stock_files", in.stock_files},
+                        {"reserve_bytes", k_disk_reserve_bytes},
+                        {"fits_every_candidate", free < 0 ? nlohmann::json(nullptr) : nlohmann::json(need <= static_cast<double>(free))}};
+    }
 
     // Rates measured here, and the assumed GPU rates.
     const int threads = resolve_threads(in.train.threads);
@@ -570,6 +586,35 @@ std::string dry_run_to_text(const nlohmann::json & p) {
             s += fmt::format("  {}: {:.0f} bytes, {}\n", t["target"].get<std::string>(), t["bytes"].get<double>(),
                              t["feasible"].get<bool>() ? "feasible" : "OUTSIDE the range");
         }
+    }
+    if (p.contains("disk")) {
+        const auto & d = p["disk"];
+        const double free = d["free_bytes"].get<double>();
+        const double cand = d["candidates_to_build_bytes"].get<double>(), files = d["exported_files_bytes"].get<double>();
+        const bool exact = d["candidates_exact"].get<bool>();
+        const int64_t n_files = d["exported_files"].get<int64_t>(), unknown = d["exported_files_unknown"].get<int64_t>();
+        const std::string files_text =
+            fmt::format("{} exported file{} ({})", n_files, n_files == 1 ? "" : "s",
+                        unknown == 0 ? dry_bytes_text(files)
+                        : unknown == n_files ? std::string(n_files == 1 ? "a stock file's size, not made yet" : "each a stock file's size, not made yet")
+                                             : fmt::format("{} and {} of a stock file's size", dry_bytes_text(files), unknown));
+        std::string verdict;
+        if (free < 0) {
+            verdict = "its free space cannot be read";
+        } else if (d["fits_every_candidate"].get<bool>()) {
+            verdict = exact ? "fits" : "fits even if every candidate is built";
+        } else {
+            verdict = exact ? "DOES NOT FIT: the run would stop before building the candidates; a --work folder on a larger "
+                              "disk or a smaller menu (--menu) would fit"
+                            : "may not fit if most candidates are kept: the run checks the room for those the probe keeps "
+                              "before building them, and stops with what would fit";
+        }
+        s += fmt::format("disk: {} free in {}; the run writes {}{} of candidates, {} and {} stock file{}, and keeps {} "
+                         "free: {}\n",
+                         free < 0 ? std::string("unknown") : dry_bytes_text(free), d["folder"].get<std::string>(),
+                         exact ? "" : "at most ", dry_bytes_text(cand), files_text, d["stock_files"].get<int64_t>(),
+                         d["stock_files"].get<int64_t>() == 1 ? "" : "s", dry_bytes_text(d["reserve_bytes"].get<double>()),
+                         verdict);
     }
     if (p.contains("gpu_memory")) {
         const auto & g = p["gpu_memory"];

@@ -39,7 +39,10 @@ struct dry_run_input {
 
 /// The plan as JSON: {"model", "device", "menus": [{"tensors", "n", "types"}], "candidates": {"count", "bytes",
 /// "in_cache", "in_cache_bytes", "to_build", "to_build_bytes", "cache_dir", "cache_known"}, "sizes": {"min_bytes",
-/// "max_bytes", "min_bpw", "max_bpw", "exact", "targets": [{"target", "bytes", "feasible"}]}, "gpu_memory": {…}
+/// "max_bytes", "min_bpw", "max_bpw", "exact", "targets": [{"target", "bytes", "feasible"}]}, "disk": {"folder",
+/// "free_bytes" (-1: unreadable), "candidates_to_build_bytes", "candidates_exact" (false with --candidates targets:
+/// an upper bound), "exported_files", "exported_files_bytes", "exported_files_unknown", "stock_files", "reserve_bytes",
+/// "fits_every_candidate"}, "gpu_memory": {…}
 /// (cuda only), "stages": [{"stage", "work", "seconds"}], "rates": {…}}. Byte counts are exact: the candidates'
 /// are what build_candidates makes (every tensor × menu type, the source type included) and what the cache
 /// would hold (the others, each entry with its 8-byte checksum); the size range is make_budget's, exact once the

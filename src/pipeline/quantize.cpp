@@ -52,7 +52,14 @@ struct stage_mark {
     std::string name;
     std::chrono::steady_clock::time_point at;
     int64_t max_rss_before = 0;  // max_rss_so_far() when the stage began: the previous stage's value at its end
+    int64_t disk_before = 0;     // the work folder's bytes on disk when the stage began (tree_disk_bytes)
 };
+
+// The job's work folder, whose bytes on disk each stage mark records (set by run_quantize before its first stage).
+std::string & stage_work_folder() {
+    static std::string work;
+    return work;
+}
 
 // The largest resident set so far of this process or of any child it has waited for (the train stage's child), in
 // bytes: getrusage's ru_maxrss (KiB on Linux), RUSAGE_SELF and RUSAGE_CHILDREN. It never falls, so a stage whose
@@ -70,9 +77,12 @@ std::vector<stage_mark> & stage_marks() {
 }
 
 void stage(const char * name, const std::string & what) {
-    stage_marks().push_back({name, std::chrono::steady_clock::now(), max_rss_so_far()});
+    stage_marks().push_back({name, std::chrono::steady_clock::now(), max_rss_so_far(), tree_disk_bytes(stage_work_folder())});
     fmt::print(stderr, "== {}: {}\n", name, what);
 }
+
+// A stage line that marks no time: more news of the stage in progress.
+void note_line(const char * name, const std::string & what) { fmt::print(stderr, "== {}: {}\n", name, what); }
 
 // Seconds per stage (summed over a ladder's rungs, in order of first appearance) from the marks, printed in one
 // line and written to WORK/times.json.
@@ -88,10 +98,15 @@ void report_stage_times(const std::string & work) {
         const double s = std::chrono::duration<double>(until - marks[i].at).count();
         j[marks[i].name] = j.value(marks[i].name, 0.0) + s;
     }
-    // Host memory by stage: max_rss_so_far() at each stage's end (the mark of the next, or now).
-    nlohmann::ordered_json rss = nlohmann::ordered_json::object();
+    // Host memory and the work folder's disk by stage: each at the stage's end (the mark of the next, or now); a
+    // stage met twice (a ladder's rungs) keeps its largest.
+    nlohmann::ordered_json rss = nlohmann::ordered_json::object(), disk = nlohmann::ordered_json::object();
+    const int64_t disk_now = tree_disk_bytes(stage_work_folder());
     for (size_t i = 0; i < marks.size(); ++i) {
-        rss[marks[i].name] = i + 1 < marks.size() ? marks[i + 1].max_rss_before : max_rss_so_far();
+        const int64_t r = i + 1 < marks.size() ? marks[i + 1].max_rss_before : max_rss_so_far();
+        const int64_t d = i + 1 < marks.size() ? marks[i + 1].disk_before : disk_now;
+        rss[marks[i].name] = std::max(r, rss.value(marks[i].name, int64_t{0}));
+        disk[marks[i].name] = std::max(d, disk.value(marks[i].name, int64_t{0}));
     }
     const double total = std::chrono::duration<double>(end - marks.front().at).count();
     std::string line;
@@ -101,6 +116,7 @@ void report_stage_times(const std::string & work) {
     j["total"] = total;
     // Not a stage: readers that sum the stages skip it (it is an object, not seconds).
     j["max_rss_bytes_at_stage_end"] = rss;
+    j["work_disk_bytes_at_stage_end"] = disk;
     fmt::print(stderr, "== times: {} · total {:.1f} s, peak RSS {:.1f} GiB ({})\n", line, total,
                static_cast<double>(max_rss_so_far()) / 1073741824.0, (fs::path(work) / "times.json").string());
     write_file_atomic((fs::path(work) / "times.json").string(), j.dump(2) + "\n");
@@ -450,8 +466,12 @@ std::vector<rung> plan_rungs(const quantize_options & o, const baseline_options 
             }
             const std::string like_path =
                 (fs::path(base_dir) / fmt::format("{}-{}.gguf", fs::path(o.model).stem().string(), name)).string();
-            const size_t bytes = fs::exists(like_path) ? file_size(like_path) : make_baseline(bo, name, like_path).file_bytes;
-            stage("target", fmt::format("the size of stock {}: {} bytes", name, bytes));
+            const bool made = fs::exists(like_path);
+            if (!made) {  // the stage's time is the stock file's (llama_model_quantize), so its mark comes first
+                stage("target", fmt::format("making stock {} for its size ({})", name, like_path));
+            }
+            const size_t bytes = made ? file_size(like_path) : make_baseline(bo, name, like_path).file_bytes;
+            (made ? stage : note_line)("target", fmt::format("the size of stock {}: {} bytes", name, bytes));
             rungs.push_back({name, {target_kind::size, static_cast<double>(bytes)}, static_cast<double>(bytes)});
         }
     } else {
@@ -928,6 +948,7 @@ quantize_result run_quantize(const quantize_options & opts) {
         return res;
     }
     const folder_lock lock(work);  // one job per work folder (creates it)
+    stage_work_folder() = work;
     stage_marks().clear();
     const std::string data_dir = (fs::path(work) / "data").string();
     const std::string model_id = model_digest(o.model, (fs::path(work) / "model.digest.json").string());
@@ -1008,6 +1029,8 @@ quantize_result run_quantize(const quantize_options & opts) {
     bo.allow_requantize = o.allow_requantize;
     bo.imatrix = imatrix_path;
     bo.n_threads = o.threads;
+    bo.reuse_existing = true;  // the folder is this model's and imatrix's (stage.json below): a --like target's stock
+                               // file, made before training for its size, is the eval's baseline, not made twice
     const std::string base_dir = (fs::path(work) / "baselines").string();
     {
         const nlohmann::json base_in = {{"model", model_id}, {"imatrix", imatrix_id}};

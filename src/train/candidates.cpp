@@ -2,12 +2,17 @@
 
 #include "common/error.h"
 #include "common/file.h"
+#include "common/units.h"
 #include "ggml/quant.h"
 #include "ggml/types.h"
 
 #include <fmt/format.h>
 
+#include <atomic>
+#include <exception>
 #include <filesystem>
+#include <mutex>
+#include <thread>
 #include <cstring>
 #include <fstream>
 
@@ -156,12 +161,68 @@ candidate_prefetch::candidate_prefetch(const gguf_file & file, std::vector<job> 
 
 candidate_prefetch::~candidate_prefetch() { stop(); }
 
+int64_t candidate_bytes_to_build(const gguf_file & file, const std::vector<std::pair<const gguf_tensor *, ggml_type>> & jobs,
+                                 const importance_map * importance, const std::string & dir, int n_threads) {
+    std::atomic<size_t> next{0};
+    std::atomic<int64_t> need{0};
+    std::exception_ptr failure;
+    std::mutex failure_mutex;
+    auto work = [&] {
+        for (size_t j; (j = next++) < jobs.size();) {
+            const auto [t, type] = jobs[j];
+            if (type == t->type) {
+                continue;
+            }
+            try {
+                const int64_t ne[2] = {t->ne[0], static_cast<int64_t>(t->n_elements()) / t->ne[0]};
+                const size_t bytes = tensor_bytes(type, ne, t->name);
+                if (!candidate_cache::holds(dir, candidate_cache::key(file, *t, type, importance_for(importance, *t)), bytes)) {
+                    need += static_cast<int64_t>(bytes + sizeof(uint64_t));
+                }
+            } catch (...) {
+                std::lock_guard<std::mutex> lock(failure_mutex);
+                failure = std::current_exception();
+                next = jobs.size();
+            }
+        }
+    };
+    const int threads = std::max(1, std::min<int>(n_threads > 0 ? n_threads : static_cast<int>(std::thread::hardware_concurrency()),
+                                                   static_cast<int>(jobs.size())));
+    std::vector<std::thread> pool;
+    for (int i = 1; i < threads; ++i) {
+        pool.emplace_back(work);
+    }
+    work();
+    for (auto & th : pool) {
+        th.join();
+    }
+    if (failure) {
+        std::rethrow_exception(failure);
+    }
+    return need;
+}
+
+void check_disk_room(const std::string & dir, int64_t need, const std::string & what, const std::string & would_fit) {
+    const int64_t free = free_disk_bytes(dir);
+    if (free < 0 || need + k_disk_reserve_bytes <= free) {
+        return;
+    }
+    fail("not enough disk for {} in '{}': {} to write and {} to keep free, {} free there; {}", what, dir,
+         bytes_text(static_cast<double>(need)), bytes_text(static_cast<double>(k_disk_reserve_bytes)),
+         bytes_text(static_cast<double>(free)), would_fit);
+}
+
 void candidate_prefetch::run() {
     for (const job & j : jobs_) {
         if (stop_) {
             return;
         }
         try {
+            const int64_t ne[2] = {j.tensor->ne[0], static_cast<int64_t>(j.tensor->n_elements()) / j.tensor->ne[0]};
+            const int64_t free = free_disk_bytes(cache_.dir());
+            if (free >= 0 && static_cast<int64_t>(tensor_bytes(j.type, ne, j.tensor->name)) + k_disk_reserve_bytes > free) {
+                return;  // a guess never fills the disk: the build after the probe says what would fit
+            }
             const auto bytes = candidate_bytes(file_, *j.tensor, j.type, importance_for(importance_, *j.tensor), &cache_, {},
                                                n_threads_);
             bytes_ += bytes.size();

@@ -71,12 +71,30 @@ std::vector<uint8_t> candidate_bytes(const gguf_file & file, const gguf_tensor &
                                      std::span<const float> importance, const candidate_cache * cache,
                                      std::span<const float> f32 = {}, int n_threads = 0);
 
+/// The bytes building `jobs` ((tensor, type) pairs) would add to the cache in `dir`: each pair that is not the
+/// tensor's source type (its bytes are copied, never cached) and not already held there (candidate_cache::holds), at
+/// its exact size plus the entry's 8-byte checksum. The keys hash each source tensor once per type, on `n_threads`
+/// (0 = every core). Throws voodoo::error as importance_for does.
+int64_t candidate_bytes_to_build(const gguf_file & file, const std::vector<std::pair<const gguf_tensor *, ggml_type>> & jobs,
+                                 const importance_map * importance, const std::string & dir, int n_threads = 0);
+
+/// Room a job keeps free on the cache's disk beyond what it will write (journals, the probe and recipe files, the
+/// file system's own needs): 256 MiB.
+inline constexpr int64_t k_disk_reserve_bytes = int64_t{256} << 20;
+
+/// Checks before writing `need` bytes into `dir` (created or not yet): throws voodoo::error when need +
+/// k_disk_reserve_bytes exceeds free_disk_bytes(dir), naming the folder, what would be written (`what`), both sizes
+/// and what would fit (`would_fit`). Does nothing when the free space cannot be read.
+void check_disk_room(const std::string & dir, int64_t need, const std::string & what, const std::string & would_fit);
+
 /// Builds candidates into a cache on a thread of its own while the caller does other work (issue #16: the GPU's
 /// eager probe leaves the CPU idle, and the candidates kept after it are the longest stage). Each job is one whole
 /// candidate quantized on `n_threads` cores (rows split, as quantize_into splits them), so that stop() waits for at
 /// most one job's share of the cores. The bytes go to the cache and are dropped; a later candidate_bytes of the same
 /// (tensor, type, importance) loads them, so what is built ahead is exactly what would have been built after.
-/// A job that throws ends the prefetch quietly: the later build meets the same error and reports it.
+/// A job that throws ends the prefetch quietly: the later build meets the same error and reports it. So does a job
+/// that would leave the cache's disk with less than k_disk_reserve_bytes free: what is built ahead is a guess, and
+/// the build after the probe checks the room for what is kept (check_disk_room) and says what would fit.
 class candidate_prefetch {
 public:
     struct job {

@@ -1060,6 +1060,22 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
     }
 
+    // The disk: what the build will still write into the cache must fit there (issue #16: the default menu's kept
+    // candidates of an 8B model are tens of GB), checked before it starts rather than met as a full disk part way.
+    {
+        std::vector<std::pair<const gguf_tensor *, ggml_type>> jobs;
+        for (const tensor_menu & m : menus) {
+            for (ggml_type type : m.types) {
+                jobs.emplace_back(m.tensor, type);
+            }
+        }
+        const int64_t need = candidate_bytes_to_build(src, jobs, importance, cache.dir(), n_threads);
+        check_disk_room(cache.dir(), need, fmt::format("the candidates still to build ({} tensors)", menus.size()),
+                        fmt::format("a work folder (quantize --work; train --cache) on a disk with {} free would "
+                                    "fit, or a smaller menu (--menu with fewer types){}",
+                                    bytes_text(static_cast<double>(need + k_disk_reserve_bytes)),
+                                    prune ? "" : ", or --candidates targets (builds only what the targets can use)"));
+    }
     const auto t_build = std::chrono::steady_clock::now();
     std::vector<gated_tensor> gated = build_over_ranks(menus);
     fmt::print(stderr, "candidates of {} tensors ready in {:.1f} s ({:.1f} s into the train stage)\n", menus.size(),
