@@ -24,7 +24,7 @@ TEST(cuda_arch, gemma3_bf16_forward_on_the_gpu_keeps_the_sliding_window) {
     test::temp_dir dir;
     fixture_spec s;
     s.arch = "gemma3";
-    s.vocab_path = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf";
+    s.vocab_path = voodoo::test::llama_spm_vocab();
     s.tied_output = true;
     s.n_layer = 3;
     s.n_head_kv = 1;

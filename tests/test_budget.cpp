@@ -226,7 +226,7 @@ TEST(budget, a_tensor_the_imatrix_does_not_cover_gets_no_type_that_needs_one) {
     // reads it), so with an imatrix only the covered tensors are offered those types.
     test::temp_dir dir;
     fixture_spec s;
-    s.vocab_path = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf";
+    s.vocab_path = voodoo::test::llama_spm_vocab();
     s.n_layer = 1;
     write_fixture(s, dir.file("m.gguf"));
     const gguf_file file(dir.file("m.gguf"));

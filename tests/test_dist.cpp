@@ -209,7 +209,7 @@ TEST(dist, layer_sharding_over_gloo_processes_gives_the_single_process_gradients
     tied.seed = 11;
     tied.tied_output = true;
     tied.weight_type = GGML_TYPE_F32;
-    tied.vocab_path = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf";
+    tied.vocab_path = voodoo::test::llama_spm_vocab();
     write_fixture(tied, dir.file("tied.gguf"));
     for (const auto & [model, ranks] : {std::pair{test::stories260k(), 2}, std::pair{dir.file("tied.gguf"), 3}}) {
         SCOPED_TRACE(fmt::format("{} on {} ranks", model, ranks));
@@ -618,7 +618,7 @@ TEST(dist, layer_sharded_ranks_probe_and_select_rank_to_rank_reading_only_their_
     test::temp_dir dir;
     write_calibration_text(dir.file("t.txt"));
     fixture_spec spec;
-    spec.vocab_path = std::string(VOODOO_SOURCE_DIR) + "/.deps/llama.cpp/models/ggml-vocab-llama-spm.gguf";
+    spec.vocab_path = voodoo::test::llama_spm_vocab();
     spec.n_embd = 64;
     spec.n_layer = 3;
     spec.n_head = 2;
@@ -690,7 +690,7 @@ TEST(dist, the_dry_run_says_what_each_rank_holds_with_layers_or_with_tp) {
     // (its shards) on its device for training.
     test::temp_dir dir;
     fixture_spec spec;
-    spec.vocab_path = std::string(VOODOO_SOURCE_DIR) + "/.deps/llama.cpp/models/ggml-vocab-llama-spm.gguf";
+    spec.vocab_path = voodoo::test::llama_spm_vocab();
     spec.weight_type = GGML_TYPE_F16;
     write_fixture(spec, dir.file("m.gguf"));
     const std::string text = test::shared_data() + "/text/tinystories/tinystories_val.txt";

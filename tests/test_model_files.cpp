@@ -20,12 +20,10 @@ using namespace voodoo;
 
 namespace {
 
-std::string llama_spm_vocab() { return std::string(VOODOO_SOURCE_DIR) + "/.deps/llama.cpp/models/ggml-vocab-llama-spm.gguf"; }
-
 /// n_embd 256 (ne0 ≥ 256), 2 layers, 4 heads of 64, 2 KV heads, FFN 512, llama-spm vocab (32000 tokens).
 fixture_spec small_llama(ggml_type type, bool tied) {
     fixture_spec s;
-    s.vocab_path = llama_spm_vocab();
+    s.vocab_path = voodoo::test::llama_spm_vocab();
     s.weight_type = type;
     s.tied_output = tied;
     s.seed = 7;
@@ -240,7 +238,7 @@ TEST(cli, check_parity_of_an_unsupported_model_is_one_error_line_and_exit_1) {
 TEST(cli, voodoo_fixture_writes_a_model_libllama_and_check_parity_accept) {
     test::temp_dir dir;
     const std::string out = dir.file("tiny.gguf");
-    const std::string cmd = std::string(VOODOO_FIXTURE_BIN) + " --vocab " + llama_spm_vocab() +
+    const std::string cmd = std::string(VOODOO_FIXTURE_BIN) + " --vocab " + voodoo::test::llama_spm_vocab() +
                             " --n-embd 64 --n-layer 1 --n-head 2 --n-head-kv 1 --head-dim 32 --n-ff 128 --type f16 --tied -o " +
                             out + " > /dev/null 2>&1";
     ASSERT_EQ(std::system(cmd.c_str()), 0);

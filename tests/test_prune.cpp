@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <limits>
 #include <map>
+#include <set>
 
 using namespace voodoo;
 
@@ -256,6 +257,20 @@ TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_
     }
     EXPECT_EQ(recipes["targets"], recipes["all"]);
     EXPECT_EQ(recipes["ahead"], recipes["all"]);
+    // The guesses built ahead that the probe did not keep leave the cache: it then holds what the run without
+    // building ahead holds, entry for entry.
+    auto entries = [&](const std::string & mode) {
+        std::set<std::string> names;
+        for (const auto & e : std::filesystem::recursive_directory_iterator(fmt::format("{}/run-{}/candidates", dir, mode))) {
+            if (e.is_regular_file() && e.path().extension() == ".bin") {
+                names.insert(e.path().filename().string());
+            }
+        }
+        return names;
+    };
+    EXPECT_FALSE(entries("targets").empty());
+    EXPECT_EQ(entries("ahead"), entries("targets"));
+    EXPECT_LT(entries("targets").size(), entries("all").size());
 }
 
 TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_the_likeliest_first) {

@@ -41,6 +41,11 @@ inline std::string shared_data() {
 
 inline std::string stories260k() { return shared_data() + "/models/stories260K/stories260K.gguf"; }
 
+#ifdef VOODOO_LLAMA_MODELS_DIR
+/// llama.cpp's llama-spm vocabulary GGUF (32,000 tokens), the vocabulary of the synthetic llama fixtures.
+inline std::string llama_spm_vocab() { return std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf"; }
+#endif
+
 /// A fresh empty folder under the system temp dir, removed when the object dies.
 struct temp_dir {
     std::filesystem::path path;

@@ -19,6 +19,8 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include <unistd.h>
+
 #ifndef VOODOO_LLAMA_COMMIT
 #define VOODOO_LLAMA_COMMIT "unknown"
 #endif
@@ -136,6 +138,12 @@ void candidate_cache::store(const std::string & key, std::span<const uint8_t> by
     out.write(bytes.data(), bytes.size());
     out.write(&sum, sizeof sum);
     out.commit();
+}
+
+int64_t candidate_cache::remove(const std::string & key) const {
+    const std::string path = path_of(key);
+    const int64_t bytes = tree_disk_bytes(path);
+    return ::unlink(path.c_str()) == 0 ? bytes : 0;
 }
 
 std::vector<uint8_t> candidate_bytes(const gguf_file & file, const gguf_tensor & t, ggml_type type,

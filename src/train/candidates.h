@@ -58,6 +58,8 @@ public:
     static bool holds(const std::string & dir, const std::string & key, size_t expected_bytes);
     /// Stores bytes atomically.
     void store(const std::string & key, std::span<const uint8_t> bytes) const;
+    /// Removes the entry of `key` and returns the bytes it took on disk (0 when there was none).
+    int64_t remove(const std::string & key) const;
 
     const std::string & dir() const { return dir_; }
 

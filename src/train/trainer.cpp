@@ -1009,7 +1009,18 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         if (ahead_built > 0) {
             const int64_t used = std::count_if(ahead_jobs.begin(), ahead_jobs.begin() + ahead_built,
                                                [&](const auto & j) { return pp.keep[j.first][j.second]; });
-            fmt::print(stderr, "of the {} candidates built ahead, {} are kept\n", ahead_built, used);
+            // The others are a guess the probe did not keep: no recipe under these targets can use them, so their
+            // disk goes back before the kept ones are built (issue #16: at 8B the cache is what fills the disk).
+            int64_t freed = 0;
+            for (auto j = ahead_jobs.begin(); j != ahead_jobs.begin() + ahead_built; ++j) {
+                if (!pp.keep[j->first][j->second]) {
+                    const gguf_tensor & t = *all_menus[j->first].tensor;
+                    freed += cache.remove(candidate_cache::key(src, t, all_menus[j->first].types[j->second],
+                                                               importance_for(importance, t)));
+                }
+            }
+            fmt::print(stderr, "of the {} candidates built ahead, {} are kept; the other {} removed from the cache ({})\n",
+                       ahead_built, used, ahead_built - used, bytes_text(static_cast<double>(freed)));
         }
         fmt::print(stderr, "candidates for {} target{}: {} of {} ({:.1f} of {:.1f} MiB; the others cannot be chosen unless "
                            "their ΔKL is outside {} to {} times its prediction) in {:.1f} s\n",
