@@ -467,6 +467,20 @@ TEST(prune, a_cache_without_disk_room_for_its_candidates_stops_before_building_t
     }
     EXPECT_FALSE(std::filesystem::exists(dir + "/run-tight/recipe.json"));
     EXPECT_LT(tree_disk_bytes(tight.dir), int64_t{64} << 10) << "nothing was built before the check";
+    // Pruned (the default): a warning before the probe, from the candidates it will likely keep, then the same stop
+    // before the kept ones are built.
+    const auto pruned = test::run_voodoo(fmt::format("train --model {} --data {}/data --target-bpw 9 --steps 2 --batch 1 "
+                                                     "--probe-sequences 1 --select-sequences 1 --cache {}/pruned --out {}/run-pruned -t 2",
+                                                     test::stories260k(), dir, tight.dir, dir));
+    EXPECT_EQ(pruned.exit_code, 1) << pruned.output;
+    const size_t warned = pruned.output.find("the probe will likely keep");
+    const size_t probed = pruned.output.find("pruning: the eager probe in");
+    const size_t stopped = pruned.output.find("not enough disk for the candidates still to build");
+    ASSERT_NE(warned, std::string::npos) << pruned.output;
+    ASSERT_NE(probed, std::string::npos) << pruned.output;
+    ASSERT_NE(stopped, std::string::npos) << pruned.output;
+    EXPECT_LT(warned, probed);
+    EXPECT_LT(probed, stopped);
 
     const auto ok = train(roomy.dir + "/candidates", dir + "/run-roomy");
     ASSERT_EQ(ok.exit_code, 0) << ok.output;

@@ -942,6 +942,32 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 ahead = std::make_unique<candidate_prefetch>(src, std::move(jobs), importance, cache,
                                                              device.is_cuda() ? std::max(1, n_threads - 1) : n_threads);
             }
+            // The disk, before the probe (issue #16: at 8B the probe alone is many minutes): when the candidates it
+            // will likely keep (build-ahead's guess) cannot fit beside the reserve, say so now; the check before the
+            // build (check_disk_room) then decides on what the probe keeps.
+            {
+                std::vector<std::pair<const gguf_tensor *, ggml_type>> guess;
+                int64_t raw = 0;
+                for (const auto & [i, k] : build_ahead_jobs(all_menus, err_hat, eager, budgets, also, po)) {
+                    const gguf_tensor & t = *all_menus[i].tensor;
+                    const int64_t ne[2] = {t.ne[0], static_cast<int64_t>(t.n_elements()) / t.ne[0]};
+                    raw += static_cast<int64_t>(tensor_bytes(all_menus[i].types[k], ne, t.name) + sizeof(uint64_t));
+                    guess.emplace_back(&t, all_menus[i].types[k]);
+                }
+                const int64_t free = free_disk_bytes(cache.dir());
+                if (free >= 0 && raw + k_disk_reserve_bytes > free) {  // only then are the keys worth hashing
+                    const int64_t need = candidate_bytes_to_build(src, guess, importance, cache.dir(), n_threads);
+                    if (need + k_disk_reserve_bytes > free) {
+                        fmt::print(stderr, "voodoo: warning: the {} candidates the probe will likely keep need {} more in '{}', "
+                                           "which has {} free beside the {} to keep free: the run will likely stop after the "
+                                           "probe, before building them. A work folder (quantize --work; train --cache) on a "
+                                           "disk with {} free, or a smaller menu (--menu), would fit\n",
+                                   guess.size(), bytes_text(static_cast<double>(need)), cache.dir(),
+                                   bytes_text(static_cast<double>(free)), bytes_text(static_cast<double>(k_disk_reserve_bytes)),
+                                   bytes_text(static_cast<double>(need + k_disk_reserve_bytes)));
+                    }
+                }
+            }
             const auto t_probe = std::chrono::steady_clock::now();
             es = probe_over_ranks(eg, plan);
             eager_seconds = seconds_since(t_probe);
