@@ -462,7 +462,7 @@ TEST(prune, a_cache_without_disk_room_for_its_candidates_stops_before_building_t
     const auto refused = train(tight.dir + "/candidates", dir + "/run-tight");
     EXPECT_EQ(refused.exit_code, 1) << refused.output;
     for (const std::string & said : {std::string("not enough disk for the candidates still to build"), tight.dir + "/candidates",
-                                     std::string("free there"), std::string("--work"), std::string("--menu")}) {
+                                     std::string("free there, of which"), std::string("--work"), std::string("--menu")}) {
         EXPECT_NE(refused.output.find(said), std::string::npos) << said << "\n" << refused.output;
     }
     EXPECT_FALSE(std::filesystem::exists(dir + "/run-tight/recipe.json"));

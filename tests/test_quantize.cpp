@@ -418,6 +418,8 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     EXPECT_EQ(before["disk"]["candidates_to_build_bytes"], before["candidates"]["to_build_bytes"]);
     EXPECT_TRUE(before["disk"]["candidates_exact"].get<bool>());
     EXPECT_EQ(before["disk"]["exported_files_unknown"], 1);
+    EXPECT_EQ(before["disk"]["stock_files_to_make"], 1);  // the --like file
+    EXPECT_GT(before["disk"]["stock_files_bytes_estimate"].get<double>(), 0.0);
     EXPECT_EQ(before["disk"]["folder"], work + "/candidates");
     EXPECT_GT(before["disk"]["free_bytes"].get<int64_t>(), 0);  // the work folder's nearest existing ancestor's
     std::vector<std::string> stages;
@@ -455,6 +457,7 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     EXPECT_EQ(after["candidates"]["to_build"], 0);
     EXPECT_EQ(after["disk"]["candidates_to_build_bytes"], 0.0);
     EXPECT_EQ(after["disk"]["exported_files_unknown"], 0);
+    EXPECT_EQ(after["disk"]["stock_files_to_make"], 0);
     EXPECT_TRUE(after["sizes"]["exact"].get<bool>());
     // The range before the imatrix existed was already the exact one (the keys it will write were counted).
     EXPECT_EQ(after["sizes"]["min_bytes"], before["sizes"]["min_bytes"]);

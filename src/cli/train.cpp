@@ -180,6 +180,7 @@ command add_train(CLI::App & app) {
             in.src = &src;
             in.train = t;
             in.goals = {t.goal};
+            in.exports = false;  // train writes the recipe; `voodoo export` makes the file
             in.imatrix = o->imatrix;
             in.cache_dir = t.cache_dir.empty() ? (std::filesystem::path(o->out) / "candidates").string() : t.cache_dir;
             in.ctx = data.train().ctx();

@@ -3,6 +3,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "common/progress.h"
+#include "common/units.h"
 #include "ggml/gguf.h"
 #include "ggml/log.h"
 #include "ggml/runtime.h"
@@ -154,8 +155,16 @@ baseline_result quantize_one(const baseline_options & opt, const stock_recipe & 
         ggml_log_capture capture;
         if (llama_model_quantize(opt.source.c_str(), file.temp_path().c_str(), &qp) != 0) {
             std::string why = capture.text();
-            fail("llama_model_quantize could not make {} from '{}'{}{}", r.name, opt.source, why.empty() ? "" : ": ",
-                 why);
+            // llama.cpp reports a full disk as an iostream error: say what the folder has left.
+            const std::string dir = std::filesystem::absolute(out).parent_path().string();
+            const int64_t free = free_disk_bytes(dir);
+            const double need = estimate_stock_bytes(gguf_file(opt.source), r);
+            const std::string disk = free >= 0 && static_cast<double>(free) < need
+                ? fmt::format(" (the disk of '{}' has {} free, and a {} file of this model takes about {}: a full disk?)",
+                              dir, bytes_text(static_cast<double>(free)), r.name, bytes_text(need))
+                : "";
+            fail("llama_model_quantize could not make {} from '{}'{}{}{}", r.name, opt.source, why.empty() ? "" : ": ",
+                 why, disk);
         }
     }
     file.commit();
@@ -214,6 +223,22 @@ baseline_result make_baseline(const baseline_options & opt, const std::string & 
     llama_runtime_init();
     const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix, *src);
     return quantize_one(opt, r, im.get(), out);
+}
+
+double estimate_stock_bytes(const gguf_file & src, const stock_recipe & r) {
+    double total = static_cast<double>(src.file_size());
+    for (const gguf_tensor & t : src.tensors()) {
+        if (t.n_dims < 2) {
+            continue;
+        }
+        for (ggml_type c : {r.main_type, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q8_0, GGML_TYPE_F16}) {
+            if (t.ne[0] % ggml_blck_size(c) == 0) {
+                total += static_cast<double>(tensor_bytes(c, t.shape(), t.name)) - static_cast<double>(t.n_bytes);
+                break;
+            }
+        }
+    }
+    return total;
 }
 
 std::vector<std::string> recipes_all_that_fit(bool has_imatrix) {

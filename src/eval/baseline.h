@@ -2,6 +2,8 @@
 // function llama-quantize calls, so the files are what llama-quantize would make.
 #pragma once
 
+#include "ggml/gguf.h"
+
 #include <ggml.h>
 #include <llama.h>
 
@@ -63,6 +65,12 @@ struct baseline_result {
 /// `out` is the source; an unreadable source or imatrix, or an imatrix of another model
 /// (require_imatrix_fits); llama.cpp's refusal, with its reason.
 baseline_result make_baseline(const baseline_options & opt, const std::string & recipe_name, const std::string & out);
+
+/// An estimate of the bytes of the file llama_model_quantize would make from `src` with recipe r, for a dry run's disk
+/// figure (never a budget): every tensor of two or more dimensions at the recipe's main type (the first of it, IQ4_NL,
+/// Q5_0, Q8_0, F16 whose block divides ne0), the others and the header at their bytes in the source. It leaves out
+/// the recipe's own promotions (Q4_K_M's Q6_K tensors: a few percent).
+double estimate_stock_bytes(const gguf_file & src, const stock_recipe & r);
 
 /// The recipes `--recipes all-that-fit` makes: every standard recipe, less those needing an imatrix
 /// when none is given. Recipes whose main type fits no tensor of the model are kept: llama.cpp falls

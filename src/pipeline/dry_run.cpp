@@ -4,6 +4,7 @@
 #include "common/units.h"
 #include "common/file.h"
 #include "dist/dist.h"
+#include "eval/baseline.h"
 #include "eval/speed_table.h"
 #include "export/export.h"
 #include "model/registry.h"
@@ -266,25 +267,34 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
 
     // Disk: the cache's folder and what the run would write there (issue #16: "will it fit?"). The candidates to
     // build are exact for --candidates all and an upper bound with targets (the probe decides; the run checks the
-    // room for what it keeps before building it: check_disk_room). The exported files' bytes are the targets' that
-    // are known; the stock files are counted, their bytes known only once made.
+    // room for what it keeps before building it: check_disk_room). The exported files are the targets' bytes, a
+    // --like target not made yet at its stock file's estimate; the stock files not made yet are estimated
+    // (estimate_stock_bytes), the token data at the calibration text's bytes.
     {
-        double files = 0;
-        int64_t unknown = 0;
-        for (const auto & t : targets) {
-            if (t["bytes"].is_null()) {
-                ++unknown;
-            } else {
-                files += t["bytes"].get<double>();
+        double files = 0, stock = 0;
+        int64_t unknown = 0, n_files = 0;
+        if (in.exports) {
+            for (const auto & t : targets) {
+                ++n_files;
+                if (t["bytes"].is_null()) {
+                    ++unknown;
+                    files += estimate_stock_bytes(src, recipe_by_name(t["target"].get<std::string>().substr(5)));  // "like=NAME"
+                } else {
+                    files += t["bytes"].get<double>();
+                }
             }
         }
+        for (const std::string & name : in.stock_recipes) {
+            stock += estimate_stock_bytes(src, recipe_by_name(name));
+        }
+        const double data = static_cast<double>(in.text_bytes);
         const int64_t free = free_disk_bytes(in.cache_dir);
-        const double need = to_build_bytes + files + static_cast<double>(k_disk_reserve_bytes);
+        const double need = to_build_bytes + files + stock + data + static_cast<double>(k_disk_reserve_bytes);
         plan["disk"] = {{"folder", in.cache_dir}, {"free_bytes", free}, {"candidates_to_build_bytes", to_build_bytes},
-                        {"candidates_exact", in.train.candidates != "targets"}, {"exported_files", targets.size()},
-                        {"exported_files_bytes", files},
-                        {"exported_files_unknown", unknown}, {"stock_files", in.stock_files},
-                        {"reserve_bytes", k_disk_reserve_bytes},
+                        {"candidates_exact", in.train.candidates != "targets"}, {"exported_files", n_files},
+                        {"exported_files_bytes", files}, {"exported_files_unknown", unknown}, {"stock_files", in.stock_files},
+                        {"stock_files_to_make", in.stock_recipes.size()}, {"stock_files_bytes_estimate", stock},
+                        {"data_bytes_estimate", data}, {"reserve_bytes", k_disk_reserve_bytes},
                         {"fits_every_candidate", free < 0 ? nlohmann::json(nullptr) : nlohmann::json(need <= static_cast<double>(free))}};
     }
 
@@ -591,16 +601,25 @@ std::string dry_run_to_text(const nlohmann::json & p) {
         const auto & d = p["disk"];
         const double free = d["free_bytes"].get<double>();
         const double cand = d["candidates_to_build_bytes"].get<double>(), files = d["exported_files_bytes"].get<double>();
+        const double reserve = d["reserve_bytes"].get<double>();
         const bool exact = d["candidates_exact"].get<bool>();
         const int64_t n_files = d["exported_files"].get<int64_t>(), unknown = d["exported_files_unknown"].get<int64_t>();
-        const std::string files_text =
-            fmt::format("{} exported file{} ({})", n_files, n_files == 1 ? "" : "s",
-                        unknown == 0 ? dry_bytes_text(files)
-                        : unknown == n_files ? std::string(n_files == 1 ? "a stock file's size, not made yet" : "each a stock file's size, not made yet")
-                                             : fmt::format("{} and {} of a stock file's size", dry_bytes_text(files), unknown));
+        const int64_t n_stock = d["stock_files_to_make"].get<int64_t>();
+        std::string writes = fmt::format("{}{} of candidates", exact ? "" : "at most ", dry_bytes_text(cand));
+        if (n_files > 0) {
+            writes += fmt::format(", {} exported file{} ({}{})", n_files, n_files == 1 ? "" : "s", unknown > 0 ? "≈ " : "",
+                                  dry_bytes_text(files));
+        }
+        if (n_stock > 0) {
+            writes += fmt::format(", {} stock file{} (≈ {})", n_stock, n_stock == 1 ? "" : "s",
+                                  dry_bytes_text(d["stock_files_bytes_estimate"].get<double>()));
+        }
         std::string verdict;
         if (free < 0) {
             verdict = "its free space cannot be read";
+        } else if (free <= reserve) {
+            verdict = fmt::format("DOES NOT FIT: less than the {} kept free; a --work folder on a disk with more room would",
+                                  dry_bytes_text(reserve));
         } else if (d["fits_every_candidate"].get<bool>()) {
             verdict = exact ? "fits" : "fits even if every candidate is built";
         } else {
@@ -609,12 +628,9 @@ std::string dry_run_to_text(const nlohmann::json & p) {
                             : "may not fit if most candidates are kept: the run checks the room for those the probe keeps "
                               "before building them, and stops with what would fit";
         }
-        s += fmt::format("disk: {} free in {}; the run writes {}{} of candidates, {} and {} stock file{}, and keeps {} "
-                         "free: {}\n",
-                         free < 0 ? std::string("unknown") : dry_bytes_text(free), d["folder"].get<std::string>(),
-                         exact ? "" : "at most ", dry_bytes_text(cand), files_text, d["stock_files"].get<int64_t>(),
-                         d["stock_files"].get<int64_t>() == 1 ? "" : "s", dry_bytes_text(d["reserve_bytes"].get<double>()),
-                         verdict);
+        s += fmt::format("disk: {} free in {}; the run writes {}, and keeps {} free: {}\n",
+                         free < 0 ? std::string("unknown") : dry_bytes_text(free), d["folder"].get<std::string>(), writes,
+                         dry_bytes_text(reserve), verdict);
     }
     if (p.contains("gpu_memory")) {
         const auto & g = p["gpu_memory"];

@@ -31,6 +31,8 @@ struct dry_run_input {
     int64_t train_chunks = 0;               // chunks the token data holds (train), 0 = estimated from text_bytes
     int64_t imatrix_chunks = 0;             // chunks the imatrix stage would run (0 = no imatrix stage)
     int64_t stock_files = 0;                // stock files the run would make with llama_model_quantize
+    std::vector<std::string> stock_recipes; // those of them not made yet, by recipe name (their bytes are estimated)
+    bool exports = true;                    // the run writes a GGUF per target (quantize; train writes a recipe only)
     int64_t eval_files = 0;                 // files the eval would compare (0 = no eval stage)
     int64_t eval_tokens_per_file = 0;       // tokens each eval file runs
     int ggml_threads = 0;                   // libllama's threads (imatrix, eval)
@@ -41,8 +43,8 @@ struct dry_run_input {
 /// "in_cache", "in_cache_bytes", "to_build", "to_build_bytes", "cache_dir", "cache_known"}, "sizes": {"min_bytes",
 /// "max_bytes", "min_bpw", "max_bpw", "exact", "targets": [{"target", "bytes", "feasible"}]}, "disk": {"folder",
 /// "free_bytes" (-1: unreadable), "candidates_to_build_bytes", "candidates_exact" (false with --candidates targets:
-/// an upper bound), "exported_files", "exported_files_bytes", "exported_files_unknown", "stock_files", "reserve_bytes",
-/// "fits_every_candidate"}, "gpu_memory": {…}
+/// an upper bound), "exported_files", "exported_files_bytes", "exported_files_unknown", "stock_files", "stock_files_to_make",
+/// "stock_files_bytes_estimate", "data_bytes_estimate", "reserve_bytes", "fits_every_candidate"}, "gpu_memory": {…}
 /// (cuda only), "stages": [{"stage", "work", "seconds"}], "rates": {…}}. Byte counts are exact: the candidates'
 /// are what build_candidates makes (every tensor × menu type, the source type included) and what the cache
 /// would hold (the others, each entry with its 8-byte checksum); the size range is make_budget's, exact once the

@@ -709,6 +709,25 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
     } else if (o.eval_chunks != 0 && o.baselines != "none") {
         in.stock_files = std::max<int64_t>(in.stock_files, static_cast<int64_t>(comma_list(o.baselines).size()));
     }
+    // The stock files not made yet, by name (the dry run's disk figure estimates their bytes).
+    {
+        std::vector<std::string> names = comma_list(o.like);
+        if (o.eval_chunks != 0 && (o.baselines == "nearest" || o.baselines == "all-that-fit")) {
+            const std::vector<std::string> all = recipes_all_that_fit(true);
+            names.insert(names.end(), all.begin(), all.end());
+        } else if (o.eval_chunks != 0 && o.baselines != "none") {
+            const std::vector<std::string> listed = comma_list(o.baselines);
+            names.insert(names.end(), listed.begin(), listed.end());
+        }
+        std::set<std::string> seen;
+        for (const std::string & name : names) {
+            const std::string up = recipe_by_name(name).name;
+            const fs::path stock = fs::path(work) / "baselines" / fmt::format("{}-{}.gguf", fs::path(o.model).stem().string(), up);
+            if (seen.insert(up).second && !fs::exists(stock)) {
+                in.stock_recipes.push_back(up);
+            }
+        }
+    }
     if (o.eval_chunks != 0) {
         const int64_t outs = static_cast<int64_t>(in.goals.size() + in.like_sizes.size());
         int64_t stock = 0;

@@ -215,9 +215,14 @@ void check_disk_room(const std::string & dir, int64_t need, const std::string & 
     if (free < 0 || need + k_disk_reserve_bytes <= free) {
         return;
     }
-    fail("not enough disk for {} in '{}': {} to write and {} to keep free, {} free there; {}", what, dir,
-         bytes_text(static_cast<double>(need)), bytes_text(static_cast<double>(k_disk_reserve_bytes)),
-         bytes_text(static_cast<double>(free)), would_fit);
+    // Below the reserve nothing built here can help: only more room can.
+    fail("not enough disk for {} in '{}': {} to write, {} free there, of which {} is kept free; {}", what, dir,
+         bytes_text(static_cast<double>(need)), bytes_text(static_cast<double>(free)),
+         bytes_text(static_cast<double>(k_disk_reserve_bytes)),
+         free <= k_disk_reserve_bytes
+             ? fmt::format("a work folder (quantize --work; train --cache) on a disk with at least {} free would fit",
+                           bytes_text(static_cast<double>(need + k_disk_reserve_bytes)))
+             : would_fit);
 }
 
 void candidate_prefetch::run() {

@@ -959,7 +959,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                     const int64_t need = candidate_bytes_to_build(src, guess, importance, cache.dir(), n_threads);
                     if (need + k_disk_reserve_bytes > free) {
                         fmt::print(stderr, "voodoo: warning: the {} candidates the probe will likely keep need {} more in '{}', "
-                                           "which has {} free beside the {} to keep free: the run will likely stop after the "
+                                           "which has {} free, of which {} is kept free: the run will likely stop after the "
                                            "probe, before building them. A work folder (quantize --work; train --cache) on a "
                                            "disk with {} free, or a smaller menu (--menu), would fit\n",
                                    guess.size(), bytes_text(static_cast<double>(need)), cache.dir(),
