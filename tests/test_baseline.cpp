@@ -252,3 +252,4 @@ TEST(baseline, a_folder_keyed_on_its_inputs_reuses_a_stock_file_already_made_and
     ASSERT_EQ(stat(remade[0].path.c_str(), &third), 0);
     EXPECT_NE(third.st_ino, before.st_ino);
 }
+

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -227,11 +228,17 @@ baseline_result make_baseline(const baseline_options & opt, const std::string & 
 
 double estimate_stock_bytes(const gguf_file & src, const stock_recipe & r) {
     double total = static_cast<double>(src.file_size());
+    const bool tied = std::none_of(src.tensors().begin(), src.tensors().end(),
+                                   [](const gguf_tensor & t) { return t.name == "output.weight"; });
     for (const gguf_tensor & t : src.tensors()) {
         if (t.n_dims < 2) {
             continue;
         }
-        for (ggml_type c : {r.main_type, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q8_0, GGML_TYPE_F16}) {
+        // The output matrix (the embedding when the head is tied) is Q6_K in most recipes (llama-quant.cpp).
+        const bool head = t.name == "output.weight" || (tied && t.name == "token_embd.weight");
+        const ggml_type main = head && ggml_type_size(r.main_type) * 8.0 / ggml_blck_size(r.main_type) < 6.5625
+                                   ? GGML_TYPE_Q6_K : r.main_type;
+        for (ggml_type c : {main, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q8_0, GGML_TYPE_F16}) {
             if (t.ne[0] % ggml_blck_size(c) == 0) {
                 total += static_cast<double>(tensor_bytes(c, t.shape(), t.name)) - static_cast<double>(t.n_bytes);
                 break;

@@ -67,9 +67,10 @@ struct baseline_result {
 baseline_result make_baseline(const baseline_options & opt, const std::string & recipe_name, const std::string & out);
 
 /// An estimate of the bytes of the file llama_model_quantize would make from `src` with recipe r, for a dry run's disk
-/// figure (never a budget): every tensor of two or more dimensions at the recipe's main type (the first of it, IQ4_NL,
-/// Q5_0, Q8_0, F16 whose block divides ne0), the others and the header at their bytes in the source. It leaves out
-/// the recipe's own promotions (Q4_K_M's Q6_K tensors: a few percent).
+/// figure (never a budget): every tensor of two or more dimensions at the
+/// recipe's main type, the output matrix (the embedding with a tied head) at Q6_K when that is larger (the first of
+/// these, IQ4_NL, Q5_0, Q8_0, F16 whose block divides ne0), the others and the header at their bytes in the source.
+/// It leaves out the recipe's other promotions (Q4_K_M's Q6_K tensors: a few percent).
 double estimate_stock_bytes(const gguf_file & src, const stock_recipe & r);
 
 /// The recipes `--recipes all-that-fit` makes: every standard recipe, less those needing an imatrix

@@ -699,17 +699,9 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
             in.like_sizes.emplace_back(name, fs::exists(stock) ? static_cast<double>(file_size(stock.string())) : 0.0);
         }
     }
-    // The stock files a run makes: each --like target's own, and with an eval stage, for "nearest" and
-    // "all-that-fit" every recipe that fits (pick_baselines: nearest then compares the six nearest each file), for a
-    // list its names.
-    const int64_t all_that_fit = static_cast<int64_t>(recipes_all_that_fit(true).size());
-    in.stock_files = static_cast<int64_t>(in.like_sizes.size());
-    if (o.eval_chunks != 0 && (o.baselines == "nearest" || o.baselines == "all-that-fit")) {
-        in.stock_files = all_that_fit;
-    } else if (o.eval_chunks != 0 && o.baselines != "none") {
-        in.stock_files = std::max<int64_t>(in.stock_files, static_cast<int64_t>(comma_list(o.baselines).size()));
-    }
-    // The stock files not made yet, by name (the dry run's disk figure estimates their bytes).
+    // The stock files a run makes: each --like target's own, and with an eval stage, for "nearest" and "all-that-fit"
+    // every recipe that fits (pick_baselines: nearest then compares the six nearest each file), for a list its names.
+    // Those not made yet are named (the disk figure estimates their bytes).
     {
         std::vector<std::string> names = comma_list(o.like);
         if (o.eval_chunks != 0 && (o.baselines == "nearest" || o.baselines == "all-that-fit")) {
@@ -727,7 +719,9 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
                 in.stock_recipes.push_back(up);
             }
         }
+        in.stock_files = static_cast<int64_t>(seen.size());
     }
+    const int64_t all_that_fit = static_cast<int64_t>(recipes_all_that_fit(true).size());
     if (o.eval_chunks != 0) {
         const int64_t outs = static_cast<int64_t>(in.goals.size() + in.like_sizes.size());
         int64_t stock = 0;
