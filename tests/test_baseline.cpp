@@ -253,3 +253,75 @@ TEST(baseline, a_folder_keyed_on_its_inputs_reuses_a_stock_file_already_made_and
     EXPECT_NE(third.st_ino, before.st_ino);
 }
 
+
+namespace {
+
+// Every recipe that fits `model` made into `folder`; then for each made file's size and each midpoint between
+// neighbours, the six nearest made files (duplicates by tensor types left out, as pick_baselines does) are among the
+// recipes nearest_stock_recipes picks for that size without making any.
+void expect_nearest_recipes_cover_the_six_nearest(const std::string & model, const std::string & imatrix,
+                                                   const std::string & folder, bool fewer) {
+    voodoo::baseline_options o{model, imatrix, 2};
+    const std::vector<std::string> names = voodoo::recipes_all_that_fit(!imatrix.empty());
+    const auto made = voodoo::make_baselines(o, names, folder);
+    std::vector<const voodoo::baseline_result *> ok;
+    for (const auto & r : made) {
+        if (r.ok && r.same_types_as.empty()) {
+            ok.push_back(&r);
+        }
+    }
+    ASSERT_GT(ok.size(), 6u);
+    std::sort(ok.begin(), ok.end(), [](auto * a, auto * b) { return a->file_bytes < b->file_bytes; });
+    std::vector<size_t> sizes;
+    for (size_t i = 0; i < ok.size(); ++i) {
+        sizes.push_back(ok[i]->file_bytes);
+        if (i + 1 < ok.size()) {
+            sizes.push_back((ok[i]->file_bytes + ok[i + 1]->file_bytes) / 2);
+        }
+    }
+    // The sizing's largest error over the files made: |file bytes − (dry-run tensor bytes + the source's other bytes)|.
+    const voodoo::gguf_file src(model);
+    double outside = static_cast<double>(src.file_size()), error = 0;
+    for (const auto & t : src.tensors()) {
+        outside -= static_cast<double>(t.n_bytes);
+    }
+    for (const auto * r : ok) {
+        const double est = voodoo::stock_tensor_bytes(o, voodoo::recipe_by_name(r->recipe)) + outside;
+        error = std::max(error, std::abs(est - static_cast<double>(r->file_bytes)));
+    }
+    EXPECT_LT(error, 0.02 * static_cast<double>(ok.front()->file_bytes)) << "the dry run sizes the stock files";
+    for (size_t ours : sizes) {
+        const std::vector<std::string> chosen = voodoo::nearest_stock_recipes(o, names, {ours}, 6);
+        if (fewer) {
+            EXPECT_LE(chosen.size(), names.size() / 2) << ours;  // 8 and the ties of the 8th
+        }
+        std::vector<const voodoo::baseline_result *> by = ok;
+        std::sort(by.begin(), by.end(), [&](auto * a, auto * b) {
+            return std::abs(static_cast<double>(a->file_bytes) - static_cast<double>(ours)) <
+                   std::abs(static_cast<double>(b->file_bytes) - static_cast<double>(ours));
+        });
+        // Every file nearer than the sixth nearest by more than twice the sizing's largest error (its dry run prints
+        // MiB to two decimals, and the headers differ by a few keys), ties included: pick_baselines may take any.
+        const double sixth = std::abs(static_cast<double>(by[5]->file_bytes) - static_cast<double>(ours));
+        for (const auto * r : by) {
+            if (std::abs(static_cast<double>(r->file_bytes) - static_cast<double>(ours)) <= sixth - 2 * error) {
+                EXPECT_NE(std::find(chosen.begin(), chosen.end(), r->recipe), chosen.end())
+                    << r->recipe << " (" << r->file_bytes << " bytes) is among the six nearest " << ours
+                    << " bytes but would not be made";
+            }
+        }
+    }
+}
+
+}  // namespace
+
+TEST(baseline, nearest_makes_only_the_recipes_that_can_be_nearest_and_they_hold_the_six_nearest_files) {
+    // Issue #16: `--baselines nearest` made every stock recipe (29 files) to keep the six nearest in size. It now
+    // sizes each by llama_model_quantize's dry run and makes the eight nearest each of our sizes; checked against
+    // every file made, on stories260K (its dims fit only 32-block types: llama.cpp falls back for most tensors, and
+    // many recipes tie) and mix30M (learned weights, every type fits).
+    voodoo::test::temp_dir dir;
+    expect_nearest_recipes_cover_the_six_nearest(stories260k(), write_imatrix(dir), dir.file("stories"), false);
+    expect_nearest_recipes_cover_the_six_nearest(voodoo::test::shared_data() + "/models/mix30M/mix30M.gguf", "",
+                                                 dir.file("mix"), true);
+}

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <memory>
@@ -246,6 +247,67 @@ double estimate_stock_bytes(const gguf_file & src, const stock_recipe & r) {
         }
     }
     return total;
+}
+
+double stock_tensor_bytes(const baseline_options & opt, const stock_recipe & r) {
+    const auto src = open_source(opt);
+    llama_runtime_init();
+    llama_model_quantize_params qp = llama_model_quantize_default_params();
+    qp.ftype = r.ftype;
+    qp.nthread = 1;
+    qp.allow_requantize = opt.allow_requantize;
+    qp.dry_run = true;
+    ggml_log_capture capture;
+    // The dry run opens no output file; the path is never made.
+    const std::string never = opt.source + ".voodoo-dry-run-never-written.gguf";
+    if (llama_model_quantize(opt.source.c_str(), never.c_str(), &qp) != 0) {
+        fail("llama_model_quantize's dry run of {} on '{}' failed: {}", r.name, opt.source, capture.text());
+    }
+    const std::string line = capture.info_line("quant size");
+    const size_t eq = line.find('=');
+    double mib = 0;
+    if (eq == std::string::npos || std::sscanf(line.c_str() + eq + 1, "%lf", &mib) != 1) {
+        fail("llama_model_quantize's dry run of {} on '{}' printed no size (\"quant size = … MiB\")", r.name, opt.source);
+    }
+    return mib * 1024.0 * 1024.0;
+}
+
+std::vector<std::string> nearest_stock_recipes(const baseline_options & opt, const std::vector<std::string> & names,
+                                               const std::vector<size_t> & our_sizes, size_t n) {
+    if (names.size() <= n + 2) {
+        return names;
+    }
+    const gguf_file src(opt.source);
+    double outside = static_cast<double>(src.file_size());
+    for (const gguf_tensor & t : src.tensors()) {
+        outside -= static_cast<double>(t.n_bytes);
+    }
+    std::vector<double> est;
+    for (const std::string & name : names) {
+        est.push_back(stock_tensor_bytes(opt, recipe_by_name(name)) + outside);
+    }
+    std::vector<bool> keep(names.size(), false);
+    for (size_t ours : our_sizes) {
+        std::vector<size_t> by(names.size());
+        for (size_t i = 0; i < by.size(); ++i) {
+            by[i] = i;
+        }
+        std::stable_sort(by.begin(), by.end(), [&](size_t a, size_t b) {
+            return std::abs(est[a] - static_cast<double>(ours)) < std::abs(est[b] - static_cast<double>(ours));
+        });
+        // The n + 2 nearest, and any as near as the last of them (recipes tie where llama.cpp falls back to one type).
+        const double reach = std::abs(est[by[n + 1]] - static_cast<double>(ours));
+        for (size_t i : by) {
+            keep[i] = keep[i] || std::abs(est[i] - static_cast<double>(ours)) <= reach;
+        }
+    }
+    std::vector<std::string> out;
+    for (size_t i = 0; i < names.size(); ++i) {
+        if (keep[i]) {
+            out.push_back(names[i]);
+        }
+    }
+    return out;
 }
 
 std::vector<std::string> recipes_all_that_fit(bool has_imatrix) {

@@ -73,6 +73,21 @@ baseline_result make_baseline(const baseline_options & opt, const std::string & 
 /// It leaves out the recipe's other promotions (Q4_K_M's Q6_K tensors: a few percent).
 double estimate_stock_bytes(const gguf_file & src, const stock_recipe & r);
 
+/// The tensor bytes llama_model_quantize would give opt.source with recipe r, without making the file: its dry run
+/// (llama_model_quantize_params.dry_run: llama.cpp's own type for every tensor, nothing quantized or written; 0.02 s
+/// on mix30M), read from its "quant size = X MiB" line (two decimals: within 5 KiB). Throws voodoo::error when
+/// llama.cpp refuses or prints no such line.
+double stock_tensor_bytes(const baseline_options & opt, const stock_recipe & r);
+
+/// Of `names` (stock recipes), those whose file can be among the `n` nearest in size to one of `our_sizes` (file
+/// bytes), found without making them (issue #16: `--baselines nearest` made every recipe, 29 files: at 8 B weights
+/// ≈ 45 minutes and ≈ 145 GB, to keep six): each recipe's stock_tensor_bytes plus the source's bytes outside its
+/// tensors, and for each size the n + 2 nearest (2 to spare for the headers' few differing keys) and any as near as
+/// the last of them (ties). In `names`' order;
+/// all of them when there are at most n + 2.
+std::vector<std::string> nearest_stock_recipes(const baseline_options & opt, const std::vector<std::string> & names,
+                                               const std::vector<size_t> & our_sizes, size_t n);
+
 /// The recipes `--recipes all-that-fit` makes: every standard recipe, less those needing an imatrix
 /// when none is given. Recipes whose main type fits no tensor of the model are kept: llama.cpp falls
 /// back per tensor (Q4_K → Q5_0, Q6_K → Q8_0, IQ* → IQ4_NL, then F16), and those files are what a user

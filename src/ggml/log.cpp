@@ -15,6 +15,7 @@ namespace {
 std::atomic<int> g_min_level{GGML_LOG_LEVEL_ERROR};
 thread_local ggml_log_capture * t_capture = nullptr;
 thread_local std::vector<std::string> * t_lines = nullptr;
+thread_local std::vector<std::string> * t_info = nullptr;  // the info lines of the capture in progress
 thread_local int t_last_level = GGML_LOG_LEVEL_NONE;
 
 void log_callback(ggml_log_level level, const char * text, void *) {
@@ -27,6 +28,8 @@ void log_callback(ggml_log_level level, const char * text, void *) {
     if (t_capture && t_lines) {
         if (level >= GGML_LOG_LEVEL_WARN) {
             t_lines->emplace_back(text);
+        } else if (level == GGML_LOG_LEVEL_INFO && t_info) {
+            t_info->emplace_back(text);
         }
         return;
     }
@@ -50,15 +53,26 @@ ggml_log_capture::ggml_log_capture() : outer_(t_capture) {
     ggml_log_install(g_min_level.load());
     if (!t_lines) {
         t_lines = new std::vector<std::string>();
+        t_info = new std::vector<std::string>();
     }
     if (!outer_) {
         t_lines->clear();
+        t_info->clear();
     }
     t_capture = this;
 }
 
 ggml_log_capture::~ggml_log_capture() {
     t_capture = outer_;
+}
+
+std::string ggml_log_capture::info_line(std::string_view containing) const {
+    for (const std::string & line : *t_info) {
+        if (line.find(containing) != std::string::npos) {
+            return line;
+        }
+    }
+    return "";
 }
 
 std::string ggml_log_capture::text() const {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <string_view>
 
 namespace voodoo {
 
@@ -20,6 +21,9 @@ public:
 
     /// The error and warning lines collected so far, joined with "; ", without the function prefixes.
     std::string text() const;
+
+    /// The first info line collected so far that contains `containing` (as llama.cpp printed it), or "".
+    std::string info_line(std::string_view containing) const;
 
 private:
     ggml_log_capture * outer_;

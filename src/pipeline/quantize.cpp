@@ -386,8 +386,9 @@ void report_expert_coverage(const std::string & imatrix_path, const std::string 
     write_file_atomic(json_path, nlohmann::json{{"imatrix", imatrix_path}, {"experts", expert_coverage_json(coverage)}}.dump(2) + "\n");
 }
 
-// Stock recipes to compare with: every recipe llama.cpp makes for the model (duplicates by tensor types
-// dropped), then the ones nearest in size to ours unless all are asked for.
+// Stock recipes to compare with: every recipe llama.cpp makes for the model, or for "nearest" those that can be
+// among the six nearest in size to ours (nearest_stock_recipes), duplicates by tensor types dropped; then for
+// "nearest" the six nearest each of our files.
 std::vector<std::string> pick_baselines(const quantize_options & o, const baseline_options & bo,
                                         const std::vector<size_t> & our_sizes, const std::string & dir) {
     if (o.baselines == "none") {
@@ -404,6 +405,9 @@ std::vector<std::string> pick_baselines(const quantize_options & o, const baseli
             }
             a = e + 1;
         }
+    }
+    if (o.baselines == "nearest") {  // only those that can be among the six nearest, sized by llama.cpp's dry run
+        names = nearest_stock_recipes(bo, names, our_sizes, 6);
     }
     const auto made = make_baselines(bo, names, dir);
     std::vector<const baseline_result *> ok;
@@ -699,13 +703,33 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
             in.like_sizes.emplace_back(name, fs::exists(stock) ? static_cast<double>(file_size(stock.string())) : 0.0);
         }
     }
-    // The stock files a run makes: each --like target's own, and with an eval stage, for "nearest" and "all-that-fit"
-    // every recipe that fits (pick_baselines: nearest then compares the six nearest each file), for a list its names.
-    // Those not made yet are named (the disk figure estimates their bytes).
+    // The stock files a run makes: each --like target's own, and with an eval stage, for "all-that-fit" every recipe
+    // that fits, for "nearest" those that can be among the six nearest each file (pick_baselines), for a list its
+    // names. Those not made yet are named (the disk figure estimates their bytes).
     {
         std::vector<std::string> names = comma_list(o.like);
         if (o.eval_chunks != 0 && (o.baselines == "nearest" || o.baselines == "all-that-fit")) {
-            const std::vector<std::string> all = recipes_all_that_fit(true);
+            std::vector<std::string> all = recipes_all_that_fit(true);
+            if (o.baselines == "nearest") {  // as pick_baselines chooses them, for our sizes as estimated here
+                std::vector<size_t> ours;
+                double weights = 0;
+                for (const gguf_tensor & t : src.tensors()) {
+                    weights += static_cast<double>(t.n_elements());
+                }
+                for (const auto & [name, bytes] : in.like_sizes) {
+                    ours.push_back(static_cast<size_t>(bytes > 0 ? bytes : estimate_stock_bytes(src, recipe_by_name(name))));
+                }
+                for (const target & g : in.goals) {
+                    ours.push_back(static_cast<size_t>(
+                        g.kind == target_kind::size  ? g.value
+                        : g.kind == target_kind::bpw ? g.value * weights / 8
+                                                     : g.value * estimate_stock_bytes(src, recipe_by_name("Q8_0"))));
+                }
+                baseline_options bo;
+                bo.source = o.model;
+                bo.allow_requantize = o.allow_requantize;
+                all = nearest_stock_recipes(bo, all, ours, 6);
+            }
             names.insert(names.end(), all.begin(), all.end());
         } else if (o.eval_chunks != 0 && o.baselines != "none") {
             const std::vector<std::string> listed = comma_list(o.baselines);
