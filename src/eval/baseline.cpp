@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <numeric>
 
 namespace voodoo {
 
@@ -289,9 +290,7 @@ std::vector<std::string> nearest_stock_recipes(const baseline_options & opt, con
     std::vector<bool> keep(names.size(), false);
     for (size_t ours : our_sizes) {
         std::vector<size_t> by(names.size());
-        for (size_t i = 0; i < by.size(); ++i) {
-            by[i] = i;
-        }
+        std::iota(by.begin(), by.end(), size_t{0});
         std::stable_sort(by.begin(), by.end(), [&](size_t a, size_t b) {
             return std::abs(est[a] - static_cast<double>(ours)) < std::abs(est[b] - static_cast<double>(ours));
         });

@@ -182,8 +182,7 @@ int64_t candidate_bytes_to_build(const gguf_file & file, const std::vector<std::
                 continue;
             }
             try {
-                const int64_t ne[2] = {t->ne[0], static_cast<int64_t>(t->n_elements()) / t->ne[0]};
-                const size_t bytes = tensor_bytes(type, ne, t->name);
+                const size_t bytes = tensor_bytes(type, t->shape(), t->name);
                 if (!candidate_cache::holds(dir, candidate_cache::key(file, *t, type, importance_for(importance, *t)), bytes)) {
                     need += static_cast<int64_t>(bytes + sizeof(uint64_t));
                 }
@@ -231,9 +230,8 @@ void candidate_prefetch::run() {
             return;
         }
         try {
-            const int64_t ne[2] = {j.tensor->ne[0], static_cast<int64_t>(j.tensor->n_elements()) / j.tensor->ne[0]};
             const int64_t free = free_disk_bytes(cache_.dir());
-            if (free >= 0 && static_cast<int64_t>(tensor_bytes(j.type, ne, j.tensor->name)) + k_disk_reserve_bytes > free) {
+            if (free >= 0 && static_cast<int64_t>(tensor_bytes(j.type, j.tensor->shape(), j.tensor->name)) + k_disk_reserve_bytes > free) {
                 return;  // a guess never fills the disk: the build after the probe says what would fit
             }
             const auto bytes = candidate_bytes(file_, *j.tensor, j.type, importance_for(importance_, *j.tensor), &cache_, {},

@@ -921,9 +921,12 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             // While the GPU measures the eager types, the idle cores build the types the probe will most likely keep.
             std::unique_ptr<candidate_prefetch> ahead;
             const auto t_ahead = std::chrono::steady_clock::now();
+            // The likely keeps: built ahead when asked, and sized for the disk warning below.
+            const auto t3 = std::chrono::steady_clock::now();
+            const std::vector<std::pair<size_t, size_t>> guess = build_ahead_jobs(all_menus, err_hat, eager, budgets, also, po);
+            const double guess_seconds = seconds_since(t3);
             if (o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda())) {
-                const auto t3 = std::chrono::steady_clock::now();
-                ahead_jobs = build_ahead_jobs(all_menus, err_hat, eager, budgets, also, po);
+                ahead_jobs = guess;
                 if (ranks > 1) {  // each rank builds its share ahead, as build_over_ranks splits the rest
                     std::vector<std::pair<size_t, size_t>> mine;
                     for (size_t j = 0; j < ahead_jobs.size(); ++j) {
@@ -934,7 +937,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                     }
                     ahead_jobs = std::move(mine);
                 }
-                fmt::print(stderr, "pruning: the build-ahead plan in {:.1f} s\n", seconds_since(t3));
+                fmt::print(stderr, "pruning: the build-ahead plan in {:.1f} s\n", guess_seconds);
                 std::vector<candidate_prefetch::job> jobs;
                 for (const auto & [i, k] : ahead_jobs) {
                     jobs.push_back({all_menus[i].tensor, all_menus[i].types[k]});
@@ -946,17 +949,16 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             // will likely keep (build-ahead's guess) cannot fit beside the reserve, say so now; the check before the
             // build (check_disk_room) then decides on what the probe keeps.
             {
-                std::vector<std::pair<const gguf_tensor *, ggml_type>> guess;
+                std::vector<std::pair<const gguf_tensor *, ggml_type>> pairs;
                 int64_t raw = 0;
-                for (const auto & [i, k] : build_ahead_jobs(all_menus, err_hat, eager, budgets, also, po)) {
+                for (const auto & [i, k] : guess) {
                     const gguf_tensor & t = *all_menus[i].tensor;
-                    const int64_t ne[2] = {t.ne[0], static_cast<int64_t>(t.n_elements()) / t.ne[0]};
-                    raw += static_cast<int64_t>(tensor_bytes(all_menus[i].types[k], ne, t.name) + sizeof(uint64_t));
-                    guess.emplace_back(&t, all_menus[i].types[k]);
+                    raw += static_cast<int64_t>(tensor_bytes(all_menus[i].types[k], t.shape(), t.name) + sizeof(uint64_t));
+                    pairs.emplace_back(&t, all_menus[i].types[k]);
                 }
                 const int64_t free = free_disk_bytes(cache.dir());
                 if (free >= 0 && raw + k_disk_reserve_bytes > free) {  // only then are the keys worth hashing
-                    const int64_t need = candidate_bytes_to_build(src, guess, importance, cache.dir(), n_threads);
+                    const int64_t need = candidate_bytes_to_build(src, pairs, importance, cache.dir(), n_threads);
                     if (need + k_disk_reserve_bytes > free) {
                         fmt::print(stderr, "voodoo: warning: the {} candidates the probe will likely keep need {} more in '{}', "
                                            "which has {} free, of which {} is kept free: the run will likely stop after the "
