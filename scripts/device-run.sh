@@ -2,7 +2,7 @@
 # What the project runs on the GPU machine (the workplace's device tool): a CUDA build against that
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
-# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, bench-small, bench-large,
+# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-nearest, bench-small, bench-large,
 # kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, dry-8b, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
@@ -12,6 +12,37 @@ mkdir -p "$OUT"
 D=$PWD/.device
 export VOODOO_PROGRESS=0
 log() { echo "== $(date +%T) $*"; }
+
+# The stage e2e-1.7b (below) as a function: $1 tags its files and work folder, the other arguments go to quantize.
+e2e_17b() {
+    local tag=$1; shift
+    local W=/tmp/e2e-17b$tag
+    # Issue #16: `voodoo quantize --device cuda` with the default menu on a synthetic model of Qwen3-1.7B's shape
+    # (every layer, the full 151,936-token vocabulary, BF16, tied head; random weights: speed and memory only),
+    # at stock Q4_K_M's size, beside stock Q4_K_M, with every other option at its default (since session 17: the
+    # probe's anchors, the eval's chunks and llama-bench runs auto). Every stage's time is in the log's last
+    # "== times:" line and WORK/times.json; GPU memory sampled each second; disk per folder.
+    # MENU=Q3_K,Q4_K,… runs it with that menu instead of the default one (the K-quants build in a few minutes);
+    # E2E_ARGS adds flags (e.g. "--probe-anchors 2 --eval-chunks 8", the runs before session 17).
+    log e2e qwen3-1.7b shape
+    mkdir -p "$OUT/e2e"
+    [ -f /tmp/qwen3-1.7b-shape.gguf ] || /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch qwen3 --vocab "$D/llama/models/ggml-vocab-qwen2.gguf" \
+        --n-embd 2048 --n-layer 28 --n-head 16 --n-head-kv 8 --head-dim 128 --n-ff 6144 --type bf16 --tied \
+        -o /tmp/qwen3-1.7b-shape.gguf > "$OUT/e2e/fixture-1.7b.log" 2>&1
+    ls -la /tmp/qwen3-1.7b-shape.gguf
+    T=$D/data/text/wikitext-2-raw/wiki.valid.raw
+    nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 1000 > "$OUT/e2e/gpu-mem-1.7b$tag.csv" 2>&1 &
+    SMI=$!
+    /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/qwen3-1.7b-shape.gguf --text "$T" --like Q4_K_M \
+        "$@" --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" \
+        --device cuda --work $W ${MENU:+--menu "$MENU"} ${E2E_ARGS:-} > "$OUT/e2e/qwen3-1.7b$tag.log" 2>&1
+    kill $SMI
+    grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built|built ahead|--probe-anchors auto|eval defaults" "$OUT/e2e/qwen3-1.7b$tag.log" | cut -c1-220 | tail -40
+    du -sh $W/* > "$OUT/e2e/disk-1.7b$tag.txt" 2>&1; cat "$OUT/e2e/disk-1.7b$tag.txt"
+    cp $W/times.json "$OUT/e2e/times-1.7b$tag.json" 2>/dev/null
+    cp $W/eval.md "$OUT/e2e/qwen3-1.7b$tag-eval.md" 2>/dev/null
+    awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 + 0 > m) m = $2 + 0} END {print "peak GPU memory used:", m, "MiB"}' "$OUT/e2e/gpu-mem-1.7b$tag.csv"
+}
 
 for stage in "$@"; do
 case "$stage" in
@@ -114,31 +145,13 @@ e2e-0.6b)
     cp /tmp/e2e-06b/eval.md "$OUT/e2e/qwen3-0.6b-eval.md" 2>/dev/null
     ;;
 e2e-1.7b)
-    # Issue #16: `voodoo quantize --device cuda` with the default menu on a synthetic model of Qwen3-1.7B's shape
-    # (every layer, the full 151,936-token vocabulary, BF16, tied head; random weights: speed and memory only),
-    # at stock Q4_K_M's size, beside stock Q4_K_M, with every other option at its default (since session 17: the
-    # probe's anchors, the eval's chunks and llama-bench runs auto). Every stage's time is in the log's last
-    # "== times:" line and WORK/times.json; GPU memory sampled each second; disk per folder.
-    # MENU=Q3_K,Q4_K,… runs it with that menu instead of the default one (the K-quants build in a few minutes);
-    # E2E_ARGS adds flags (e.g. "--probe-anchors 2 --eval-chunks 8", the runs before session 17).
-    log e2e qwen3-1.7b shape
-    mkdir -p "$OUT/e2e"
-    /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch qwen3 --vocab "$D/llama/models/ggml-vocab-qwen2.gguf" \
-        --n-embd 2048 --n-layer 28 --n-head 16 --n-head-kv 8 --head-dim 128 --n-ff 6144 --type bf16 --tied \
-        -o /tmp/qwen3-1.7b-shape.gguf > "$OUT/e2e/fixture-1.7b.log" 2>&1
-    ls -la /tmp/qwen3-1.7b-shape.gguf
-    T=$D/data/text/wikitext-2-raw/wiki.valid.raw
-    nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 1000 > "$OUT/e2e/gpu-mem-1.7b.csv" 2>&1 &
-    SMI=$!
-    /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/qwen3-1.7b-shape.gguf --text "$T" --like Q4_K_M \
-        --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" \
-        --device cuda --work /tmp/e2e-17b ${MENU:+--menu "$MENU"} ${E2E_ARGS:-} > "$OUT/e2e/qwen3-1.7b.log" 2>&1
-    kill $SMI
-    grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built|built ahead|--probe-anchors auto|eval defaults" "$OUT/e2e/qwen3-1.7b.log" | cut -c1-220 | tail -40
-    du -sh /tmp/e2e-17b/* > "$OUT/e2e/disk-1.7b.txt" 2>&1; cat "$OUT/e2e/disk-1.7b.txt"
-    cp /tmp/e2e-17b/times.json "$OUT/e2e/times-1.7b.json" 2>/dev/null
-    cp /tmp/e2e-17b/eval.md "$OUT/e2e/qwen3-1.7b-eval.md" 2>/dev/null
-    awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 + 0 > m) m = $2 + 0} END {print "peak GPU memory used:", m, "MiB"}' "$OUT/e2e/gpu-mem-1.7b.csv"
+    e2e_17b "" --baselines Q4_K_M
+    ;;
+e2e-1.7b-nearest)
+    # The same job with --baselines at its default (nearest: the stock files that can be among the six nearest in
+    # size, made and compared), in a fresh work folder; the previous run's folder is removed first (the disk).
+    rm -rf /tmp/e2e-17b
+    e2e_17b "-nearest"
     ;;
 nccl)
     # Issue #17: c10d's NCCL process group (the GPU machine's PyTorch has it; it ships no gloo headers), checked by

@@ -9,7 +9,10 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <thread>
 #include <fstream>
 #include <sstream>
 
@@ -122,6 +125,78 @@ TEST_F(eval_test, the_thread_count_does_not_change_any_number) {
     EXPECT_EQ(a.files[0].kld_mean, b.files[0].kld_mean);
     EXPECT_EQ(a.files[0].kld_max, b.files[0].kld_max);
     EXPECT_EQ(a.files[0].same_top, b.files[0].same_top);
+}
+
+namespace {
+/// Every figure of two results, compared for equality (the session's numbers are run_eval's bit for bit).
+void expect_same_numbers(const voodoo::eval_result & a, const voodoo::eval_result & b) {
+    ASSERT_EQ(a.files.size(), b.files.size());
+    EXPECT_EQ(a.n_scored, b.n_scored);
+    auto same = [](const voodoo::eval_file_result & x, const voodoo::eval_file_result & y) {
+        EXPECT_EQ(x.name, y.name);
+        EXPECT_EQ(x.ppl, y.ppl) << x.name;
+        EXPECT_EQ(x.ppl_err, y.ppl_err) << x.name;
+        EXPECT_EQ(x.ln_ppl_ratio, y.ln_ppl_ratio) << x.name;
+        EXPECT_EQ(x.ln_ppl_ratio_err, y.ln_ppl_ratio_err) << x.name;
+        EXPECT_EQ(x.kld_mean, y.kld_mean) << x.name;
+        EXPECT_EQ(x.kld_err, y.kld_err) << x.name;
+        EXPECT_EQ(x.kld_median, y.kld_median) << x.name;
+        EXPECT_EQ(x.kld_p99, y.kld_p99) << x.name;
+        EXPECT_EQ(x.kld_p999, y.kld_p999) << x.name;
+        EXPECT_EQ(x.kld_max, y.kld_max) << x.name;
+        EXPECT_EQ(x.same_top, y.same_top) << x.name;
+    };
+    same(a.ref, b.ref);
+    for (size_t f = 0; f < a.files.size(); ++f) {
+        same(a.files[f], b.files[f]);
+    }
+}
+}  // namespace
+
+TEST_F(eval_test, a_session_scored_in_steps_gives_run_evals_numbers_bit_for_bit) {
+    // quantize's eval ahead: the reference first (its logits kept), a stock file while training runs, stopped and
+    // resumed, our file last; or the reference not kept and decoded again. Every way, run_eval's numbers.
+    const auto opt = options(3);
+    const std::vector<std::string> files = {stories260k(), q8_0_};
+    const voodoo::eval_result plain = voodoo::run_eval(opt, files);
+    {
+        voodoo::eval_session s(opt, int64_t{1} << 30);
+        EXPECT_TRUE(s.keeps_reference());
+        // 3 chunks × (128 − 1 − 64) scored rows × a 512-token vocabulary × 4 bytes
+        EXPECT_EQ(s.reference_bytes(), int64_t{3} * 63 * 512 * 4);
+        EXPECT_TRUE(s.score({}));  // the reference alone
+        const std::atomic<bool> stopped{true};
+        EXPECT_FALSE(s.score({q8_0_}, &stopped));  // stopped before its first decode
+        EXPECT_TRUE(s.score({q8_0_}));
+        EXPECT_THROW(s.finish(files), voodoo::error);  // stories260k() is not scored yet
+    }
+    {
+        voodoo::eval_session s(opt, int64_t{1} << 30);
+        EXPECT_TRUE(s.score({q8_0_}));
+        EXPECT_TRUE(s.score(files));
+        expect_same_numbers(plain, s.finish(files));
+        EXPECT_THROW(s.finish(files), voodoo::error);  // once
+    }
+    {
+        voodoo::eval_session s(opt, 0);  // nothing kept: the reference is decoded again, its own sums added once
+        EXPECT_FALSE(s.keeps_reference());
+        EXPECT_TRUE(s.score({q8_0_}));
+        EXPECT_TRUE(s.score(files));
+        expect_same_numbers(plain, s.finish(files));
+    }
+    {
+        // Stopped by another thread wherever it happens to be, then finished: the same numbers.
+        voodoo::eval_session s(opt, int64_t{1} << 30);
+        std::atomic<bool> stop{false};
+        std::thread stopper([&] {
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+            stop = true;
+        });
+        s.score({q8_0_}, &stop);
+        stopper.join();
+        EXPECT_TRUE(s.score(files));
+        expect_same_numbers(plain, s.finish(files));
+    }
 }
 
 TEST_F(eval_test, reports_are_a_markdown_table_json_and_a_png) {

@@ -596,3 +596,41 @@ TEST(quantize, the_eval_defaults_shrink_with_the_model_above_half_a_billion_weig
     EXPECT_FALSE(apply_eval_defaults(given, 8'030'000'000));
     EXPECT_EQ(given.eval_chunks, -1);
 }
+
+TEST(quantize, the_eval_ahead_of_training_gives_the_evals_numbers_bit_for_bit) {
+    // --eval-ahead: while the train stage runs in its child process, the reference and the stock files are scored at
+    // idle priority and the eval stage finishes the job; every number equals the eval's without it. The recipes are
+    // equal (the test above), so are the files, and so must be every figure of eval.json.
+    test::temp_dir dir;
+    auto plain = small_job(dir.file("a"));
+    plain.train_exe = VOODOO_BIN;
+    plain.eval_ahead = "off";
+    auto ahead = plain;
+    ahead.work = dir.file("b");
+    ahead.eval_ahead = "auto";  // on: the train stage is a child process
+    const quantize_result a = run_quantize(plain);
+    const quantize_result b = run_quantize(ahead);
+    EXPECT_TRUE(a.eval_ahead.empty()) << a.eval_ahead;
+    EXPECT_NE(b.eval_ahead.find("the reference"), std::string::npos) << b.eval_ahead;
+    EXPECT_EQ(b.eval_ahead.find("nothing kept"), std::string::npos) << b.eval_ahead;
+    // Both stock files were made (Q5_0 for the size before training, Q4_0 ahead or at the eval stage) and compared.
+    ASSERT_EQ(a.eval.files.size(), 3u);
+    ASSERT_EQ(b.eval.files.size(), a.eval.files.size());
+    auto same = [](const eval_file_result & x, const eval_file_result & y) {
+        EXPECT_EQ(x.name, y.name);
+        EXPECT_EQ(x.file_bytes, y.file_bytes);
+        EXPECT_EQ(x.ppl, y.ppl) << x.name;
+        EXPECT_EQ(x.kld_mean, y.kld_mean) << x.name;
+        EXPECT_EQ(x.kld_err, y.kld_err) << x.name;
+        EXPECT_EQ(x.kld_median, y.kld_median) << x.name;
+        EXPECT_EQ(x.kld_p99, y.kld_p99) << x.name;
+        EXPECT_EQ(x.kld_max, y.kld_max) << x.name;
+        EXPECT_EQ(x.same_top, y.same_top) << x.name;
+        EXPECT_EQ(x.ln_ppl_ratio_err, y.ln_ppl_ratio_err) << x.name;
+    };
+    same(a.eval.ref, b.eval.ref);
+    for (size_t f = 0; f < a.eval.files.size(); ++f) {
+        same(a.eval.files[f], b.eval.files[f]);
+    }
+    EXPECT_GT(b.eval.files.front().kld_mean, 0.0);
+}

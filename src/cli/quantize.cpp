@@ -69,6 +69,10 @@ command add_quantize(CLI::App & app) {
                     "Runs of llama-bench's pp512 and tg128 per compared file for the speed columns (0 = none, auto = 5, "
                     "fewer above 0.5 G weights, at least 1)")
         ->default_str("auto")->transform(count_or_auto());
+    sub->add_option("--eval-ahead", o->q.eval_ahead,
+                    "Score the reference and the likely stock files on the eval text while training runs, on the cores "
+                    "it leaves idle (SCHED_IDLE); the same numbers (auto = on with --device cuda and no --max-slowdown)")
+        ->check(CLI::IsMember({"auto", "on", "off"}))->capture_default_str();
     sub->add_option("--max-slowdown", o->q.max_slowdown,
                     "Each file generates at most this much slower than the stock recipe of its size (0.1 = 10%), as "
                     "predicted by a per-type speed table measured once on this machine; needs --like")

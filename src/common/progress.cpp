@@ -38,6 +38,13 @@ std::string human_rate(double r) {
 
 }  // namespace
 
+namespace {
+thread_local int t_quiet = 0;
+}  // namespace
+
+progress::quiet_scope::quiet_scope() { ++t_quiet; }
+progress::quiet_scope::~quiet_scope() { --t_quiet; }
+
 bool progress::enabled() {
     const char * v = std::getenv("VOODOO_PROGRESS");
     return !(v && std::strcmp(v, "0") == 0);
@@ -45,7 +52,7 @@ bool progress::enabled() {
 
 progress::progress(std::string label, int64_t total, std::string unit)
     : label_(std::move(label)), unit_(std::move(unit)), total_(total), tty_(isatty(fileno(stderr)) != 0),
-      start_(std::chrono::steady_clock::now()), last_draw_(start_) {}
+      quiet_(t_quiet > 0), start_(std::chrono::steady_clock::now()), last_draw_(start_) {}
 
 progress::~progress() { finish(); }
 
@@ -68,7 +75,7 @@ void progress::finish() {
 }
 
 void progress::draw(bool final) {
-    if (!enabled()) {
+    if (quiet_ || !enabled()) {
         return;
     }
     const auto now = std::chrono::steady_clock::now();

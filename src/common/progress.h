@@ -25,6 +25,16 @@ public:
     /// Set VOODOO_PROGRESS=0 to silence every bar (tests do).
     static bool enabled();
 
+    /// While alive on a thread, bars made on that thread draw nothing (work in the background, whose bars would
+    /// cut into the foreground's lines: quantize's eval ahead).
+    class quiet_scope {
+    public:
+        quiet_scope();
+        ~quiet_scope();
+        quiet_scope(const quiet_scope &) = delete;
+        quiet_scope & operator=(const quiet_scope &) = delete;
+    };
+
 private:
     void draw(bool final);
 
@@ -36,6 +46,7 @@ private:
     int last_decile_ = -1;
     bool tty_;
     bool finished_ = false;
+    bool quiet_ = false;            // made under a quiet_scope
     std::chrono::steady_clock::time_point start_;
     std::chrono::steady_clock::time_point last_draw_;
     std::mutex mutex_;

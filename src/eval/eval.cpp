@@ -19,7 +19,9 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -353,110 +355,50 @@ void measure_speed(llama_model * model, const std::string & path, int n_threads,
 
 }  // namespace
 
-eval_result run_eval(const eval_options & opt, const std::vector<std::string> & files) {
-    if (files.empty()) {
-        fail("give at least one GGUF to evaluate against the reference (the reference itself gives KLD 0)");
-    }
-    if (opt.n_ctx < k_min_ctx) {
-        fail("--ctx {} is too small: use at least {} (llama-perplexity's default is 512)", opt.n_ctx, k_min_ctx);
-    }
-    if (opt.n_chunks == 0 || opt.n_chunks < -1) {
-        fail("--chunks {}: expected a positive number of chunks, or -1 for every chunk of the text", opt.n_chunks);
-    }
-    const int n_threads = opt.n_threads > 0 ? opt.n_threads : std::max(1, (int) std::thread::hardware_concurrency());
-
-    // Validate every file before loading anything: a bad file is an error naming it, never an abort.
-    const gguf_file ref_file(opt.reference);
-    const model_identity ref_id = identity_of(ref_file);
-    std::vector<std::unique_ptr<gguf_file>> cand_files;
-    for (const std::string & path : files) {
-        cand_files.push_back(std::make_unique<gguf_file>(path));
-        check_same_model(ref_file, ref_id, *cand_files.back());
-    }
-    const std::string ctx_key = ref_id.architecture + ".context_length";
-    if (const auto n_ctx_train = ref_file.get_int(ctx_key); n_ctx_train && opt.n_ctx > *n_ctx_train) {
-        fail("--ctx {} is larger than the context '{}' was trained on ({} = {}): use --ctx {} or less", opt.n_ctx,
-             opt.reference, ctx_key, *n_ctx_train, *n_ctx_train);
-    }
-    const std::string text = read_text(opt.text);
-
-    llama_runtime_init();
-    model_ptr ref_model = load_model(opt.reference);
-    if (const int32_t n_ctx_train = llama_model_n_ctx_train(ref_model.get());
-        !ref_file.get_int(ctx_key) && n_ctx_train > 0 && opt.n_ctx > n_ctx_train) {
-        fail("--ctx {} is larger than the context '{}' was trained on ({} in libllama): use --ctx {} or less",
-             opt.n_ctx, opt.reference, n_ctx_train, n_ctx_train);
-    }
-    const llama_vocab * vocab = llama_model_get_vocab(ref_model.get());
-    if (llama_vocab_get_add_eos(vocab)) {
-        fail("the vocabulary of '{}' appends EOS to every text; llama-perplexity refuses such models and so do we",
-             opt.reference);
-    }
-    std::vector<llama_token> tokens = tokenize(vocab, text, opt.text);
-    {
-        int64_t uncovered = 0;
-        for (llama_token t : tokens) {
-            const auto attr = llama_vocab_get_attr(vocab, t);
-            uncovered += (attr & (LLAMA_TOKEN_ATTR_UNKNOWN | LLAMA_TOKEN_ATTR_BYTE)) != 0;
-        }
-        const double frac = static_cast<double>(uncovered) / static_cast<double>(tokens.size());
-        if (frac > k_max_uncovered) {
-            fail("the text '{}' is not in a script the vocabulary of '{}' covers: {:.0f}% of its {} tokens are <unk> "
-                 "or byte-fallback tokens (at most {:.0f}% allowed); evaluate on text in the model's language",
-                 opt.text, opt.reference, 100.0 * frac, tokens.size(), 100.0 * k_max_uncovered);
-        }
-    }
-    const int64_t n_ctx = opt.n_ctx;
-    if (static_cast<int64_t>(tokens.size()) < 2 * n_ctx) {
-        fail("the text '{}' is {} tokens; --ctx {} needs at least {} (as llama-perplexity): give a longer text or a "
-             "smaller --ctx",
-             opt.text, tokens.size(), n_ctx, 2 * n_ctx);
-    }
-    const int64_t n_chunk_max = static_cast<int64_t>(tokens.size()) / n_ctx;
-    const int64_t n_chunks = opt.n_chunks < 0 ? n_chunk_max : std::min<int64_t>(opt.n_chunks, n_chunk_max);
-    const int32_t n_vocab = llama_vocab_n_tokens(vocab);
-    const int64_t first = n_ctx / 2;
-    const int64_t n_score = n_ctx - 1 - first;      // rows first … n_ctx−2 predict tokens first+1 … n_ctx−1
-
-    eval_result result;
-    result.reference = opt.reference;
-    result.text = opt.text;
-    result.n_ctx = opt.n_ctx;
-    result.n_chunks = static_cast<int>(n_chunks);
-    result.n_text_tokens = static_cast<int64_t>(tokens.size());
-    result.n_scored = n_chunks * n_score;
-    describe_file(result.ref, ref_file);
-
-    context_ptr ref_ctx = new_context(ref_model.get(), opt.reference, opt.n_ctx, n_threads);
-    std::vector<model_ptr> models;
-    std::vector<context_ptr> contexts;
-    for (const std::string & path : files) {
-        models.push_back(load_model(path));
-        contexts.push_back(new_context(models.back().get(), path, opt.n_ctx, n_threads));
-        if (llama_vocab_n_tokens(llama_model_get_vocab(models.back().get())) != n_vocab) {
-            fail("'{}' has {} tokens in libllama but the reference '{}' has {}", path,
-                 llama_vocab_n_tokens(llama_model_get_vocab(models.back().get())), opt.reference, n_vocab);
-        }
-    }
-
-    llama_batch batch = llama_batch_init(static_cast<int32_t>(n_ctx), 0, 1);
-    std::unique_ptr<llama_batch, void (*)(llama_batch *)> batch_guard(&batch, [](llama_batch * b) { llama_batch_free(*b); });
-    const bool add_bos = llama_vocab_get_add_bos(vocab);
-    const llama_token bos = llama_vocab_bos(vocab);
-
-    std::vector<float> ref_logits(static_cast<size_t>(n_score) * static_cast<size_t>(n_vocab));
-    std::vector<row_softmax> ref_rows(static_cast<size_t>(n_score));
-    struct token_numbers {
-        double nll;
-        double kld;
-        bool same_top;
-    };
-    std::vector<token_numbers> numbers(static_cast<size_t>(n_score));
+// eval_session::impl holds the types above, of this file's anonymous namespace; it is defined and used only here, so
+// GCC's -Wsubobject-linkage (which fires once the unity build includes this file in another) warns of nothing real.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wsubobject-linkage"
+struct eval_session::impl {
+    eval_options opt;
+    int n_threads = 1;
+    std::unique_ptr<gguf_file> ref_file;
+    model_identity ref_id;
+    model_ptr ref_model;
+    context_ptr ref_ctx;
+    std::vector<llama_token> tokens;
+    int64_t n_ctx = 0, n_chunks = 0, first = 0, n_score = 0;
+    int32_t n_vocab = 0;
+    bool add_bos = false;
+    llama_token bos = 0;
+    llama_batch batch{};
+    bool keep = false;                          // keep every decoded chunk's reference logits
+    eval_result base;                           // the fields common to every result
+    // The reference: its logits of the chunk in hand (or of every chunk, kept), their softmax, its own sums.
+    std::vector<std::vector<float>> kept;       // per chunk; empty until decoded (always empty unless keep)
+    std::vector<std::vector<row_softmax>> kept_rows;
+    std::vector<float> ref_logits;              // the chunk in hand when not kept
+    std::vector<row_softmax> ref_rows;
+    int64_t ref_chunk = -1;                     // the chunk whose logits ref_logits holds
     file_accumulator ref_acc;
-    std::vector<file_accumulator> accs(files.size());
+    int64_t ref_done = 0;                       // chunks in ref_acc
+    struct scored_file {
+        std::unique_ptr<gguf_file> file;
+        model_ptr model;
+        context_ptr ctx;
+        file_accumulator acc;
+        int64_t done = 0;                       // chunks in acc
+    };
+    std::map<std::string, scored_file> files;
+    bool finished = false;
 
-    progress bar("eval", n_chunks * n_ctx * static_cast<int64_t>(1 + files.size()), "tok");
-    for (int64_t c = 0; c < n_chunks; ++c) {
+    ~impl() {
+        if (batch.token) {
+            llama_batch_free(batch);
+        }
+    }
+
+    void fill_batch(int64_t c) {
         const llama_token * chunk = tokens.data() + c * n_ctx;
         batch.n_tokens = static_cast<int32_t>(n_ctx);
         for (int64_t k = 0; k < n_ctx; ++k) {
@@ -466,15 +408,29 @@ eval_result run_eval(const eval_options & opt, const std::vector<std::string> & 
             batch.seq_id[k][0] = 0;
             batch.logits[k] = k >= first;
         }
+    }
+
+    /// The reference's logits and softmax of chunk c: kept, in hand, or decoded now (the batch holds chunk c).
+    std::pair<const float *, const row_softmax *> reference_chunk(int64_t c) {
+        if (keep && !kept[c].empty()) {
+            return {kept[c].data(), kept_rows[c].data()};
+        }
+        if (!keep && ref_chunk == c) {
+            return {ref_logits.data(), ref_rows.data()};
+        }
         const auto row = static_cast<size_t>(n_vocab);
-        {
-            const float * logits = decode_chunk(ref_ctx.get(), batch, opt.reference, static_cast<int>(c));
-            std::copy(logits, logits + static_cast<size_t>(n_score) * row, ref_logits.begin());
-            parallel_for(n_score, n_threads, [&](int64_t j) {
-                ref_rows[j] = softmax_of(ref_logits.data() + j * row, n_vocab);
-            });
+        std::vector<float> & logits_out = keep ? kept[c] : ref_logits;
+        std::vector<row_softmax> & rows_out = keep ? kept_rows[c] : ref_rows;
+        logits_out.resize(static_cast<size_t>(n_score) * row);
+        rows_out.resize(static_cast<size_t>(n_score));
+        const float * logits = decode_chunk(ref_ctx.get(), batch, opt.reference, static_cast<int>(c));
+        std::copy(logits, logits + static_cast<size_t>(n_score) * row, logits_out.begin());
+        parallel_for(n_score, n_threads, [&](int64_t j) { rows_out[j] = softmax_of(logits_out.data() + j * row, n_vocab); });
+        ref_chunk = c;
+        if (ref_done == c) {  // the reference's own sums, once per chunk and in chunk order
+            const llama_token * chunk = tokens.data() + c * n_ctx;
             for (int64_t j = 0; j < n_score; ++j) {
-                const double nll = ref_rows[j].log_sum_exp - ref_logits[j * row + chunk[first + j + 1]];
+                const double nll = rows_out[j].log_sum_exp - logits_out[j * row + chunk[first + j + 1]];
                 ref_acc.sum_nll += nll;
                 ref_acc.sum_nll2 += nll * nll;
                 ref_acc.sum_nll_ref += nll;
@@ -484,69 +440,266 @@ eval_result run_eval(const eval_options & opt, const std::vector<std::string> & 
                 ++ref_acc.n_same_top;
                 ++ref_acc.count;
             }
-            bar.add(n_ctx, result.ref.name);
+            ++ref_done;
         }
-        for (size_t f = 0; f < files.size(); ++f) {
-            const float * logits = decode_chunk(contexts[f].get(), batch, files[f], static_cast<int>(c));
-            parallel_for(n_score, n_threads, [&](int64_t j) {
-                const float * q = logits + j * row;
-                const float * p = ref_logits.data() + j * row;
-                const row_softmax qs = softmax_of(q, n_vocab);
-                const row_softmax & ps = ref_rows[j];
-                // KL(p ‖ q) = Σ p_i (log p_i − log q_i), with log p_i = l_i − lse_p.
-                double kld = 0;
-                for (int32_t i = 0; i < n_vocab; ++i) {
-                    const double log_p = static_cast<double>(p[i]) - ps.log_sum_exp;
-                    const double log_q = static_cast<double>(q[i]) - qs.log_sum_exp;
-                    kld += std::exp(log_p) * (log_p - log_q);
-                }
-                numbers[j] = {qs.log_sum_exp - q[chunk[first + j + 1]], kld, qs.argmax == ps.argmax};
-            });
-            file_accumulator & a = accs[f];
-            for (int64_t j = 0; j < n_score; ++j) {
-                const double nll_ref = ref_rows[j].log_sum_exp - ref_logits[j * row + chunk[first + j + 1]];
-                const token_numbers & t = numbers[j];
-                a.sum_nll += t.nll;
-                a.sum_nll2 += t.nll * t.nll;
-                a.sum_nll_ref += nll_ref;
-                a.sum_nll_ref2 += nll_ref * nll_ref;
-                a.sum_nll_nll_ref += t.nll * nll_ref;
-                a.sum_kld += t.kld;
-                a.sum_kld2 += t.kld * t.kld;
-                a.kld.push_back(t.kld);
-                a.n_same_top += t.same_top;
-                ++a.count;
+        return {logits_out.data(), rows_out.data()};
+    }
+
+    /// Decodes chunk c of one file and adds its numbers against the reference's p, ps.
+    void score_chunk(const std::string & path, scored_file & sf, int64_t c, const float * p_all, const row_softmax * ps_all) {
+        struct token_numbers {
+            double nll;
+            double kld;
+            bool same_top;
+        };
+        std::vector<token_numbers> numbers(static_cast<size_t>(n_score));
+        const auto row = static_cast<size_t>(n_vocab);
+        const llama_token * chunk = tokens.data() + c * n_ctx;
+        const float * logits = decode_chunk(sf.ctx.get(), batch, path, static_cast<int>(c));
+        parallel_for(n_score, n_threads, [&](int64_t j) {
+            const float * q = logits + j * row;
+            const float * p = p_all + j * row;
+            const row_softmax qs = softmax_of(q, n_vocab);
+            const row_softmax & ps = ps_all[j];
+            // KL(p ‖ q) = Σ p_i (log p_i − log q_i), with log p_i = l_i − lse_p.
+            double kld = 0;
+            for (int32_t i = 0; i < n_vocab; ++i) {
+                const double log_p = static_cast<double>(p[i]) - ps.log_sum_exp;
+                const double log_q = static_cast<double>(q[i]) - qs.log_sum_exp;
+                kld += std::exp(log_p) * (log_p - log_q);
             }
-            bar.add(n_ctx, std::filesystem::path(files[f]).filename().string());
+            numbers[j] = {qs.log_sum_exp - q[chunk[first + j + 1]], kld, qs.argmax == ps.argmax};
+        });
+        file_accumulator & a = sf.acc;
+        for (int64_t j = 0; j < n_score; ++j) {
+            const double nll_ref = ps_all[j].log_sum_exp - p_all[j * row + chunk[first + j + 1]];
+            const token_numbers & t = numbers[j];
+            a.sum_nll += t.nll;
+            a.sum_nll2 += t.nll * t.nll;
+            a.sum_nll_ref += nll_ref;
+            a.sum_nll_ref2 += nll_ref * nll_ref;
+            a.sum_nll_nll_ref += t.nll * nll_ref;
+            a.sum_kld += t.kld;
+            a.sum_kld2 += t.kld * t.kld;
+            a.kld.push_back(t.kld);
+            a.n_same_top += t.same_top;
+            ++a.count;
+        }
+        ++sf.done;
+    }
+};
+
+#pragma GCC diagnostic pop
+
+eval_session::eval_session(const eval_options & opt, int64_t keep_reference_max_bytes) : p_(std::make_unique<impl>()) {
+    impl & s = *p_;
+    s.opt = opt;
+    if (opt.n_ctx < k_min_ctx) {
+        fail("--ctx {} is too small: use at least {} (llama-perplexity's default is 512)", opt.n_ctx, k_min_ctx);
+    }
+    if (opt.n_chunks == 0 || opt.n_chunks < -1) {
+        fail("--chunks {}: expected a positive number of chunks, or -1 for every chunk of the text", opt.n_chunks);
+    }
+    s.n_threads = opt.n_threads > 0 ? opt.n_threads : std::max(1, (int) std::thread::hardware_concurrency());
+    s.ref_file = std::make_unique<gguf_file>(opt.reference);
+    s.ref_id = identity_of(*s.ref_file);
+    const std::string ctx_key = s.ref_id.architecture + ".context_length";
+    if (const auto n_ctx_train = s.ref_file->get_int(ctx_key); n_ctx_train && opt.n_ctx > *n_ctx_train) {
+        fail("--ctx {} is larger than the context '{}' was trained on ({} = {}): use --ctx {} or less", opt.n_ctx,
+             opt.reference, ctx_key, *n_ctx_train, *n_ctx_train);
+    }
+    const std::string text = read_text(opt.text);
+
+    llama_runtime_init();
+    s.ref_model = load_model(opt.reference);
+    if (const int32_t n_ctx_train = llama_model_n_ctx_train(s.ref_model.get());
+        !s.ref_file->get_int(ctx_key) && n_ctx_train > 0 && opt.n_ctx > n_ctx_train) {
+        fail("--ctx {} is larger than the context '{}' was trained on ({} in libllama): use --ctx {} or less",
+             opt.n_ctx, opt.reference, n_ctx_train, n_ctx_train);
+    }
+    const llama_vocab * vocab = llama_model_get_vocab(s.ref_model.get());
+    if (llama_vocab_get_add_eos(vocab)) {
+        fail("the vocabulary of '{}' appends EOS to every text; llama-perplexity refuses such models and so do we",
+             opt.reference);
+    }
+    s.tokens = tokenize(vocab, text, opt.text);
+    {
+        int64_t uncovered = 0;
+        for (llama_token t : s.tokens) {
+            const auto attr = llama_vocab_get_attr(vocab, t);
+            uncovered += (attr & (LLAMA_TOKEN_ATTR_UNKNOWN | LLAMA_TOKEN_ATTR_BYTE)) != 0;
+        }
+        const double frac = static_cast<double>(uncovered) / static_cast<double>(s.tokens.size());
+        if (frac > k_max_uncovered) {
+            fail("the text '{}' is not in a script the vocabulary of '{}' covers: {:.0f}% of its {} tokens are <unk> "
+                 "or byte-fallback tokens (at most {:.0f}% allowed); evaluate on text in the model's language",
+                 opt.text, opt.reference, 100.0 * frac, s.tokens.size(), 100.0 * k_max_uncovered);
         }
     }
-    bar.finish();
+    s.n_ctx = opt.n_ctx;
+    if (static_cast<int64_t>(s.tokens.size()) < 2 * s.n_ctx) {
+        fail("the text '{}' is {} tokens; --ctx {} needs at least {} (as llama-perplexity): give a longer text or a "
+             "smaller --ctx",
+             opt.text, s.tokens.size(), s.n_ctx, 2 * s.n_ctx);
+    }
+    const int64_t n_chunk_max = static_cast<int64_t>(s.tokens.size()) / s.n_ctx;
+    s.n_chunks = opt.n_chunks < 0 ? n_chunk_max : std::min<int64_t>(opt.n_chunks, n_chunk_max);
+    s.n_vocab = llama_vocab_n_tokens(vocab);
+    s.first = s.n_ctx / 2;
+    s.n_score = s.n_ctx - 1 - s.first;      // rows first … n_ctx−2 predict tokens first+1 … n_ctx−1
 
-    finish_file(result.ref, ref_acc);
+    eval_result & result = s.base;
+    result.reference = opt.reference;
+    result.text = opt.text;
+    result.n_ctx = opt.n_ctx;
+    result.n_chunks = static_cast<int>(s.n_chunks);
+    result.n_text_tokens = static_cast<int64_t>(s.tokens.size());
+    result.n_scored = s.n_chunks * s.n_score;
+    describe_file(result.ref, *s.ref_file);
+
+    s.keep = reference_bytes() <= keep_reference_max_bytes;
+    s.kept.resize(static_cast<size_t>(s.n_chunks));
+    s.kept_rows.resize(static_cast<size_t>(s.n_chunks));
+    s.ref_ctx = new_context(s.ref_model.get(), opt.reference, opt.n_ctx, s.n_threads);
+    s.batch = llama_batch_init(static_cast<int32_t>(s.n_ctx), 0, 1);
+    s.add_bos = llama_vocab_get_add_bos(vocab);
+    s.bos = llama_vocab_bos(vocab);
+}
+
+eval_session::~eval_session() = default;
+
+int64_t eval_session::reference_bytes() const {
+    return p_->n_chunks * p_->n_score * static_cast<int64_t>(p_->n_vocab) * static_cast<int64_t>(sizeof(float));
+}
+
+bool eval_session::keeps_reference() const { return p_->keep; }
+
+bool eval_session::score(const std::vector<std::string> & files, const std::atomic<bool> * stop, bool show_progress) {
+    impl & s = *p_;
+    if (s.finished) {
+        fail("eval_session::score after finish: a session's numbers are final once read");
+    }
+    // Validate every new file before loading anything: a bad file is an error naming it, never an abort.
+    std::vector<std::unique_ptr<gguf_file>> new_files(files.size());
     for (size_t f = 0; f < files.size(); ++f) {
+        if (!s.files.count(files[f])) {
+            new_files[f] = std::make_unique<gguf_file>(files[f]);
+            check_same_model(*s.ref_file, s.ref_id, *new_files[f]);
+        }
+    }
+    for (size_t f = 0; f < files.size(); ++f) {
+        if (!new_files[f] || s.files.count(files[f])) {
+            continue;
+        }
+        impl::scored_file sf;
+        sf.file = std::move(new_files[f]);
+        sf.model = load_model(files[f]);
+        sf.ctx = new_context(sf.model.get(), files[f], s.opt.n_ctx, s.n_threads);
+        if (llama_vocab_n_tokens(llama_model_get_vocab(sf.model.get())) != s.n_vocab) {
+            fail("'{}' has {} tokens in libllama but the reference '{}' has {}", files[f],
+                 llama_vocab_n_tokens(llama_model_get_vocab(sf.model.get())), s.opt.reference, s.n_vocab);
+        }
+        s.files.emplace(files[f], std::move(sf));
+    }
+    // The decodes still to do, for the progress bar: each file's chunks, and the reference's not at hand.
+    // With no file, the reference's logits alone, when they are kept (for files scored later).
+    int64_t from = s.n_chunks;
+    int64_t todo = 0;
+    if (files.empty() && s.keep) {
+        from = s.ref_done;
+    }
+    for (const std::string & path : files) {
+        from = std::min(from, s.files.at(path).done);
+        todo += s.n_chunks - s.files.at(path).done;
+    }
+    for (int64_t c = from; c < s.n_chunks; ++c) {
+        todo += s.keep && !s.kept[c].empty() ? 0 : 1;
+    }
+    std::optional<progress> bar;
+    if (show_progress && todo > 0) {
+        bar.emplace("eval", todo * s.n_ctx, "tok");
+    }
+    for (int64_t c = from; c < s.n_chunks; ++c) {
+        s.fill_batch(c);
+        if (stop && stop->load() && !(s.keep && !s.kept[c].empty())) {
+            return false;
+        }
+        const bool decoding = !(s.keep && !s.kept[c].empty()) && !(!s.keep && s.ref_chunk == c);
+        const auto [p, ps] = s.reference_chunk(c);
+        if (bar && decoding) {
+            bar->add(s.n_ctx, s.base.ref.name);
+        }
+        for (const std::string & path : files) {
+            impl::scored_file & sf = s.files.at(path);
+            if (sf.done != c) {
+                continue;
+            }
+            if (stop && stop->load()) {
+                return false;
+            }
+            s.score_chunk(path, sf, c, p, ps);
+            if (bar) {
+                bar->add(s.n_ctx, std::filesystem::path(path).filename().string());
+            }
+        }
+    }
+    if (bar) {
+        bar->finish();
+    }
+    return true;
+}
+
+eval_result eval_session::finish(const std::vector<std::string> & files) {
+    impl & s = *p_;
+    if (s.finished) {
+        fail("eval_session::finish called twice");
+    }
+    for (const std::string & path : files) {
+        if (!s.files.count(path) || s.files.at(path).done != s.n_chunks) {
+            fail("eval_session::finish: '{}' is not scored on every chunk yet (score it first)", path);
+        }
+    }
+    s.finished = true;
+    eval_result result = s.base;
+    finish_file(result.ref, s.ref_acc);
+    for (const std::string & path : files) {
         eval_file_result r;
-        describe_file(r, *cand_files[f]);
-        finish_file(r, accs[f]);
+        describe_file(r, *s.files.at(path).file);
+        finish_file(r, s.files.at(path).acc);
         result.files.push_back(std::move(r));
     }
-    if (opt.speed_reps > 0) {
+    // The kept logits are not needed any more.
+    s.kept.clear();
+    s.kept_rows.clear();
+    if (s.opt.speed_reps > 0) {
         // One model at a time, the scoring contexts freed first.
-        ref_ctx.reset();
-        contexts.clear();
-        result.speed_reps = opt.speed_reps;
-        result.speed_threads = n_threads;
+        s.ref_ctx.reset();
+        for (auto & [path, sf] : s.files) {
+            sf.ctx.reset();
+        }
+        result.speed_reps = s.opt.speed_reps;
+        result.speed_threads = s.n_threads;
         progress speed_bar("speed", static_cast<int64_t>(1 + files.size()), "file");
-        if (opt.reference_speed) {
-            measure_speed(ref_model.get(), opt.reference, n_threads, opt.speed_reps, result.ref);
+        if (s.opt.reference_speed) {
+            measure_speed(s.ref_model.get(), s.opt.reference, s.n_threads, s.opt.speed_reps, result.ref);
         }
         speed_bar.add(1, result.ref.name);
         for (size_t f = 0; f < files.size(); ++f) {
-            measure_speed(models[f].get(), files[f], n_threads, opt.speed_reps, result.files[f]);
+            measure_speed(s.files.at(files[f]).model.get(), files[f], s.n_threads, s.opt.speed_reps, result.files[f]);
             speed_bar.add(1, result.files[f].name);
         }
         speed_bar.finish();
     }
     return result;
+}
+
+eval_result run_eval(const eval_options & opt, const std::vector<std::string> & files) {
+    if (files.empty()) {
+        fail("give at least one GGUF to evaluate against the reference (the reference itself gives KLD 0)");
+    }
+    eval_session session(opt, 0);
+    session.score(files);
+    return session.finish(files);
 }
 
 }  // namespace voodoo

@@ -2,8 +2,10 @@
 // with llama-perplexity's conventions, so every number is what stock llama.cpp serves.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -83,5 +85,39 @@ struct eval_result {
 /// shorter than 2 · n_ctx tokens; more than half of the text's tokens are <unk> or byte-fallback tokens
 /// (text the vocabulary does not cover); libllama cannot load a model or decode.
 eval_result run_eval(const eval_options & opt, const std::vector<std::string> & files);
+
+/// run_eval in steps, so that some files are scored while other work runs and the rest later (quantize scores the
+/// stock files while its train stage runs: issue #16). The numbers are run_eval's, bit for bit: every file's sums
+/// are added chunk by chunk in chunk order, against the same reference logits, whichever call scored which chunk
+/// (tests/test_eval.cpp checks this against run_eval, a session stopped part way included).
+class eval_session {
+public:
+    /// Checks the reference and the text and loads the reference (run_eval's errors for them). When the reference's
+    /// logits of every chunk take at most `keep_reference_max_bytes` (reference_bytes(): chunks × (n_ctx − 1 − n_ctx/2)
+    /// × n_vocab floats), each chunk's are kept once decoded, so that a file scored later decodes only itself;
+    /// otherwise a later call decodes the reference again (its own sums are still added once).
+    eval_session(const eval_options & opt, int64_t keep_reference_max_bytes);
+    ~eval_session();
+    eval_session(const eval_session &) = delete;
+    eval_session & operator=(const eval_session &) = delete;
+
+    /// Scores `files` (each checked against the reference and loaded on first sight: run_eval's errors) on every
+    /// chunk not yet scored for it, chunk by chunk. Returns true when all of them are scored on every chunk; false,
+    /// keeping everything done so far, when `stop` was seen set before a decode (checked before each one). With
+    /// `show_progress`, a progress bar of the decodes still to do.
+    bool score(const std::vector<std::string> & files, const std::atomic<bool> * stop = nullptr, bool show_progress = true);
+
+    /// The result for `files` in that order (each scored on every chunk, else an error), then, with opt.speed_reps > 0,
+    /// the speed of the reference (opt.reference_speed) and of each file as run_eval measures it. Once per session.
+    eval_result finish(const std::vector<std::string> & files);
+
+    /// Bytes of the reference's logits over every chunk (what keeping them costs), and whether they are kept.
+    int64_t reference_bytes() const;
+    bool keeps_reference() const;
+
+private:
+    struct impl;
+    std::unique_ptr<impl> p_;
+};
 
 }  // namespace voodoo

@@ -7,6 +7,8 @@
 
 #include "common/error.h"
 #include "common/file.h"
+#include "common/progress.h"
+#include "train/candidates.h"
 #include "data/dataset.h"
 #include "eval/baseline.h"
 #include "eval/curve.h"
@@ -32,11 +34,15 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <mutex>
+#include <atomic>
 #include <thread>
 #include <optional>
 #include <set>
 
 #include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -389,8 +395,10 @@ void report_expert_coverage(const std::string & imatrix_path, const std::string 
 // Stock recipes to compare with: every recipe llama.cpp makes for the model, or for "nearest" those that can be
 // among the six nearest in size to ours (nearest_stock_recipes), duplicates by tensor types dropped; then for
 // "nearest" the six nearest each of our files.
-std::vector<std::string> pick_baselines(const quantize_options & o, const baseline_options & bo,
-                                        const std::vector<size_t> & our_sizes, const std::string & dir) {
+// The stock recipes pick_baselines makes for files of `our_sizes` bytes: --baselines' list, or for "nearest" those
+// that can be among the six nearest (sized by llama.cpp's dry run, nothing made).
+std::vector<std::string> baseline_names(const quantize_options & o, const baseline_options & bo,
+                                        const std::vector<size_t> & our_sizes) {
     if (o.baselines == "none") {
         return {};
     }
@@ -409,7 +417,15 @@ std::vector<std::string> pick_baselines(const quantize_options & o, const baseli
     if (o.baselines == "nearest") {  // only those that can be among the six nearest, sized by llama.cpp's dry run
         names = nearest_stock_recipes(bo, names, our_sizes, 6);
     }
-    const auto made = make_baselines(bo, names, dir);
+    return names;
+}
+
+std::vector<std::string> pick_baselines(const quantize_options & o, const baseline_options & bo,
+                                        const std::vector<size_t> & our_sizes, const std::string & dir) {
+    if (o.baselines == "none") {
+        return {};
+    }
+    const auto made = make_baselines(bo, baseline_names(o, bo, our_sizes), dir);
     std::vector<const baseline_result *> ok;
     for (const auto & r : made) {
         if (r.ok && r.same_types_as.empty()) {
@@ -438,6 +454,84 @@ std::vector<std::string> pick_baselines(const quantize_options & o, const baseli
     }
     return paths;
 }
+
+// The eval ahead (--eval-ahead; issue #16: "eval of the Voodoo file and the nearest stock recipes must not dominate
+// the job"). While the train stage runs (in a child process, on the GPU), a thread of this process in Linux's idle
+// scheduling class (SCHED_IDLE, sched(7): it runs only on cores that nothing else wants, and the threads it starts,
+// libllama's and the quantizer's, inherit the class) makes the stock files the eval will likely compare with and
+// scores the reference and them on the eval text, keeping the reference's logits (eval_session). The eval stage
+// then stops it, and decodes what is left: our files and any chunk not reached. The numbers are the eval's own, bit
+// for bit (eval_session). The speed runs (llama-bench) stay in the eval stage, on a quiet machine. A failure here
+// ends the ahead quietly: the eval stage does the same work again and reports the error there.
+class eval_ahead {
+public:
+    /// `ev`: the eval's options; `make_files`: makes (or finds) the stock files and returns their paths, checking
+    /// `stopping` between files; `keep_max`: eval_session's keep_reference_max_bytes.
+    eval_ahead(const eval_options & ev, std::function<std::vector<std::string>(const std::atomic<bool> &)> make_files,
+               int64_t keep_max)
+        : start_(std::chrono::steady_clock::now()) {
+        thread_ = std::thread([this, ev, make_files = std::move(make_files), keep_max] {
+            sched_param sp{};
+            sp.sched_priority = 0;
+            idle_ = pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp) == 0;
+            try {
+                auto session = std::make_unique<eval_session>(ev, keep_max);
+                std::vector<std::string> files = make_files(stop_);
+                {
+                    const std::lock_guard lock(mutex_);
+                    files_ = files;
+                }
+                session_ = std::move(session);
+                done_ = session_->score(files, &stop_, false);
+            } catch (const std::exception & e) {
+                const std::lock_guard lock(mutex_);
+                error_ = e.what();
+                session_.reset();
+            }
+        });
+    }
+    ~eval_ahead() {
+        stop_ = true;
+        if (thread_.joinable()) {
+            thread_.join();
+        }
+    }
+    eval_ahead(const eval_ahead &) = delete;
+    eval_ahead & operator=(const eval_ahead &) = delete;
+
+    /// Stops after the decode (or stock file) in progress and hands over the session: null when it failed. `note`
+    /// says what was done ahead (or why nothing).
+    std::unique_ptr<eval_session> stop(std::string & note) {
+        stop_ = true;
+        const auto t0 = std::chrono::steady_clock::now();
+        thread_.join();
+        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double ran = std::chrono::duration<double>(t0 - start_).count();
+        if (!session_) {
+            note = fmt::format("nothing kept from the eval ahead ({}): the eval does it all", error_.empty() ? "stopped early" : error_);
+            return nullptr;
+        }
+        const std::string what = files_.empty() ? "the reference"
+                                                : fmt::format("the reference and {} stock file{}", files_.size(),
+                                                              files_.size() == 1 ? "" : "s");
+        note = fmt::format("{} {} in the {:.1f} s of training before the eval ({}{}); waited {:.1f} s for the decode in "
+                           "progress", what, done_ ? "scored on every chunk" : "scored in part, the rest now", ran,
+                           idle_ ? "at idle priority" : "at normal priority: SCHED_IDLE was refused",
+                           session_->keeps_reference() ? ", the reference's logits kept" : "", waited);
+        return std::move(session_);
+    }
+
+private:
+    std::atomic<bool> stop_{false};
+    std::chrono::steady_clock::time_point start_;
+    std::mutex mutex_;
+    std::vector<std::string> files_;
+    std::string error_;
+    std::unique_ptr<eval_session> session_;
+    bool done_ = false;
+    bool idle_ = false;
+    std::thread thread_;
+};
 
 // One size of a ladder: its target and the label its run folder and file carry.
 struct rung {
@@ -931,6 +1025,27 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     }
 }
 
+eval_options eval_options_of(const quantize_options & o) {
+    eval_options ev;
+    ev.reference = o.model;
+    ev.text = o.eval_text.empty() ? o.texts.front() : o.eval_text;
+    ev.n_ctx = o.eval_ctx;
+    ev.n_chunks = o.eval_chunks;
+    ev.n_threads = o.ggml_threads;
+    ev.speed_reps = o.speed_reps;
+    ev.reference_speed = o.reference_speed;
+    return ev;
+}
+
+bool eval_ahead_runs(const quantize_options & o) {
+    if (o.eval_chunks == 0 || o.eval_ahead == "off") {
+        return false;
+    }
+    // auto: only when the train stage is a child process (--device cuda), whose CPU has idle cores while the GPU
+    // works, and no --max-slowdown (its speed table is measured on this CPU during the ladder).
+    return o.eval_ahead == "on" || (!o.train_exe.empty() && o.max_slowdown < 0);
+}
+
 quantize_result run_quantize(const quantize_options & opts) {
     if (opts.texts.empty()) {
         fail("give at least one calibration text (--text)");
@@ -1106,13 +1221,66 @@ quantize_result run_quantize(const quantize_options & opts) {
     menu_options menu_opts = t.menu;
     menu_opts.importance = &importance;
     const std::vector<tensor_menu> menus = build_menus(src, menu_opts);
+    std::vector<size_t> budgets;        // each target's bytes (a limit on the file or, for a bpw target, its tensors)
+    double every_candidate_bytes = 0;   // every type of every menu: the most the candidate cache can grow
     {
         export_options eo = t.export_opts;
         eo.importance = &importance;
         for (const rung & g : rungs) {
             eo.target = g.goal.str();
-            make_budget(src, menus, g.goal, eo);
+            const budget b = make_budget(src, menus, g.goal, eo);
+            budgets.push_back(static_cast<size_t>(b.limit));
+            every_candidate_bytes = 0;
+            for (const auto & costs : b.cost) {
+                for (double c : costs) {
+                    every_candidate_bytes += c;
+                }
+            }
         }
+    }
+
+    // The eval ahead, while the train stage runs (eval_ahead above).
+    const eval_options ev = eval_options_of(o);
+    std::unique_ptr<eval_ahead> ahead;
+    if (eval_ahead_runs(o)) {
+        const int64_t keep_max = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGE_SIZE)) / 8;
+        auto make_files = [&o, bo, base_dir, budgets, every_candidate_bytes, model = o.model](const std::atomic<bool> & stopping) {
+            const progress::quiet_scope quiet;
+            const std::vector<std::string> names = baseline_names(o, bo, budgets);
+            const std::string stem = fs::path(model).stem().string();
+            auto path_of = [&](const std::string & name) { return (fs::path(base_dir) / (stem + "-" + name + ".gguf")).string(); };
+            // Stock files are made ahead only when they fit beside every candidate the train stage could build and
+            // our files (the dry run's disk sum): the train stage's own disk check must not meet a disk they filled.
+            double need = every_candidate_bytes + static_cast<double>(k_disk_reserve_bytes);
+            for (size_t b : budgets) {
+                need += static_cast<double>(b);
+            }
+            const gguf_file source(model);
+            for (const std::string & name : names) {
+                if (!fs::exists(path_of(name))) {
+                    need += estimate_stock_bytes(source, recipe_by_name(name));
+                }
+            }
+            const int64_t free = free_disk_bytes(base_dir);
+            const bool make = free >= 0 && need <= static_cast<double>(free);
+            std::vector<std::string> paths;
+            for (const std::string & name : names) {
+                if (stopping) {
+                    break;
+                }
+                if (!make && !fs::exists(path_of(name))) {
+                    continue;
+                }
+                const auto made = make_baselines(bo, {name}, base_dir);
+                if (!made.empty() && made.front().ok) {
+                    paths.push_back(made.front().path);
+                }
+            }
+            return paths;
+        };
+        ahead = std::make_unique<eval_ahead>(ev, make_files, keep_max);
+        note_line("eval", fmt::format("ahead while training: the reference and the stock files ({}) scored at idle priority "
+                                      "(--eval-ahead {})", o.baselines, o.eval_ahead));
     }
 
     quantize_result res;
@@ -1172,22 +1340,27 @@ quantize_result run_quantize(const quantize_options & opts) {
         report_stage_times(work);
         return res;
     }
+    std::unique_ptr<eval_session> session;
+    if (ahead) {
+        std::string note;
+        session = ahead->stop(note);
+        ahead.reset();
+        note_line("eval", "ahead: " + note);
+        res.eval_ahead = note;
+    }
     stage("baselines", fmt::format("stock recipes ({}) in {}", o.baselines, base_dir));
     const auto baselines = pick_baselines(o, bo, sizes, base_dir);
-    eval_options ev;
-    ev.reference = o.model;
-    ev.text = o.eval_text.empty() ? o.texts.front() : o.eval_text;
-    ev.n_ctx = o.eval_ctx;
-    ev.n_chunks = o.eval_chunks;
-    ev.n_threads = o.ggml_threads;
-    ev.speed_reps = o.speed_reps;
-    ev.reference_speed = o.reference_speed;
     std::vector<std::string> files = res.outs;
     files.insert(files.end(), peers.begin(), peers.end());
     files.insert(files.end(), baselines.begin(), baselines.end());
     stage("eval", fmt::format("{} files on {}{}", files.size(), ev.text,
                               o.eval_text.empty() ? " (the calibration text: not held out)" : ""));
-    res.eval = run_eval(ev, files);
+    if (session) {
+        session->score(files);
+        res.eval = session->finish(files);
+    } else {
+        res.eval = run_eval(ev, files);
+    }
     res.table = eval_to_markdown(res.eval);
     write_file_atomic((fs::path(work) / "eval.md").string(), res.table);
     write_file_atomic((fs::path(work) / "eval.json").string(), eval_to_json(res.eval).dump(2) + "\n");

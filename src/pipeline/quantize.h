@@ -39,6 +39,10 @@ struct quantize_options {
     int speed_reps = -1;                    // llama-bench pp512/tg128 runs per compared file (eval_options::speed_reps);
                                             // -1 = auto (apply_eval_defaults: 5, fewer above 0.5 G weights, at least 1)
     bool reference_speed = true;            // also the source's speed (auto: only up to 0.5 G weights)
+    /// "auto", "on" or "off": score the reference and the likely stock files on the eval text while the train stage
+    /// runs, at idle priority (quantize.cpp, eval_ahead; the numbers are the eval's own). auto: on when the train
+    /// stage is a child process (train_exe: --device cuda) and no --max-slowdown.
+    std::string eval_ahead = "auto";
     int threads = 0;                        // LibTorch and quantization threads; 0 = every core (on the cpu device: by model size, ggml_threads_for)
     int ggml_threads = 0;                   // libllama threads (imatrix, eval); 0 = by model size (ggml_threads_for)
     train_options train;                    // goal, menus, schedule (run_dir is WORK/run-<label>)
@@ -74,6 +78,7 @@ struct quantize_result {
     std::string card;                       // the model card written beside the files (README.md)
     std::string work;                       // the work folder it used
     nlohmann::json plan;                    // a dry run's report (plan_dry_run); null otherwise
+    std::string eval_ahead;                 // what the eval ahead did ("" when it did not run: eval_ahead_runs)
 };
 
 /// The source must be full precision (F32, F16, BF16 in every selectable tensor), since Voodoo's candidates and its
