@@ -2,7 +2,7 @@
 # What the project runs on the GPU machine (the workplace's device tool): a CUDA build against that
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
-# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-nearest, bench-small, bench-large,
+# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, bench-small, bench-large,
 # kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, dry-8b, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
@@ -148,10 +148,16 @@ e2e-1.7b)
     e2e_17b "" --baselines Q4_K_M
     ;;
 e2e-1.7b-noahead)
-    # The job of e2e-1.7b with --eval-ahead off (the eval stage does all of the eval, as before session 23), in a
-    # fresh work folder: the same machine's baseline for the eval ahead.
+    # The job of e2e-1.7b with --eval-ahead off, said outright (the default since session 24; the eval stage does all
+    # of the eval), in a fresh work folder: the same machine's baseline for e2e-1.7b-ahead.
     rm -rf /tmp/e2e-17b /tmp/e2e-17b-noahead
     e2e_17b "-noahead" --baselines Q4_K_M --eval-ahead off
+    ;;
+e2e-1.7b-ahead)
+    # The same job with --eval-ahead on (the reference and the stock file scored on the CPU while the train child
+    # runs), in a fresh work folder: run after e2e-1.7b-noahead on the same machine, it is the A/B of the eval ahead.
+    rm -rf /tmp/e2e-17b-noahead /tmp/e2e-17b-ahead
+    e2e_17b "-ahead" --baselines Q4_K_M --eval-ahead on
     ;;
 e2e-1.7b-nearest)
     # The same job with --baselines at its default (nearest: the stock files that can be among the six nearest in

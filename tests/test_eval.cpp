@@ -178,6 +178,14 @@ TEST_F(eval_test, a_session_scored_in_steps_gives_run_evals_numbers_bit_for_bit)
         EXPECT_THROW(s.finish(files), voodoo::error);  // once
     }
     {
+        // Every chunk kept, then stop_keeping: the session goes on from what it kept.
+        voodoo::eval_session s(opt, int64_t{1} << 30);
+        EXPECT_TRUE(s.score({q8_0_}));
+        s.stop_keeping();
+        EXPECT_TRUE(s.score(files));
+        expect_same_numbers(plain, s.finish(files));
+    }
+    {
         voodoo::eval_session s(opt, 0);  // nothing kept: the reference is decoded again, its own sums added once
         EXPECT_FALSE(s.keeps_reference());
         EXPECT_TRUE(s.score({q8_0_}));

@@ -373,6 +373,7 @@ struct eval_session::impl {
     llama_token bos = 0;
     llama_batch batch{};
     bool keep = false;                          // keep every decoded chunk's reference logits
+    bool storing = false;                       // still storing newly decoded chunks (stop_keeping ends it)
     eval_result base;                           // the fields common to every result
     // The reference: its logits of the chunk in hand (or of every chunk, kept), their softmax, its own sums.
     std::vector<std::vector<float>> kept;       // per chunk; empty until decoded (always empty unless keep)
@@ -415,18 +416,19 @@ struct eval_session::impl {
         if (keep && !kept[c].empty()) {
             return {kept[c].data(), kept_rows[c].data()};
         }
-        if (!keep && ref_chunk == c) {
+        if (ref_chunk == c) {
             return {ref_logits.data(), ref_rows.data()};
         }
         const auto row = static_cast<size_t>(n_vocab);
-        std::vector<float> & logits_out = keep ? kept[c] : ref_logits;
-        std::vector<row_softmax> & rows_out = keep ? kept_rows[c] : ref_rows;
+        const bool store = keep && storing;
+        std::vector<float> & logits_out = store ? kept[c] : ref_logits;
+        std::vector<row_softmax> & rows_out = store ? kept_rows[c] : ref_rows;
         logits_out.resize(static_cast<size_t>(n_score) * row);
         rows_out.resize(static_cast<size_t>(n_score));
         const float * logits = decode_chunk(ref_ctx.get(), batch, opt.reference, static_cast<int>(c));
         std::copy(logits, logits + static_cast<size_t>(n_score) * row, logits_out.begin());
         parallel_for(n_score, n_threads, [&](int64_t j) { rows_out[j] = softmax_of(logits_out.data() + j * row, n_vocab); });
-        ref_chunk = c;
+        ref_chunk = store ? -1 : c;
         if (ref_done == c) {  // the reference's own sums, once per chunk and in chunk order
             const llama_token * chunk = tokens.data() + c * n_ctx;
             for (int64_t j = 0; j < n_score; ++j) {
@@ -558,6 +560,7 @@ eval_session::eval_session(const eval_options & opt, int64_t keep_reference_max_
     describe_file(result.ref, *s.ref_file);
 
     s.keep = reference_bytes() <= keep_reference_max_bytes;
+    s.storing = s.keep;
     s.kept.resize(static_cast<size_t>(s.n_chunks));
     s.kept_rows.resize(static_cast<size_t>(s.n_chunks));
     s.ref_ctx = new_context(s.ref_model.get(), opt.reference, opt.n_ctx, s.n_threads);
@@ -573,6 +576,8 @@ int64_t eval_session::reference_bytes() const {
 }
 
 bool eval_session::keeps_reference() const { return p_->keep; }
+
+void eval_session::stop_keeping() { p_->storing = false; }
 
 bool eval_session::score(const std::vector<std::string> & files, const std::atomic<bool> * stop, bool show_progress) {
     impl & s = *p_;
@@ -605,7 +610,7 @@ bool eval_session::score(const std::vector<std::string> & files, const std::atom
     // With no file, the reference's logits alone, when they are kept (for files scored later).
     int64_t from = s.n_chunks;
     int64_t todo = 0;
-    if (files.empty() && s.keep) {
+    if (files.empty() && s.storing) {
         from = s.ref_done;
     }
     for (const std::string & path : files) {
@@ -624,7 +629,7 @@ bool eval_session::score(const std::vector<std::string> & files, const std::atom
         if (stop && stop->load() && !(s.keep && !s.kept[c].empty())) {
             return false;
         }
-        const bool decoding = !(s.keep && !s.kept[c].empty()) && !(!s.keep && s.ref_chunk == c);
+        const bool decoding = !(s.keep && !s.kept[c].empty()) && s.ref_chunk != c;
         const auto [p, ps] = s.reference_chunk(c);
         if (bar && decoding) {
             bar->add(s.n_ctx, s.base.ref.name);

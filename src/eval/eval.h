@@ -111,6 +111,10 @@ public:
     /// the speed of the reference (opt.reference_speed) and of each file as run_eval measures it. Once per session.
     eval_result finish(const std::vector<std::string> & files);
 
+    /// From now on, a chunk's reference logits are not kept once decoded (those kept stay): for the last call of
+    /// score, which needs each chunk once.
+    void stop_keeping();
+
     /// Bytes of the reference's logits over every chunk (what keeping them costs), and whether they are kept.
     int64_t reference_bytes() const;
     bool keeps_reference() const;

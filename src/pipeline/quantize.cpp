@@ -467,7 +467,8 @@ class eval_ahead {
 public:
     /// `ev`: the eval's options; `make_files`: makes (or finds) the stock files and returns their paths, checking
     /// `stopping` between files; `keep_max`: eval_session's keep_reference_max_bytes.
-    eval_ahead(const eval_options & ev, std::function<std::vector<std::string>(const std::atomic<bool> &)> make_files,
+    eval_ahead(const eval_options & ev,
+               std::function<std::vector<std::string>(const std::atomic<bool> &, bool & made_all)> make_files,
                int64_t keep_max)
         : start_(std::chrono::steady_clock::now()) {
         thread_ = std::thread([this, ev, make_files = std::move(make_files), keep_max] {
@@ -476,7 +477,7 @@ public:
             idle_ = pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp) == 0;
             try {
                 auto session = std::make_unique<eval_session>(ev, keep_max);
-                std::vector<std::string> files = make_files(stop_);
+                std::vector<std::string> files = make_files(stop_, made_all_);
                 {
                     const std::lock_guard lock(mutex_);
                     files_ = files;
@@ -508,16 +509,19 @@ public:
         const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const double ran = std::chrono::duration<double>(t0 - start_).count();
         if (!session_) {
-            note = fmt::format("nothing kept from the eval ahead ({}): the eval does it all", error_.empty() ? "stopped early" : error_);
+            // The eval meets the same error and reports it: said once, there.
+            note = fmt::format("nothing kept ({}): the eval does it all", error_.empty() ? "stopped early" : "it failed");
             return nullptr;
         }
         const std::string what = files_.empty() ? "the reference"
                                                 : fmt::format("the reference and {} stock file{}", files_.size(),
                                                               files_.size() == 1 ? "" : "s");
-        note = fmt::format("{} {} in the {:.1f} s of training before the eval ({}{}); waited {:.1f} s for the decode in "
-                           "progress", what, done_ ? "scored on every chunk" : "scored in part, the rest now", ran,
+        note = fmt::format("in the {2:.1f} s before the eval, {0} {1} ({3}{4}); waited {5:.1f} s for the decode in "
+                           "progress{6}", what, done_ ? "scored on every chunk" : "scored in part (the rest now)", ran,
                            idle_ ? "at idle priority" : "at normal priority: SCHED_IDLE was refused",
-                           session_->keeps_reference() ? ", the reference's logits kept" : "", waited);
+                           session_->keeps_reference() ? ", the reference's logits kept" : "", waited,
+                           made_all_ ? "" : "; stock files not made ahead: beside every candidate the run could build they "
+                                            "would not fit on the disk");
         return std::move(session_);
     }
 
@@ -530,6 +534,7 @@ private:
     std::unique_ptr<eval_session> session_;
     bool done_ = false;
     bool idle_ = false;
+    bool made_all_ = true;  // false when make_files found no room on the disk for the stock files
     std::thread thread_;
 };
 
@@ -1037,13 +1042,35 @@ eval_options eval_options_of(const quantize_options & o) {
     return ev;
 }
 
+// The memory this process may use: the machine's, or less where an address-space limit (ulimit -v) or the cgroup's
+// memory.max (a container's limit, cgroup v2) says so.
+int64_t memory_limit_bytes() {
+    int64_t limit = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGE_SIZE));
+    if (rlimit rl{}; getrlimit(RLIMIT_AS, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY) {
+        limit = std::min(limit, static_cast<int64_t>(rl.rlim_cur));
+    }
+    if (std::ifstream in("/sys/fs/cgroup/memory.max"); in) {
+        std::string v;
+        in >> v;
+        if (!v.empty() && v != "max") {
+            try {
+                limit = std::min(limit, static_cast<int64_t>(std::stoll(v)));
+            } catch (const std::exception &) {
+            }
+        }
+    }
+    return limit;
+}
+
 bool eval_ahead_runs(const quantize_options & o) {
     if (o.eval_chunks == 0 || o.eval_ahead == "off") {
         return false;
     }
-    // auto: only when the train stage is a child process (--device cuda), whose CPU has idle cores while the GPU
-    // works, and no --max-slowdown (its speed table is measured on this CPU during the ladder).
-    return o.eval_ahead == "on" || (!o.train_exe.empty() && o.max_slowdown < 0);
+    // auto: off for now. The one GPU run with it on (docs/BENCHMARKS.md, session 23) built 368 candidates ahead during
+    // the probe where runs without it built 601 and 602, and on the 2-core machine an idle-class thread beside
+    // in-process training slowed it 2-3x: Linux's idle class did not keep it off the cores the quantizers use.
+    // Until an A/B run on the GPU machine says it gains, it runs only when asked (on).
+    return o.eval_ahead == "on";
 }
 
 quantize_result run_quantize(const quantize_options & opts) {
@@ -1243,8 +1270,8 @@ quantize_result run_quantize(const quantize_options & opts) {
     const eval_options ev = eval_options_of(o);
     std::unique_ptr<eval_ahead> ahead;
     if (eval_ahead_runs(o)) {
-        const int64_t keep_max = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGE_SIZE)) / 8;
-        auto make_files = [&o, bo, base_dir, budgets, every_candidate_bytes, model = o.model](const std::atomic<bool> & stopping) {
+        const int64_t keep_max = memory_limit_bytes() / 8;
+        auto make_files = [&o, bo, base_dir, budgets, every_candidate_bytes, model = o.model](const std::atomic<bool> & stopping, bool & made_all) {
             const progress::quiet_scope quiet;
             const std::vector<std::string> names = baseline_names(o, bo, budgets);
             const std::string stem = fs::path(model).stem().string();
@@ -1256,13 +1283,16 @@ quantize_result run_quantize(const quantize_options & opts) {
                 need += static_cast<double>(b);
             }
             const gguf_file source(model);
+            size_t missing = 0;
             for (const std::string & name : names) {
                 if (!fs::exists(path_of(name))) {
                     need += estimate_stock_bytes(source, recipe_by_name(name));
+                    ++missing;
                 }
             }
             const int64_t free = free_disk_bytes(base_dir);
             const bool make = free >= 0 && need <= static_cast<double>(free);
+            made_all = make || missing == 0;
             std::vector<std::string> paths;
             for (const std::string & name : names) {
                 if (stopping) {
@@ -1279,8 +1309,9 @@ quantize_result run_quantize(const quantize_options & opts) {
             return paths;
         };
         ahead = std::make_unique<eval_ahead>(ev, make_files, keep_max);
-        note_line("eval", fmt::format("ahead while training: the reference and the stock files ({}) scored at idle priority "
-                                      "(--eval-ahead {})", o.baselines, o.eval_ahead));
+        note_line("eval", fmt::format("ahead (--eval-ahead {}): while the train stage runs, a thread at idle priority scores "
+                                      "the reference{}", o.eval_ahead,
+                                      o.baselines == "none" ? "" : fmt::format(" and makes and scores the stock files of --baselines {}", o.baselines)));
     }
 
     quantize_result res;
@@ -1340,15 +1371,18 @@ quantize_result run_quantize(const quantize_options & opts) {
         report_stage_times(work);
         return res;
     }
+    stage("baselines", fmt::format("stock recipes ({}) in {}", o.baselines, base_dir));
     std::unique_ptr<eval_session> session;
-    if (ahead) {
+    if (ahead) {  // its wait counts in this stage: it was making or scoring stock files
         std::string note;
         session = ahead->stop(note);
         ahead.reset();
         note_line("eval", "ahead: " + note);
         res.eval_ahead = note;
+        if (session) {
+            session->stop_keeping();  // chunks decoded from here on are needed once: not kept
+        }
     }
-    stage("baselines", fmt::format("stock recipes ({}) in {}", o.baselines, base_dir));
     const auto baselines = pick_baselines(o, bo, sizes, base_dir);
     std::vector<std::string> files = res.outs;
     files.insert(files.end(), peers.begin(), peers.end());
