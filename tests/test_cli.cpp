@@ -288,10 +288,19 @@ namespace {
 // Starts `voodoo args…` with stderr on a pipe (VOODOO_PROGRESS=0), reads its lines until one starts with
 // `header` (empty: the first line), waits `delay_ms`, and kills it with SIGKILL. Returns whether it was killed
 // (false: it ended before).
-bool kill_voodoo_at(const std::vector<std::string> & args, const std::string & header, int delay_ms) {
+struct signalled_run {
+    int status = 0;          // waitpid's
+    bool sent = false;       // the header was seen and the signal sent
+    std::string after;       // stderr after the header
+};
+
+// Runs voodoo with `args` (stderr read line by line, stdout to /dev/null), sends `sig` `delay_ms` after the first
+// stderr line that starts with `header`, and reads the rest of its stderr until it ends.
+signalled_run signal_voodoo_at(const std::vector<std::string> & args, const std::string & header, int delay_ms, int sig) {
+    signalled_run r;
     int fds[2];
     if (::pipe(fds) != 0) {
-        return false;
+        return r;
     }
     const pid_t pid = ::fork();
     if (pid == 0) {
@@ -320,12 +329,21 @@ bool kill_voodoo_at(const std::vector<std::string> & args, const std::string & h
     }
     if (seen) {
         std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-        ::kill(pid, SIGKILL);
+        ::kill(pid, sig);
+        r.sent = true;
+    }
+    while (std::fgets(line, sizeof line, err)) {
+        r.after += line;
     }
     std::fclose(err);
-    int status = 0;
-    ::waitpid(pid, &status, 0);
-    return WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+    ::waitpid(pid, &r.status, 0);
+    return r;
+}
+
+// signal_voodoo_at with SIGKILL: true when the kill landed before the job ended.
+bool kill_voodoo_at(const std::vector<std::string> & args, const std::string & header, int delay_ms) {
+    const signalled_run r = signal_voodoo_at(args, header, delay_ms, SIGKILL);
+    return r.sent && WIFSIGNALED(r.status) && WTERMSIG(r.status) == SIGKILL;
 }
 
 }  // namespace
@@ -401,6 +419,38 @@ TEST(cli, quantize_killed_with_sigkill_in_any_stage_then_run_again_makes_the_sam
     }
     RecordProperty("killed", killed);
     EXPECT_GE(killed, 8) << "most kills must land before the job ends";
+}
+
+TEST(cli, quantize_stopped_with_ctrl_c_exits_130_and_the_same_command_resumes) {
+    // README: "130: stopped by Ctrl-C (run the same command again to resume)". SIGINT right after a stage's header
+    // (the imatrix, which does not poll the stop test, and the eval, which does before each decode): the job stops
+    // at the next stage mark at the latest, says so on one line and exits 130; the same command then finishes.
+    voodoo::test::temp_dir dir;
+    const std::string text = voodoo::test::read_file(voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt");
+    voodoo::test::write_file(dir.file("calib.txt"), text.substr(0, 150000));
+    const std::string work = dir.file("w");
+    const std::vector<std::string> args = {"quantize", voodoo::test::stories260k(), "--text", dir.file("calib.txt"),
+                                           "--like", "Q4_0", "--ctx", "64", "--steps", "4", "--batch", "2",
+                                           "--probe-sequences", "2", "--select-sequences", "2", "--eval-ctx", "64",
+                                           "--eval-chunks", "4", "--baselines", "Q4_0", "--speed-reps", "0", "-t", "1",
+                                           "--work", work};
+    std::string line;
+    for (const std::string & a : args) {
+        line += "'" + a + "' ";
+    }
+    for (const char * header : {"== imatrix:", "== eval:"}) {
+        SCOPED_TRACE(header);
+        voodoo::remove_tree(work);
+        const signalled_run r = signal_voodoo_at(args, header, 0, SIGINT);
+        ASSERT_TRUE(r.sent);
+        ASSERT_TRUE(WIFEXITED(r.status)) << r.after;
+        EXPECT_EQ(WEXITSTATUS(r.status), 130) << r.after;
+        EXPECT_NE(r.after.find("voodoo: stopped: "), std::string::npos) << r.after;
+        EXPECT_NE(r.after.find("run the same command again"), std::string::npos) << r.after;
+        const auto again = run_voodoo(line);
+        ASSERT_EQ(again.exit_code, 0) << again.output;
+        EXPECT_NE(again.output.find("== data: " + work + "/data (done)"), std::string::npos) << again.output;
+    }
 }
 
 TEST(cli, a_json_destination_that_cannot_be_written_is_refused_before_any_work) {

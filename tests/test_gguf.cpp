@@ -6,6 +6,7 @@
 #include "test_util.h"
 
 #include <gtest/gtest.h>
+#include <fmt/format.h>
 
 #include <cstring>
 #include <fstream>
@@ -275,6 +276,54 @@ TEST(file, a_lock_whose_job_was_killed_with_sigkill_is_not_stuck) {
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
     EXPECT_TRUE(std::filesystem::exists(work + "/.lock")) << "the killed job's lock file is still there";
     EXPECT_NO_THROW(folder_lock after(work)) << "a killed job's lock was left stuck";
+    ::close(ready[0]);
+    ::close(ready[1]);
+}
+
+TEST(file, the_temporaries_of_a_writer_killed_with_sigkill_are_removed_and_a_live_writers_kept) {
+    temp_dir dir, outside;
+    const std::filesystem::path sub = dir.path / "baselines";
+    std::filesystem::create_directories(sub);
+    int ready[2];
+    ASSERT_EQ(::pipe(ready), 0);
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {  // a writer killed before commit(): its temporary stays behind
+        atomic_file f((sub / "m-Q4_0.gguf").string());
+        f.write("GGUF", 4);
+        const char c = 'x';
+        (void) !::write(ready[1], &c, 1);
+        for (;;) {
+            ::pause();
+        }
+    }
+    char c = 0;
+    ASSERT_EQ(::read(ready[0], &c, 1), 1);
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    std::string dead;   // .m-Q4_0.gguf.<pid>.<n>.tmp (n: the process's count of atomic_files so far)
+    for (const auto & e : std::filesystem::directory_iterator(sub)) {
+        dead = e.path().string();
+    }
+    ASSERT_NE(dead.find(fmt::format(".m-Q4_0.gguf.{}.", pid)), std::string::npos) << "the killed writer left no temporary";
+    atomic_file live((sub / "m-Q5_0.gguf").string());   // this process's: alive, kept
+    live.write("GGUF", 4);
+    const std::string others[] = {dir.file(".x.gguf.tmp"), dir.file("notes.tmp"), dir.file(".a.b.tmp")};
+    for (const std::string & o : others) {
+        test::write_bytes(o, {1});
+    }
+    const std::string beyond_link = (outside.path / std::filesystem::path(dead).filename()).string();
+    test::write_bytes(beyond_link, {1});
+    std::filesystem::create_directory_symlink(outside.path, dir.path / "link");  // must not be followed
+    EXPECT_EQ(remove_stale_temporaries(dir.path.string()), 1u);
+    EXPECT_FALSE(std::filesystem::exists(dead));
+    EXPECT_EQ(std::distance(std::filesystem::directory_iterator(sub), {}), 1) << "the live writer's temporary was removed";
+    for (const std::string & o : others) {
+        EXPECT_TRUE(std::filesystem::exists(o)) << o << " is no temporary of atomic_file's";
+    }
+    EXPECT_TRUE(std::filesystem::exists(beyond_link)) << "a symbolic link was followed";
+    EXPECT_EQ(remove_stale_temporaries(dir.file("missing")), 0u);
     ::close(ready[0]);
     ::close(ready[1]);
 }

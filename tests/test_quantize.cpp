@@ -249,6 +249,22 @@ TEST(quantize, every_bad_option_is_refused_before_anything_is_made) {
          },
          {"give one"}},
         {"an --out-dir that is a file", [&](auto & q) { q.out_dir = q8_0; }, {"is a file"}},
+        // The eval stage's text and context (session 24: these were found only after the train stage).
+        {"an eval text shorter than two chunks",
+         [&](auto & q) {
+             q.eval_text = dir.file("short.txt");
+             test::write_file(q.eval_text, "Once upon a time there was a cat.\n");
+         },
+         {"short.txt", "tokens; --eval-ctx 64 needs at least 128", "smaller --eval-ctx"}},
+        {"an empty eval text",
+         [&](auto & q) {
+             q.eval_text = dir.file("empty.txt");
+             test::write_file(q.eval_text, "");
+         },
+         {"empty.txt", "is empty"}},
+        {"an eval ctx beyond the training context", [](auto & q) { q.eval_ctx = 1 << 20; },
+         {"--eval-ctx 1048576 is larger than the context", "use --eval-ctx"}},
+        {"an eval ctx below the smallest", [](auto & q) { q.eval_ctx = 8; }, {"--eval-ctx 8", "at least 16"}},
     };
     for (const bad & c : cases) {
         SCOPED_TRACE(c.what);

@@ -180,6 +180,10 @@ Run `voodoo <command> --help` for a command's options.)");
                 return c.run();
             }
         }
+    } catch (const voodoo::stopped & e) {
+        std::fflush(stdout);
+        fmt::print(stderr, "voodoo: stopped: {}\n", e.what());
+        return 130;
     } catch (const voodoo::error & e) {
         std::fflush(stdout);
         fmt::print(stderr, "voodoo: error: {}\n", e.what());

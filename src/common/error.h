@@ -14,6 +14,12 @@ struct error : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
+/// The job was stopped (Ctrl-C): what was finished is kept and the same command resumes. The CLI prints it on one
+/// line and exits 130, the shell's code for SIGINT.
+struct stopped : error {
+    using error::error;
+};
+
 /// Throws voodoo::error with a fmt-formatted message.
 template <typename... Args>
 [[noreturn]] void fail(fmt::format_string<Args...> format, Args &&... args) {

@@ -6,9 +6,12 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
+#include <string_view>
 #include <vector>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <ftw.h>
 #include <sys/file.h>
 #include <sys/mman.h>
@@ -127,6 +130,58 @@ atomic_file::atomic_file(std::string path) : path_(std::move(path)) {
     if (!file_) {
         fail("cannot write '{}': {}", temp_path_, std::strerror(errno));
     }
+}
+
+namespace {
+
+// The process id in an atomic_file temporary's name `.<name>.<pid>.<n>.tmp`, or -1 for any other name.
+pid_t temporary_writer(std::string_view name) {
+    if (name.size() < 8 || name.front() != '.' || !name.ends_with(".tmp")) {
+        return -1;
+    }
+    name.remove_suffix(4);
+    auto last_number = [&name]() -> int64_t {
+        const size_t dot = name.rfind('.');
+        if (dot == std::string_view::npos || dot + 1 == name.size() || dot == 0) {
+            return -1;
+        }
+        int64_t v = 0;
+        for (char c : name.substr(dot + 1)) {
+            if (c < '0' || c > '9' || v > (int64_t{1} << 40)) {
+                return -1;
+            }
+            v = v * 10 + (c - '0');
+        }
+        name = name.substr(0, dot);
+        return v;
+    };
+    if (last_number() < 0) {
+        return -1;
+    }
+    const int64_t pid = last_number();
+    return pid > 0 && pid <= std::numeric_limits<pid_t>::max() && name.size() > 1 ? static_cast<pid_t>(pid) : -1;
+}
+
+}  // namespace
+
+size_t remove_stale_temporaries(const std::string & dir) {
+    static thread_local std::vector<std::string> stale;   // nftw's callback has no user pointer
+    stale.clear();
+    nftw(dir.c_str(), [](const char * path, const struct stat *, int flag, struct FTW * ftw) {
+        if (flag == FTW_F) {
+            const pid_t pid = temporary_writer(path + ftw->base);
+            if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
+                stale.emplace_back(path);
+            }
+        }
+        return 0;
+    }, 16, FTW_PHYS);
+    size_t n = 0;
+    for (const std::string & p : stale) {
+        n += std::remove(p.c_str()) == 0;
+    }
+    stale.clear();
+    return n;
 }
 
 atomic_file::~atomic_file() {

@@ -493,57 +493,105 @@ struct eval_session::impl {
 
 #pragma GCC diagnostic pop
 
-eval_session::eval_session(const eval_options & opt, int64_t keep_reference_max_bytes) : p_(std::make_unique<impl>()) {
-    impl & s = *p_;
-    s.opt = opt;
-    if (opt.n_ctx < k_min_ctx) {
-        fail("--ctx {} is too small: use at least {} (llama-perplexity's default is 512)", opt.n_ctx, k_min_ctx);
-    }
-    if (opt.n_chunks == 0 || opt.n_chunks < -1) {
-        fail("--chunks {}: expected a positive number of chunks, or -1 for every chunk of the text", opt.n_chunks);
-    }
-    s.n_threads = opt.n_threads > 0 ? opt.n_threads : std::max(1, (int) std::thread::hardware_concurrency());
-    s.ref_file = std::make_unique<gguf_file>(opt.reference);
-    s.ref_id = identity_of(*s.ref_file);
-    const std::string ctx_key = s.ref_id.architecture + ".context_length";
-    if (const auto n_ctx_train = s.ref_file->get_int(ctx_key); n_ctx_train && opt.n_ctx > *n_ctx_train) {
-        fail("--ctx {} is larger than the context '{}' was trained on ({} = {}): use --ctx {} or less", opt.n_ctx,
-             opt.reference, ctx_key, *n_ctx_train, *n_ctx_train);
-    }
-    const std::string text = read_text(opt.text);
+namespace {
 
-    llama_runtime_init();
-    s.ref_model = load_model(opt.reference);
-    if (const int32_t n_ctx_train = llama_model_n_ctx_train(s.ref_model.get());
-        !s.ref_file->get_int(ctx_key) && n_ctx_train > 0 && opt.n_ctx > n_ctx_train) {
-        fail("--ctx {} is larger than the context '{}' was trained on ({} in libllama): use --ctx {} or less",
-             opt.n_ctx, opt.reference, n_ctx_train, n_ctx_train);
+model_ptr load_vocab(const std::string & path) {
+    llama_model_params mp = llama_model_default_params();
+    mp.vocab_only = true;
+    ggml_log_capture capture;
+    model_ptr m(llama_model_load_from_file(path.c_str(), mp));
+    if (!m) {
+        const std::string why = capture.text();
+        fail("libllama cannot load the vocabulary of '{}'{}{}", path, why.empty() ? "" : ": ", why);
     }
-    const llama_vocab * vocab = llama_model_get_vocab(s.ref_model.get());
+    return m;
+}
+
+/// opt.n_ctx against `<arch>.context_length` in the reference's header `ref`; false when the header has none.
+bool check_header_ctx(const eval_options & opt, const gguf_file & ref) {
+    const std::string ctx_key = identity_of(ref).architecture + ".context_length";
+    const auto n_ctx_train = ref.get_int(ctx_key);
+    if (n_ctx_train && opt.n_ctx > *n_ctx_train) {
+        fail("{} {} is larger than the context '{}' was trained on ({} = {}): use {} {} or less", opt.ctx_flag,
+             opt.n_ctx, opt.reference, ctx_key, *n_ctx_train, opt.ctx_flag, *n_ctx_train);
+    }
+    return n_ctx_train.has_value();
+}
+
+/// The checks of the flags, the reference's context and the text (check_eval_text's list) with the reference's
+/// header `ref`, a libllama model of it (its weights or its vocabulary alone) and the text as read_text reads it;
+/// returns the text's tokens.
+std::vector<llama_token> checked_tokens(const eval_options & opt, const gguf_file & ref, const llama_model * model,
+                                        const std::string & text) {
+    const std::string & ctx_flag = opt.ctx_flag;
+    const bool n_ctx_gguf = check_header_ctx(opt, ref);
+    if (const int32_t n_ctx_train = llama_model_n_ctx_train(model); !n_ctx_gguf && n_ctx_train > 0 && opt.n_ctx > n_ctx_train) {
+        fail("{} {} is larger than the context '{}' was trained on ({} in libllama): use {} {} or less", ctx_flag,
+             opt.n_ctx, opt.reference, n_ctx_train, ctx_flag, n_ctx_train);
+    }
+    const llama_vocab * vocab = llama_model_get_vocab(model);
     if (llama_vocab_get_add_eos(vocab)) {
         fail("the vocabulary of '{}' appends EOS to every text; llama-perplexity refuses such models and so do we",
              opt.reference);
     }
-    s.tokens = tokenize(vocab, text, opt.text);
-    {
-        int64_t uncovered = 0;
-        for (llama_token t : s.tokens) {
-            const auto attr = llama_vocab_get_attr(vocab, t);
-            uncovered += (attr & (LLAMA_TOKEN_ATTR_UNKNOWN | LLAMA_TOKEN_ATTR_BYTE)) != 0;
-        }
-        const double frac = static_cast<double>(uncovered) / static_cast<double>(s.tokens.size());
-        if (frac > k_max_uncovered) {
-            fail("the text '{}' is not in a script the vocabulary of '{}' covers: {:.0f}% of its {} tokens are <unk> "
-                 "or byte-fallback tokens (at most {:.0f}% allowed); evaluate on text in the model's language",
-                 opt.text, opt.reference, 100.0 * frac, s.tokens.size(), 100.0 * k_max_uncovered);
-        }
+    std::vector<llama_token> tokens = tokenize(vocab, text, opt.text);
+    int64_t uncovered = 0;
+    for (llama_token t : tokens) {
+        const auto attr = llama_vocab_get_attr(vocab, t);
+        uncovered += (attr & (LLAMA_TOKEN_ATTR_UNKNOWN | LLAMA_TOKEN_ATTR_BYTE)) != 0;
     }
+    const double frac = static_cast<double>(uncovered) / static_cast<double>(tokens.size());
+    if (frac > k_max_uncovered) {
+        fail("the text '{}' is not in a script the vocabulary of '{}' covers: {:.0f}% of its {} tokens are <unk> "
+             "or byte-fallback tokens (at most {:.0f}% allowed); evaluate on text in the model's language",
+             opt.text, opt.reference, 100.0 * frac, tokens.size(), 100.0 * k_max_uncovered);
+    }
+    if (static_cast<int64_t>(tokens.size()) < 2 * static_cast<int64_t>(opt.n_ctx)) {
+        fail("the text '{}' is {} tokens; {} {} needs at least {} (as llama-perplexity): give a longer text or a "
+             "smaller {}",
+             opt.text, tokens.size(), ctx_flag, opt.n_ctx, 2 * static_cast<int64_t>(opt.n_ctx), ctx_flag);
+    }
+    return tokens;
+}
+
+void check_flags(const eval_options & opt) {
+    if (opt.n_ctx < k_min_ctx) {
+        fail("{} {} is too small: use at least {} (llama-perplexity's default is 512)", opt.ctx_flag, opt.n_ctx, k_min_ctx);
+    }
+    if (opt.n_chunks == 0 || opt.n_chunks < -1) {
+        fail("{} {}: expected a positive number of chunks, or -1 for every chunk of the text", opt.chunks_flag,
+             opt.n_chunks);
+    }
+}
+
+}  // namespace
+
+void check_eval_text(const eval_options & opt) {
+    eval_options o = opt;
+    o.n_chunks = -1;
+    check_flags(o);
+    const gguf_file ref(opt.reference);
+    const std::string text = read_text(opt.text);
+    llama_runtime_init();
+    checked_tokens(opt, ref, load_vocab(opt.reference).get(), text);
+}
+
+eval_session::eval_session(const eval_options & opt, int64_t keep_reference_max_bytes) : p_(std::make_unique<impl>()) {
+    impl & s = *p_;
+    s.opt = opt;
+    check_flags(opt);
+    s.n_threads = opt.n_threads > 0 ? opt.n_threads : std::max(1, (int) std::thread::hardware_concurrency());
+    s.ref_file = std::make_unique<gguf_file>(opt.reference);
+    s.ref_id = identity_of(*s.ref_file);
+    check_header_ctx(opt, *s.ref_file);    // the header's context and the text before the weights are loaded
+    std::string text = read_text(opt.text);
+
+    llama_runtime_init();
+    s.ref_model = load_model(opt.reference);
+    const llama_vocab * vocab = llama_model_get_vocab(s.ref_model.get());
+    s.tokens = checked_tokens(opt, *s.ref_file, s.ref_model.get(), text);
+    text = std::string();
     s.n_ctx = opt.n_ctx;
-    if (static_cast<int64_t>(s.tokens.size()) < 2 * s.n_ctx) {
-        fail("the text '{}' is {} tokens; --ctx {} needs at least {} (as llama-perplexity): give a longer text or a "
-             "smaller --ctx",
-             opt.text, s.tokens.size(), s.n_ctx, 2 * s.n_ctx);
-    }
     const int64_t n_chunk_max = static_cast<int64_t>(s.tokens.size()) / s.n_ctx;
     s.n_chunks = opt.n_chunks < 0 ? n_chunk_max : std::min<int64_t>(opt.n_chunks, n_chunk_max);
     s.n_vocab = llama_vocab_n_tokens(vocab);

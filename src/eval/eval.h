@@ -20,6 +20,8 @@ struct eval_options {
     int speed_reps = 5;             // repetitions of llama-bench's pp512 and tg128 per file (0 = no speed columns)
     bool reference_speed = true;    // the reference's speed too (its BF16 tg128 on the CPU is the slowest run: ≈ 25 s
                                     // a run at 1.7 G weights on 16 cores)
+    std::string ctx_flag = "--ctx";         // the flags that set n_ctx and n_chunks, as errors name them
+    std::string chunks_flag = "--chunks";   // (quantize: --eval-ctx and --eval-chunks)
 };
 
 /// One file's numbers. PPL and KLD are over the same scored tokens: the second half of every chunk.
@@ -85,6 +87,12 @@ struct eval_result {
 /// shorter than 2 · n_ctx tokens; more than half of the text's tokens are <unk> or byte-fallback tokens
 /// (text the vocabulary does not cover); libllama cannot load a model or decode.
 eval_result run_eval(const eval_options & opt, const std::vector<std::string> & files);
+
+/// run_eval's checks of opt.n_ctx, the reference's context length and the text (readable, not empty, covered by
+/// the reference's vocabulary, at least 2 · n_ctx tokens), made with the reference's header and vocabulary alone
+/// (libllama's vocab_only load: no weights read), so that quantize finds a bad --eval-text or --eval-ctx before it
+/// trains rather than after. opt.n_chunks is not checked. Errors: run_eval's for these, naming opt.ctx_flag.
+void check_eval_text(const eval_options & opt);
 
 /// run_eval in steps, so that some files are scored while other work runs and the rest later (quantize scores the
 /// stock files while its train stage runs: issue #16). The numbers are run_eval's, bit for bit: every file's sums

@@ -618,7 +618,7 @@ std::string dry_run_to_text(const nlohmann::json & p) {
         if (free < 0) {
             verdict = "its free space cannot be read";
         } else if (free <= reserve) {
-            verdict = fmt::format("DOES NOT FIT: less than the {} kept free; a --work folder on a disk with more room would",
+            verdict = fmt::format("DOES NOT FIT: less than the {} kept free; give a --work folder on a disk with more room",
                                   dry_bytes_text(reserve));
         } else if (d["fits_every_candidate"].get<bool>()) {
             verdict = exact ? "fits" : "fits even if every candidate is built";

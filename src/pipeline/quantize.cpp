@@ -36,6 +36,7 @@
 #include <functional>
 #include <mutex>
 #include <atomic>
+#include <stop_token>
 #include <thread>
 #include <optional>
 #include <set>
@@ -82,7 +83,20 @@ std::vector<stage_mark> & stage_marks() {
     return marks;
 }
 
+// The job's stop test (quantize_options::train.should_stop, set by run_quantize): checked at every stage mark.
+std::function<bool(int)> & stage_stop() {
+    static std::function<bool(int)> stop;
+    return stop;
+}
+
+// Marks the start of a stage (its time, peak memory and disk so far) and prints it; throws voodoo::stopped first when
+// the job was asked to stop (Ctrl-C), so that a stage that never polls the stop test (the baselines, the eval) is
+// not begun after one.
 void stage(const char * name, const std::string & what) {
+    if (stage_stop() && stage_stop()(-1)) {
+        throw stopped(fmt::format("stopped before the {} stage; run the same command again: finished stages are kept",
+                                  name));
+    }
     stage_marks().push_back({name, std::chrono::steady_clock::now(), max_rss_so_far(), tree_disk_bytes(stage_work_folder())});
     fmt::print(stderr, "== {}: {}\n", name, what);
 }
@@ -190,7 +204,7 @@ void run_child(std::vector<std::string> args, const std::string & what, const st
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
     if (WIFEXITED(status) && WEXITSTATUS(status) == 130) {
-        fail("{}", stopped);
+        throw voodoo::stopped(stopped);
     }
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
         fail("{} failed{}", what,
@@ -260,7 +274,7 @@ void run_ranks(std::vector<std::string> args, int ranks, const std::string & log
         fail("{}", failed);
     }
     if (interrupted) {
-        fail("{}", stopped);
+        throw voodoo::stopped(stopped);
     }
 }
 
@@ -695,7 +709,7 @@ std::string train_and_export(const quantize_options & o, train_options & t, cons
         } else {
             const train_result tr = train_gates(src, src, data.train(), &importance, t, &data.val());
             if (!tr.finished) {
-                fail("training stopped after step {}; run the same command again to resume", tr.steps_done);
+                throw stopped(fmt::format("training stopped after step {}; run the same command again to resume", tr.steps_done));
             }
             fmt::print(stderr, "{}", tr.summary);
         }
@@ -908,6 +922,20 @@ void check_full_precision_source(const gguf_file & src, bool allow_requantize) {
     }
 }
 
+eval_options eval_options_of(const quantize_options & o) {
+    eval_options ev;
+    ev.reference = o.model;
+    ev.text = o.eval_text.empty() ? o.texts.front() : o.eval_text;
+    ev.n_ctx = o.eval_ctx;
+    ev.n_chunks = o.eval_chunks;
+    ev.n_threads = o.ggml_threads;
+    ev.speed_reps = o.speed_reps;
+    ev.reference_speed = o.reference_speed;
+    ev.ctx_flag = "--eval-ctx";
+    ev.chunks_flag = "--eval-chunks";
+    return ev;
+}
+
 void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     auto at_least = [](const char * flag, int64_t v, int64_t min, const char * what) {
         if (v < min) {
@@ -929,7 +957,7 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     if (o.imatrix_chunks == 0 || o.imatrix_chunks < -1) {
         fail("--imatrix-chunks {}: expected a positive number of chunks, or -1 for all", o.imatrix_chunks);
     }
-    at_least("--eval-ctx", o.eval_ctx, 8, "expected at least 8 tokens per chunk (512 is the usual)");
+    at_least("--eval-ctx", o.eval_ctx, 16, "expected at least 16 tokens per chunk (512 is the usual)");
     at_least("--eval-chunks", o.eval_chunks, -2, "expected a number of chunks, -1 for all, 0 for no eval stage or auto");
     at_least("--speed-reps", o.speed_reps, -1, "expected a number of runs, 0 for no speed columns or auto");
     at_least("--threads", o.threads, 0, "expected a number of threads, or 0 for every core");
@@ -1028,18 +1056,12 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
             make_budget(src, menus, g, eo);
         }
     }
-}
 
-eval_options eval_options_of(const quantize_options & o) {
-    eval_options ev;
-    ev.reference = o.model;
-    ev.text = o.eval_text.empty() ? o.texts.front() : o.eval_text;
-    ev.n_ctx = o.eval_ctx;
-    ev.n_chunks = o.eval_chunks;
-    ev.n_threads = o.ggml_threads;
-    ev.speed_reps = o.speed_reps;
-    ev.reference_speed = o.reference_speed;
-    return ev;
+    // The eval stage's text and context, with the source's vocabulary (no weights read): a bad --eval-text or
+    // --eval-ctx is found now, not after the train stage.
+    if (o.eval_chunks != 0) {
+        check_eval_text(eval_options_of(o));
+    }
 }
 
 // The memory this process may use: the machine's, or less where an address-space limit (ulimit -v) or the cgroup's
@@ -1127,8 +1149,16 @@ quantize_result run_quantize(const quantize_options & opts) {
         return res;
     }
     const folder_lock lock(work);  // one job per work folder (creates it)
+    if (const size_t n = remove_stale_temporaries(work); n > 0) {
+        fmt::print(stderr, "voodoo: removed {} unfinished file{} that a killed run left in '{}'\n", n, n == 1 ? "" : "s",
+                   work);
+    }
     stage_work_folder() = work;
     stage_marks().clear();
+    stage_stop() = o.train.should_stop;
+    struct forget_stop {
+        ~forget_stop() { stage_stop() = nullptr; }   // the test may capture what ends with this job
+    } const forget;
     const std::string data_dir = (fs::path(work) / "data").string();
     const std::string model_id = model_digest(o.model, (fs::path(work) / "model.digest.json").string());
 
@@ -1389,12 +1419,25 @@ quantize_result run_quantize(const quantize_options & opts) {
     files.insert(files.end(), baselines.begin(), baselines.end());
     stage("eval", fmt::format("{} files on {}{}", files.size(), ev.text,
                               o.eval_text.empty() ? " (the calibration text: not held out)" : ""));
-    if (session) {
-        session->score(files);
-        res.eval = session->finish(files);
-    } else {
-        res.eval = run_eval(ev, files);
+    if (!session) {
+        session = std::make_unique<eval_session>(ev, 0);   // run_eval's own steps: the same numbers
     }
+    {
+        // Ctrl-C during the eval (minutes at a few billion weights): the stop test, polled here, stops the scoring
+        // before its next decode.
+        std::atomic<bool> stop_eval{false};
+        const std::jthread watch([&stop_eval, &should_stop = o.train.should_stop](std::stop_token st) {
+            while (should_stop && !st.stop_requested() && !stop_eval) {
+                stop_eval = should_stop(-1);
+                std::this_thread::sleep_for(std::chrono::milliseconds(100));
+            }
+        });
+        if (!session->score(files, &stop_eval)) {
+            throw stopped("stopped in the eval stage; run the same command again: the files are kept and the eval "
+                          "is made again");
+        }
+    }
+    res.eval = session->finish(files);
     res.table = eval_to_markdown(res.eval);
     write_file_atomic((fs::path(work) / "eval.md").string(), res.table);
     write_file_atomic((fs::path(work) / "eval.json").string(), eval_to_json(res.eval).dump(2) + "\n");
