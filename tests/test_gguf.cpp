@@ -324,6 +324,14 @@ TEST(file, the_temporaries_of_a_writer_killed_with_sigkill_are_removed_and_a_liv
     }
     EXPECT_TRUE(std::filesystem::exists(beyond_link)) << "a symbolic link was followed";
     EXPECT_EQ(remove_stale_temporaries(dir.file("missing")), 0u);
+    // The folder itself only: one in a subfolder stays, one in the folder goes.
+    const std::string in_sub = (sub / std::filesystem::path(dead).filename()).string();
+    const std::string in_dir = dir.file(std::filesystem::path(dead).filename().string());
+    test::write_bytes(in_sub, {1});
+    test::write_bytes(in_dir, {1});
+    EXPECT_EQ(remove_stale_temporaries(dir.path.string(), false), 1u);
+    EXPECT_TRUE(std::filesystem::exists(in_sub));
+    EXPECT_FALSE(std::filesystem::exists(in_dir));
     ::close(ready[0]);
     ::close(ready[1]);
 }

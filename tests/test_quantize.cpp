@@ -235,6 +235,7 @@ TEST(quantize, every_bad_option_is_refused_before_anything_is_made) {
         {"a missing eval text", [&](auto & q) { q.eval_text = dir.file("none.txt"); }, {"none.txt"}},
         {"a missing calibration text", [&](auto & q) { q.texts.push_back(dir.file("gone.txt")); }, {"gone.txt"}},
         {"a negative ctx", [](auto & q) { q.ctx = -1; }, {"--ctx -1"}},
+        {"a ctx below the imatrix's 16", [](auto & q) { q.ctx = 8; }, {"--ctx 8", "at least 16"}},
         {"imatrix chunks 0", [](auto & q) { q.imatrix_chunks = 0; }, {"--imatrix-chunks 0", "-1 for all"}},
         {"negative threads", [](auto & q) { q.threads = -3; }, {"--threads -3"}},
         {"a --menu-for that matches nothing",
@@ -255,7 +256,7 @@ TEST(quantize, every_bad_option_is_refused_before_anything_is_made) {
              q.eval_text = dir.file("short.txt");
              test::write_file(q.eval_text, "Once upon a time there was a cat.\n");
          },
-         {"short.txt", "tokens; --eval-ctx 64 needs at least 128", "smaller --eval-ctx"}},
+         {"the eval stage (--eval-text): ", "short.txt", "tokens; --eval-ctx 64 needs at least 128", "smaller --eval-ctx"}},
         {"an empty eval text",
          [&](auto & q) {
              q.eval_text = dir.file("empty.txt");

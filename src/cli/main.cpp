@@ -100,7 +100,10 @@ void write_json_to(const std::string & dest, const nlohmann::json & j) {
 }
 
 std::function<bool(int)> stop_on_sigint() {
-    std::signal(SIGINT, on_sigint);
+    // A job started with SIGINT ignored (a background job of a non-interactive shell, nohup) keeps it ignored.
+    if (std::signal(SIGINT, on_sigint) == SIG_IGN) {
+        std::signal(SIGINT, SIG_IGN);
+    }
     return [](int) { return g_interrupted.load(); };
 }
 
@@ -182,7 +185,7 @@ Run `voodoo <command> --help` for a command's options.)");
         }
     } catch (const voodoo::stopped & e) {
         std::fflush(stdout);
-        fmt::print(stderr, "voodoo: stopped: {}\n", e.what());
+        fmt::print(stderr, "voodoo: {}\n", e.what());   // "… stopped …; run the same command again …"
         return 130;
     } catch (const voodoo::error & e) {
         std::fflush(stdout);

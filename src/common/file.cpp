@@ -164,18 +164,23 @@ pid_t temporary_writer(std::string_view name) {
 
 }  // namespace
 
-size_t remove_stale_temporaries(const std::string & dir) {
+size_t remove_stale_temporaries(const std::string & dir, bool every_depth) {
     static thread_local std::vector<std::string> stale;   // nftw's callback has no user pointer
+    static thread_local bool deep;
     stale.clear();
-    nftw(dir.c_str(), [](const char * path, const struct stat *, int flag, struct FTW * ftw) {
+    deep = every_depth;
+    nftw(dir.c_str(), [](const char * path, const struct stat *, int flag, struct FTW * ftw) -> int {
+        if (!deep && flag == FTW_D && ftw->level > 0) {
+            return FTW_SKIP_SUBTREE;
+        }
         if (flag == FTW_F) {
             const pid_t pid = temporary_writer(path + ftw->base);
             if (pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) {
                 stale.emplace_back(path);
             }
         }
-        return 0;
-    }, 16, FTW_PHYS);
+        return FTW_CONTINUE;
+    }, 16, FTW_PHYS | FTW_ACTIONRETVAL);
     size_t n = 0;
     for (const std::string & p : stale) {
         n += std::remove(p.c_str()) == 0;

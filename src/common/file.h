@@ -104,11 +104,12 @@ private:
     int fd_ = -1;
 };
 
-/// Removes the temporaries that atomic_file left under `dir` (every depth, links not followed) when its process
-/// was killed before commit() (SIGKILL, a power cut): files named `.<name>.<pid>.<n>.tmp` whose process `pid` no
-/// longer runs (kill(pid, 0) says ESRCH). A live writer's temporaries are never touched. Returns how many were
-/// removed; a missing folder removes none. Called by quantize under the work folder's lock.
-size_t remove_stale_temporaries(const std::string & dir);
+/// Removes the temporaries that atomic_file left in `dir` (with `every_depth`, under it at every depth, links not
+/// followed) when its process was killed before commit() (SIGKILL, a power cut): files named `.<name>.<pid>.<n>.tmp`
+/// whose process `pid` no longer runs (kill(pid, 0) says ESRCH). A live writer's temporaries are never touched.
+/// Returns how many were removed; a missing folder removes none. Called by quantize at its start: the work folder
+/// (every depth, under its lock) and the folder of the exported files (itself only).
+size_t remove_stale_temporaries(const std::string & dir, bool every_depth = true);
 
 /// Writes a whole text or binary file atomically (atomic_file + commit).
 void write_file_atomic(const std::string & path, std::span<const uint8_t> bytes);

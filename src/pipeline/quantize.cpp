@@ -953,7 +953,8 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     if (!o.eval_text.empty()) {
         file_size(o.eval_text);
     }
-    at_least("--ctx", o.ctx, 8, "expected at least 8 tokens per chunk (llama-perplexity's 512 is the usual)");
+    at_least("--ctx", o.ctx, 16,
+             "expected at least 16 tokens per chunk, what the imatrix needs (llama-perplexity's 512 is the usual)");
     if (o.imatrix_chunks == 0 || o.imatrix_chunks < -1) {
         fail("--imatrix-chunks {}: expected a positive number of chunks, or -1 for all", o.imatrix_chunks);
     }
@@ -1060,7 +1061,12 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     // The eval stage's text and context, with the source's vocabulary (no weights read): a bad --eval-text or
     // --eval-ctx is found now, not after the train stage.
     if (o.eval_chunks != 0) {
-        check_eval_text(eval_options_of(o));
+        try {
+            check_eval_text(eval_options_of(o));
+        } catch (const error & e) {
+            fail("{}: {}", o.eval_text.empty() ? "the eval stage, on the first --text (no --eval-text given)"
+                                               : "the eval stage (--eval-text)", e.what());
+        }
     }
 }
 
@@ -1149,9 +1155,21 @@ quantize_result run_quantize(const quantize_options & opts) {
         return res;
     }
     const folder_lock lock(work);  // one job per work folder (creates it)
-    if (const size_t n = remove_stale_temporaries(work); n > 0) {
-        fmt::print(stderr, "voodoo: removed {} unfinished file{} that a killed run left in '{}'\n", n, n == 1 ? "" : "s",
-                   work);
+    {
+        // What a killed job left: in the work folder, and beside the exported files when they go elsewhere (a
+        // ladder's --out is a folder, one file's its parent); that folder itself only, as it may be any folder.
+        std::vector<std::pair<std::string, bool>> folders = {{work, true}};
+        if (!o.out_dir.empty() || !o.out.empty()) {
+            const fs::path out = !o.out_dir.empty() ? fs::path(o.out_dir) : fs::path(o.out);
+            const fs::path folder = fs::is_directory(out) ? out : out.parent_path();
+            folders.emplace_back(folder.empty() ? std::string(".") : folder.string(), false);
+        }
+        for (const auto & [folder, every_depth] : folders) {
+            if (const size_t n = remove_stale_temporaries(folder, every_depth); n > 0) {
+                fmt::print(stderr, "voodoo: removed {} unfinished file{} that a killed run left in '{}'\n", n,
+                           n == 1 ? "" : "s", folder);
+            }
+        }
     }
     stage_work_folder() = work;
     stage_marks().clear();

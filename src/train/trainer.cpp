@@ -1449,6 +1449,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     res.finished = !stopped;
     res.steps_done = step;
     res.limit_bytes = b.limit;
+    if (stopped) {
+        return res;   // the journal is saved; the selection would be thrown away (the resumed run makes it)
+    }
     std::vector<std::vector<double>> probs;
     student.set_temperature(temperature(o, o.steps - 1));
     for (size_t i = 0; i < gated.size(); ++i) {

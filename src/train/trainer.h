@@ -98,7 +98,8 @@ struct train_options {
 
 struct train_result {
     recipe final_recipe;
-    bool finished;                      // false when should_stop interrupted the run
+    bool finished;                      // false when should_stop interrupted the run (then only steps_done and
+                                        // limit_bytes are filled: no selection is made, the journal is saved)
     int steps_done;
     double total_bytes;                 // the budgeted quantity of the final recipe (file or tensor bytes)
     double limit_bytes;
