@@ -10,6 +10,8 @@
 
 #include <cstring>
 #include <fstream>
+#include <functional>
+#include <memory>
 
 #include <signal.h>
 #include <sys/resource.h>
@@ -251,23 +253,43 @@ TEST(file, a_second_lock_on_a_work_folder_is_refused_naming_the_holder_and_is_gr
     EXPECT_NO_THROW(folder_lock again(work));
 }
 
-TEST(file, a_lock_whose_job_was_killed_with_sigkill_is_not_stuck) {
-    temp_dir dir;
-    const std::string work = dir.file("work");
+namespace {
+
+// Forks a child that makes what `hold` returns (a lock, a file being written), says so and waits to be killed;
+// returns its process id once it holds it (-1 when no child could be started or it died first).
+pid_t fork_holding(const std::function<std::shared_ptr<void>()> & hold) {
     int ready[2];
-    ASSERT_EQ(::pipe(ready), 0);
+    if (::pipe(ready) != 0) {
+        return -1;
+    }
     const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {  // the first job: takes the lock, says so, and waits to be killed
-        const folder_lock held(work);
+    if (pid == 0) {
+        std::shared_ptr<void> held;
+        try {
+            held = hold();
+        } catch (...) {
+            ::_exit(1);
+        }
         const char c = 'x';
         (void) !::write(ready[1], &c, 1);
         for (;;) {
             ::pause();
         }
     }
+    ::close(ready[1]);   // a child that dies first closes the last writer: the read returns 0
     char c = 0;
-    ASSERT_EQ(::read(ready[0], &c, 1), 1);
+    const bool ok = pid > 0 && ::read(ready[0], &c, 1) == 1;
+    ::close(ready[0]);
+    return ok ? pid : -1;
+}
+
+}  // namespace
+
+TEST(file, a_lock_whose_job_was_killed_with_sigkill_is_not_stuck) {
+    temp_dir dir;
+    const std::string work = dir.file("work");
+    const pid_t pid = fork_holding([&] { return std::make_shared<folder_lock>(work); });   // the first job
+    ASSERT_GT(pid, 0);
     const std::string msg = test::error_of([&] { folder_lock second(work); });
     EXPECT_NE(msg.find("(pid " + std::to_string(pid) + ")"), std::string::npos) << msg;
     ::kill(pid, SIGKILL);
@@ -276,29 +298,18 @@ TEST(file, a_lock_whose_job_was_killed_with_sigkill_is_not_stuck) {
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
     EXPECT_TRUE(std::filesystem::exists(work + "/.lock")) << "the killed job's lock file is still there";
     EXPECT_NO_THROW(folder_lock after(work)) << "a killed job's lock was left stuck";
-    ::close(ready[0]);
-    ::close(ready[1]);
 }
 
 TEST(file, the_temporaries_of_a_writer_killed_with_sigkill_are_removed_and_a_live_writers_kept) {
     temp_dir dir, outside;
     const std::filesystem::path sub = dir.path / "baselines";
     std::filesystem::create_directories(sub);
-    int ready[2];
-    ASSERT_EQ(::pipe(ready), 0);
-    const pid_t pid = ::fork();
-    ASSERT_GE(pid, 0);
-    if (pid == 0) {  // a writer killed before commit(): its temporary stays behind
-        atomic_file f((sub / "m-Q4_0.gguf").string());
-        f.write("GGUF", 4);
-        const char c = 'x';
-        (void) !::write(ready[1], &c, 1);
-        for (;;) {
-            ::pause();
-        }
-    }
-    char c = 0;
-    ASSERT_EQ(::read(ready[0], &c, 1), 1);
+    const pid_t pid = fork_holding([&] {   // a writer killed before commit(): its temporary stays behind
+        auto f = std::make_shared<atomic_file>((sub / "m-Q4_0.gguf").string());
+        f->write("GGUF", 4);
+        return f;
+    });
+    ASSERT_GT(pid, 0);
     ::kill(pid, SIGKILL);
     int status = 0;
     ASSERT_EQ(::waitpid(pid, &status, 0), pid);
@@ -332,8 +343,6 @@ TEST(file, the_temporaries_of_a_writer_killed_with_sigkill_are_removed_and_a_liv
     EXPECT_EQ(remove_stale_temporaries(dir.path.string(), false), 1u);
     EXPECT_TRUE(std::filesystem::exists(in_sub));
     EXPECT_FALSE(std::filesystem::exists(in_dir));
-    ::close(ready[0]);
-    ::close(ready[1]);
 }
 
 TEST(file, remove_tree_removes_a_nested_folder_without_following_links) {

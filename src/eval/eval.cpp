@@ -247,13 +247,15 @@ void finish_file(eval_file_result & r, file_accumulator & a) {
     r.same_top_err = a.count > 1 ? std::sqrt(r.same_top * (1 - r.same_top) / (n - 1)) : 0.0;
 }
 
-model_ptr load_model(const std::string & path) {
+/// The model at `path` in libllama, its weights too or (vocab_only) its header and vocabulary alone.
+model_ptr load_model(const std::string & path, bool vocab_only = false) {
     llama_model_params mp = llama_model_default_params();
+    mp.vocab_only = vocab_only;
     ggml_log_capture capture;
     model_ptr m(llama_model_load_from_file(path.c_str(), mp));
     if (!m) {
         const std::string why = capture.text();
-        fail("libllama cannot load '{}'{}{}", path, why.empty() ? "" : ": ", why);
+        fail("libllama cannot load {}'{}'{}{}", vocab_only ? "the vocabulary of " : "", path, why.empty() ? "" : ": ", why);
     }
     return m;
 }
@@ -495,18 +497,6 @@ struct eval_session::impl {
 
 namespace {
 
-model_ptr load_vocab(const std::string & path) {
-    llama_model_params mp = llama_model_default_params();
-    mp.vocab_only = true;
-    ggml_log_capture capture;
-    model_ptr m(llama_model_load_from_file(path.c_str(), mp));
-    if (!m) {
-        const std::string why = capture.text();
-        fail("libllama cannot load the vocabulary of '{}'{}{}", path, why.empty() ? "" : ": ", why);
-    }
-    return m;
-}
-
 /// opt.n_ctx against `<arch>.context_length` in the reference's header `ref`; false when the header has none.
 bool check_header_ctx(const eval_options & opt, const gguf_file & ref) {
     const std::string ctx_key = identity_of(ref).architecture + ".context_length";
@@ -573,7 +563,7 @@ void check_eval_text(const eval_options & opt) {
     const gguf_file ref(opt.reference);
     const std::string text = read_text(opt.text);
     llama_runtime_init();
-    checked_tokens(opt, ref, load_vocab(opt.reference).get(), text);
+    checked_tokens(opt, ref, load_model(opt.reference, true).get(), text);
 }
 
 eval_session::eval_session(const eval_options & opt, int64_t keep_reference_max_bytes) : p_(std::make_unique<impl>()) {
