@@ -309,9 +309,6 @@ signalled_run signal_voodoo_at(const std::vector<std::string> & args, const std:
         ::dup2(null, STDOUT_FILENO);
         ::close(fds[0]);
         ::setenv("VOODOO_PROGRESS", "0", 1);
-        // As from a terminal: a harness run in the background of a non-interactive shell ignores SIGINT, and a
-        // program started with SIGINT ignored keeps it so.
-        ::signal(SIGINT, SIG_DFL);
         std::vector<char *> argv;
         std::string bin = VOODOO_BIN;
         argv.push_back(bin.data());

@@ -100,10 +100,9 @@ void write_json_to(const std::string & dest, const nlohmann::json & j) {
 }
 
 std::function<bool(int)> stop_on_sigint() {
-    // A job started with SIGINT ignored (a background job of a non-interactive shell, nohup) keeps it ignored.
-    if (std::signal(SIGINT, on_sigint) == SIG_IGN) {
-        std::signal(SIGINT, SIG_IGN);
-    }
+    // Also when started with SIGINT ignored, as a non-interactive shell starts a background job (`voodoo … & kill
+    // -INT $!` in a script stops the job): Ctrl-C here only ever asks for a clean stop.
+    std::signal(SIGINT, on_sigint);
     return [](int) { return g_interrupted.load(); };
 }
 
