@@ -165,8 +165,7 @@ TEST_F(eval_test, a_session_scored_in_steps_gives_run_evals_numbers_bit_for_bit)
         // 3 chunks × (128 − 1 − 64) scored rows × a 512-token vocabulary × 4 bytes
         EXPECT_EQ(s.reference_bytes(), int64_t{3} * 63 * 512 * 4);
         EXPECT_TRUE(s.score({}));  // the reference alone
-        const std::atomic<bool> stopped{true};
-        EXPECT_FALSE(s.score({q8_0_}, &stopped));  // stopped before its first decode
+        EXPECT_FALSE(s.score({q8_0_}, [] { return true; }));  // stopped before its first decode
         EXPECT_TRUE(s.score({q8_0_}));
         EXPECT_THROW(s.finish(files), voodoo::error);  // stories260k() is not scored yet
     }
@@ -200,7 +199,7 @@ TEST_F(eval_test, a_session_scored_in_steps_gives_run_evals_numbers_bit_for_bit)
             std::this_thread::sleep_for(std::chrono::milliseconds(20));
             stop = true;
         });
-        s.score({q8_0_}, &stop);
+        s.score({q8_0_}, [&stop] { return stop.load(); });
         stopper.join();
         EXPECT_TRUE(s.score(files));
         expect_same_numbers(plain, s.finish(files));

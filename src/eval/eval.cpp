@@ -617,7 +617,7 @@ bool eval_session::keeps_reference() const { return p_->keep; }
 
 void eval_session::stop_keeping() { p_->storing = false; }
 
-bool eval_session::score(const std::vector<std::string> & files, const std::atomic<bool> * stop, bool show_progress) {
+bool eval_session::score(const std::vector<std::string> & files, const std::function<bool()> & stop, bool show_progress) {
     impl & s = *p_;
     if (s.finished) {
         fail("eval_session::score after finish: a session's numbers are final once read");
@@ -664,7 +664,7 @@ bool eval_session::score(const std::vector<std::string> & files, const std::atom
     }
     for (int64_t c = from; c < s.n_chunks; ++c) {
         s.fill_batch(c);
-        if (stop && stop->load() && !(s.keep && !s.kept[c].empty())) {
+        if (stop && !(s.keep && !s.kept[c].empty()) && stop()) {
             return false;
         }
         const bool decoding = !(s.keep && !s.kept[c].empty()) && s.ref_chunk != c;
@@ -677,7 +677,7 @@ bool eval_session::score(const std::vector<std::string> & files, const std::atom
             if (sf.done != c) {
                 continue;
             }
-            if (stop && stop->load()) {
+            if (stop && stop()) {
                 return false;
             }
             s.score_chunk(path, sf, c, p, ps);

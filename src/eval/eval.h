@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <functional>
 #include <vector>
 
 namespace voodoo {
@@ -111,9 +112,9 @@ public:
 
     /// Scores `files` (each checked against the reference and loaded on first sight: run_eval's errors) on every
     /// chunk not yet scored for it, chunk by chunk. Returns true when all of them are scored on every chunk; false,
-    /// keeping everything done so far, when `stop` was seen set before a decode (checked before each one). With
-    /// `show_progress`, a progress bar of the decodes still to do.
-    bool score(const std::vector<std::string> & files, const std::atomic<bool> * stop = nullptr, bool show_progress = true);
+    /// keeping everything done so far, when `stop` (called from this thread) returned true before a decode (asked before
+    /// each one). With `show_progress`, a progress bar of the decodes still to do.
+    bool score(const std::vector<std::string> & files, const std::function<bool()> & stop = {}, bool show_progress = true);
 
     /// The result for `files` in that order (each scored on every chunk, else an error), then, with opt.speed_reps > 0,
     /// the speed of the reference (opt.reference_speed) and of each file as run_eval measures it. Once per session.

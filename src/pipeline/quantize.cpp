@@ -36,7 +36,6 @@
 #include <functional>
 #include <mutex>
 #include <atomic>
-#include <stop_token>
 #include <thread>
 #include <optional>
 #include <set>
@@ -497,7 +496,7 @@ public:
                     files_ = files;
                 }
                 session_ = std::move(session);
-                done_ = session_->score(files, &stop_, false);
+                done_ = session_->score(files, [this] { return stop_.load(); }, false);
             } catch (const std::exception & e) {
                 const std::lock_guard lock(mutex_);
                 error_ = e.what();
@@ -1440,20 +1439,10 @@ quantize_result run_quantize(const quantize_options & opts) {
     if (!session) {
         session = std::make_unique<eval_session>(ev, 0);   // run_eval's own steps: the same numbers
     }
-    {
-        // Ctrl-C during the eval (minutes at a few billion weights): the stop test, polled here, stops the scoring
-        // before its next decode.
-        std::atomic<bool> stop_eval{false};
-        const std::jthread watch([&stop_eval, &should_stop = o.train.should_stop](std::stop_token st) {
-            while (should_stop && !st.stop_requested() && !stop_eval) {
-                stop_eval = should_stop(-1);
-                std::this_thread::sleep_for(std::chrono::milliseconds(100));
-            }
-        });
-        if (!session->score(files, &stop_eval)) {
-            throw stopped("stopped in the eval stage; run the same command again: the files are kept and the eval "
-                          "is made again");
-        }
+    // Ctrl-C during the eval (minutes at a few billion weights) stops the scoring before its next decode.
+    if (!session->score(files, [&should_stop = o.train.should_stop] { return should_stop && should_stop(-1); })) {
+        throw stopped("stopped in the eval stage; run the same command again: the files are kept and the eval is "
+                      "made again");
     }
     res.eval = session->finish(files);
     res.table = eval_to_markdown(res.eval);
