@@ -492,3 +492,45 @@ TEST(prune, a_cache_without_disk_room_for_its_candidates_stops_before_building_t
     ASSERT_EQ(again.exit_code, 0) << again.output;
     EXPECT_EQ(tree_disk_bytes(roomy.dir + "/candidates"), written);
 }
+
+TEST(prune, errors_measured_in_two_parts_around_the_lattice_grids_are_the_whole_and_choose_the_same_eager_types) {
+    // The trainer measures Ê of the types without a lattice grid first, chooses and builds the eager types, and
+    // measures the lattice types beside them (while their grids build): the same numbers, the same eager types.
+    const gguf_file f(mix30m());
+    const importance_map imp = uneven_importance(f, {"blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.1.attn_v.weight"}, 5);
+    std::vector<tensor_menu> menus = imatrix_menus(f, imp);
+    ASSERT_EQ(menus.size(), 3u);
+    menus[2].types = {GGML_TYPE_IQ2_XXS, GGML_TYPE_IQ3_S, GGML_TYPE_BF16};  // no non-lattice block type: all at first
+    const auto whole = sampled_weighted_errors(f, menus, &imp, prune_options{}, 2);
+    error_split split = split_for_lattice_grids(menus);
+    auto parts = sampled_weighted_errors(f, menus, &imp, prune_options{}, 2, &split.first);
+    const auto now = split.needed_now(menus, parts);
+    for (size_t i = 0; i < menus.size(); ++i) {
+        EXPECT_EQ(std::count(now[i].begin(), now[i].end(), true), 0) << "every tensor here has a fast type of error > 0";
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            const ggml_type t = menus[i].types[k];
+            EXPECT_EQ(split.later[i][k], i < 2 && lattice_quantizer(t)) << menus[i].tensor->name << " " << type_name(t);
+            EXPECT_NE(split.first[i][k], split.later[i][k]);
+        }
+    }
+    EXPECT_EQ(eager_types(menus, parts, prune_options{}), eager_types(menus, whole, prune_options{}))
+        << "the eager types, chosen before the lattice types' Ê is known";
+    const auto later = sampled_weighted_errors(f, menus, &imp, prune_options{}, 2, &split.later);
+    for (size_t i = 0; i < menus.size(); ++i) {
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            parts[i][k] = split.later[i][k] ? later[i][k] : parts[i][k];
+        }
+    }
+    EXPECT_EQ(parts, whole) << "each type's rows are quantized and summed alike in either part";
+    // A tensor whose non-lattice block types all measured no error: eager_types chooses among its lattice types too,
+    // so they move to what is needed now.
+    std::vector<std::vector<double>> zero_fast = whole;
+    for (size_t k = 0; k < menus[0].types.size(); ++k) {
+        zero_fast[0][k] = lattice_quantizer(menus[0].types[k]) ? zero_fast[0][k] : 0.0;
+    }
+    error_split again = split_for_lattice_grids(menus);
+    const auto now0 = again.needed_now(menus, zero_fast);
+    EXPECT_EQ(now0[0], split.later[0]);
+    EXPECT_EQ(std::count(again.later[0].begin(), again.later[0].end(), true), 0);
+    EXPECT_EQ(again.later[1], split.later[1]);
+}

@@ -5,9 +5,14 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <thread>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 using namespace voodoo;
 
@@ -127,4 +132,67 @@ TEST(quant, validation_finds_a_nan_scale) {
         EXPECT_NE(msg.find("row 1"), std::string::npos) << msg;
     }
     EXPECT_THROW(validate_rows(GGML_TYPE_Q8_0, std::span<const uint8_t>(q).first(50), 64), error);
+}
+
+TEST(quant, lattice_tables_built_ahead_in_parallel_give_the_bytes_of_ggml_quantize_init_to_threads_that_start_at_once) {
+    // Every lattice type's bytes from a process that builds its grids the usual way (ggml_quantize_init, one after
+    // the other), against this process, whose grids a lattice_warmup builds in parallel while four threads already
+    // quantize every type: each waits for its own grid, none reads one half built.
+    const std::vector<ggml_type> lattice = {GGML_TYPE_IQ1_S,  GGML_TYPE_IQ1_M,  GGML_TYPE_IQ2_XXS, GGML_TYPE_IQ2_XS,
+                                            GGML_TYPE_IQ2_S,  GGML_TYPE_IQ3_XXS, GGML_TYPE_IQ3_S};
+    std::vector<ggml_type> types = lattice;
+    types.push_back(GGML_TYPE_Q4_K);
+    const auto x = test::gaussian(4 * k_ne0, 9);
+    const auto imat = test_imatrix();
+    auto bytes_of = [&](ggml_type t) {
+        const int64_t ne[2] = {k_ne0, 4};
+        std::vector<uint8_t> q(tensor_bytes(t, ne));
+        ggml_quantize_chunk(t, x.data(), q.data(), 0, 4, k_ne0, imat.data());  // ggml_quantize_init inside
+        return q;
+    };
+    int out[2];
+    ASSERT_EQ(::pipe(out), 0);
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        ::close(out[0]);
+        for (ggml_type t : types) {
+            const auto q = bytes_of(t);
+            if (::write(out[1], q.data(), q.size()) != static_cast<ssize_t>(q.size())) {
+                ::_exit(1);
+            }
+        }
+        ::_exit(0);
+    }
+    ::close(out[1]);
+    std::vector<std::vector<uint8_t>> got(types.size());
+    {
+        lattice_warmup warmup(lattice, 4);
+        // Into the window where llama.cpp's test for a built grid (its table's pointer, set first) already passes
+        // but its neighbour lists are not yet made (IQ1's take seconds): a thread that did not wait would read them.
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        std::vector<std::thread> pool;
+        for (size_t j = 0; j < types.size(); ++j) {
+            pool.emplace_back([&, j] { got[j] = quantize(types[j], x, k_ne0, imat, 1); });
+        }
+        for (std::thread & t : pool) {
+            t.join();
+        }
+    }
+    for (size_t j = 0; j < types.size(); ++j) {
+        SCOPED_TRACE(type_name(types[j]));
+        std::vector<uint8_t> want(got[j].size());
+        size_t have = 0;
+        while (have < want.size()) {
+            const ssize_t n = ::read(out[0], want.data() + have, want.size() - have);
+            ASSERT_GT(n, 0) << "the child's bytes";
+            have += static_cast<size_t>(n);
+        }
+        EXPECT_EQ(got[j], want);
+    }
+    ::close(out[0]);
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    EXPECT_EQ(bytes_of(GGML_TYPE_IQ1_S), got[0]) << "llama.cpp's own path after the warmup: the grid is not built again";
 }

@@ -6,6 +6,7 @@
 #include "common/units.h"
 #include "ggml/gguf.h"
 #include "ggml/log.h"
+#include "ggml/quant.h"
 #include "ggml/runtime.h"
 #include "ggml/types.h"
 #include "imatrix/imatrix.h"
@@ -156,6 +157,7 @@ baseline_result quantize_one(const baseline_options & opt, const stock_recipe & 
     atomic_file file(out);
     {
         ggml_log_capture capture;
+        const auto tables = hold_lattice_tables();  // it may build a lattice grid itself (ggml_quantize_init)
         if (llama_model_quantize(opt.source.c_str(), file.temp_path().c_str(), &qp) != 0) {
             std::string why = capture.text();
             // llama.cpp reports a full disk as an iostream error: say what the folder has left.
@@ -261,6 +263,7 @@ double stock_tensor_bytes(const baseline_options & opt, const stock_recipe & r) 
     ggml_log_capture capture;
     // The dry run opens no output file; the path is never made.
     const std::string never = opt.source + ".voodoo-dry-run-never-written.gguf";
+    const auto tables = hold_lattice_tables();
     if (llama_model_quantize(opt.source.c_str(), never.c_str(), &qp) != 0) {
         fail("llama_model_quantize's dry run of {} on '{}' failed: {}", r.name, opt.source, capture.text());
     }

@@ -3,8 +3,14 @@
 #include "common/error.h"
 #include "ggml/types.h"
 
+#include <ggml-quants.h>  // iq2xs_init_impl, iq3xs_init_impl: the grids ggml_quantize_init builds
+
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 namespace voodoo {
@@ -48,7 +54,115 @@ int64_t whole_rows(ggml_type type, size_t n_bytes, int64_t ne0, std::string_view
     return static_cast<int64_t>(n_bytes / row);
 }
 
+// The lattice grids of ggml-quants.c (iq2_data[4], iq3_data[2]) and the types that use them: IQ1_S and IQ1_M share
+// one. Longest to build first (one core of the development machine: IQ1 ≈ 19.5 s, IQ2_S 7.2, IQ2_XS 3.6, IQ2_XXS
+// 1.7, IQ3_S 0.3, IQ3_XXS 0.2).
+constexpr std::array<ggml_type, 6> k_grid_types = {GGML_TYPE_IQ1_S,  GGML_TYPE_IQ2_S,  GGML_TYPE_IQ2_XS,
+                                                   GGML_TYPE_IQ2_XXS, GGML_TYPE_IQ3_S, GGML_TYPE_IQ3_XXS};
+
+int grid_of(ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_IQ1_S:
+        case GGML_TYPE_IQ1_M: return 0;
+        case GGML_TYPE_IQ2_S: return 1;
+        case GGML_TYPE_IQ2_XS: return 2;
+        case GGML_TYPE_IQ2_XXS: return 3;
+        case GGML_TYPE_IQ3_S: return 4;
+        case GGML_TYPE_IQ3_XXS: return 5;
+        default: return -1;
+    }
+}
+
+// Each grid's state: 0 not built, 1 being built (by one thread; the others wait), 2 built.
+std::mutex g_grid_mutex;
+std::condition_variable g_grid_cv;
+std::array<int, k_grid_types.size()> g_grid_state{};
+std::shared_mutex g_llama_may_build;  // shared: llama.cpp code that may build a grid; unique: a lattice_warmup
+
+// Claims grid g for the caller to build: true when it was not built nor claimed; else waits while another thread
+// builds it and returns false.
+bool claim_grid(int g) {
+    std::unique_lock<std::mutex> lock(g_grid_mutex);
+    int & state = g_grid_state[static_cast<size_t>(g)];
+    if (state == 0) {
+        state = 1;
+        return true;
+    }
+    g_grid_cv.wait(lock, [&] { return state == 2; });
+    return false;
+}
+
+// Builds claimed grid g. With `direct`, by ggml-quants.c's own init function outside ggml's critical section (a
+// lattice_warmup, which holds g_llama_may_build); else by ggml_quantize_init, inside it.
+void build_grid(int g, bool direct) {
+    const ggml_type type = k_grid_types[static_cast<size_t>(g)];
+    if (!direct) {
+        ggml_quantize_init(type);
+    } else if (type == GGML_TYPE_IQ3_XXS) {
+        iq3xs_init_impl(256);  // ggml_quantize_init's arguments for the two IQ3 grids (ggml.c)
+    } else if (type == GGML_TYPE_IQ3_S) {
+        iq3xs_init_impl(512);
+    } else {
+        iq2xs_init_impl(type);
+    }
+    {
+        std::lock_guard<std::mutex> lock(g_grid_mutex);
+        g_grid_state[static_cast<size_t>(g)] = 2;
+    }
+    g_grid_cv.notify_all();
+}
+
 }  // namespace
+
+lattice_warmup::lattice_warmup(std::span<const ggml_type> types, int n_threads) {
+    std::vector<int> grids;
+    for (int g = 0; g < static_cast<int>(k_grid_types.size()); ++g) {
+        if (std::any_of(types.begin(), types.end(), [g](ggml_type t) { return grid_of(t) == g; })) {
+            grids.push_back(g);  // in k_grid_types' order: the longest first
+        }
+    }
+    if (grids.empty()) {
+        return;
+    }
+    // Claimed here, before the constructor returns, so that a quantize_into after it waits for these grids instead
+    // of building one under ggml's critical section (where the other types' quantization would wait too).
+    hold_ = std::unique_lock<std::shared_mutex>(g_llama_may_build);
+    std::erase_if(grids, [](int g) { return !claim_grid(g); });
+    if (grids.empty()) {
+        hold_.unlock();
+        return;
+    }
+    const int threads = std::min<int>(resolve_threads(n_threads), static_cast<int>(grids.size()));
+    coordinator_ = std::thread([grids = std::move(grids), threads] {
+        std::atomic<size_t> next{0};
+        std::vector<std::thread> pool;
+        for (int t = 0; t < threads; ++t) {
+            pool.emplace_back([&] {
+                for (size_t j; (j = next++) < grids.size();) {
+                    build_grid(grids[j], true);
+                }
+            });
+        }
+        for (std::thread & t : pool) {
+            t.join();
+        }
+    });
+}
+
+void lattice_warmup::wait() {
+    if (coordinator_.joinable()) {
+        coordinator_.join();
+    }
+    if (hold_.owns_lock()) {
+        hold_.unlock();  // on the thread that locked it (std::shared_mutex's rule)
+    }
+}
+
+lattice_warmup::~lattice_warmup() { wait(); }
+
+int lattice_grid_order(ggml_type type) { return grid_of(type); }
+
+std::shared_lock<std::shared_mutex> hold_lattice_tables() { return std::shared_lock<std::shared_mutex>(g_llama_may_build); }
 
 void quantize_into(ggml_type type, std::span<const float> src, int64_t ne0, std::span<uint8_t> dst,
                    std::span<const float> imatrix, int n_threads, std::string_view tensor_name) {
@@ -71,7 +185,11 @@ void quantize_into(ggml_type type, std::span<const float> src, int64_t ne0, std:
         fail("tensor '{}': {} needs an importance matrix; pass --imatrix or choose another type", tensor_name,
              info.name);
     }
-    ggml_quantize_init(type);  // builds the IQ grids once, before the threads share them
+    // A lattice type's grid, built once before the threads share it (or waited for, when a lattice_warmup builds
+    // it); the other types need none (ggml_quantize_init does nothing for them).
+    if (const int g = grid_of(type); g >= 0 && claim_grid(g)) {
+        build_grid(g, false);
+    }
     const float * imat = imatrix.empty() ? nullptr : imatrix.data();
     parallel_rows(rows, ne0, n_threads, [&](int64_t r0, int64_t r1) {
         // ggml_quantize_chunk places row r at dst + r · row_size itself, so every slice gets the same base.

@@ -5,8 +5,11 @@
 #include <ggml.h>
 
 #include <cstdint>
+#include <mutex>
+#include <shared_mutex>
 #include <span>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 namespace voodoo {
@@ -41,5 +44,40 @@ void validate_rows(ggml_type type, std::span<const uint8_t> src, int64_t ne0, st
 
 /// Threads to use: n when positive, otherwise the number of cores.
 int resolve_threads(int n);
+
+/// The lattice types' tables built ahead, in parallel (issue #16). llama.cpp's lattice quantizers (IQ1_S and IQ1_M,
+/// IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) search grids whose tables ggml_quantize_init builds once per process
+/// (ggml.c; iq2xs_init_impl and iq3xs_init_impl of ggml-quants.c), one at a time under ggml's global critical
+/// section, which every ggml_quantize_chunk of every type also takes: ≈ 32 s on one core of the development machine
+/// (IQ1's grid alone ≈ 19 s), during which no other quantization ran. This builds each grid the lattice types of
+/// `types` need on its own thread (at most `n_threads` at once, 0 = every core; the longest first), outside that
+/// section, in the background from construction: quantize_into of a lattice type waits only for its own grid, and
+/// quantization of the other types goes on meanwhile. The tables are llama.cpp's own (built by its functions), so
+/// the bytes are those of ggml_quantize_init's. A grid that is half built must be seen by no llama.cpp code: while
+/// one is built here, llama_model_quantize (hold_lattice_tables) waits, from the constructor to wait() (or the
+/// destructor), which return when every grid is built and must run on the constructor's thread. Grids built or
+/// claimed already (another warmup, a quantize_into) are not built again.
+class lattice_warmup {
+public:
+    explicit lattice_warmup(std::span<const ggml_type> types, int n_threads = 0);
+    lattice_warmup(const lattice_warmup &) = delete;
+    lattice_warmup & operator=(const lattice_warmup &) = delete;
+    ~lattice_warmup();
+    /// Returns when every grid of the constructor's types is built.
+    void wait();
+
+private:
+    std::unique_lock<std::shared_mutex> hold_;
+    std::thread coordinator_;
+};
+
+/// The order in which a lattice_warmup starts building the grid of `type` (0: the first, the longest to build: IQ1's),
+/// or -1 for a type with no grid. Work that needs several lattice types, started with a warmup, is best ordered from
+/// the highest (ready first) down.
+int lattice_grid_order(ggml_type type);
+
+/// Held (shared) around any llama.cpp call that may build a lattice grid itself (llama_model_quantize): it waits
+/// while a lattice_warmup builds grids outside ggml's critical section, and a lattice_warmup waits for it.
+std::shared_lock<std::shared_mutex> hold_lattice_tables();
 
 }  // namespace voodoo

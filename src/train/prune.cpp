@@ -69,8 +69,20 @@ double quantize_cost_per_weight(ggml_type type) {
 
 std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, const std::vector<tensor_menu> & menus,
                                                          const importance_map * importance, const prune_options & o,
-                                                         int n_threads) {
-    // The sampled rows of every tensor in f32, with their expert's importance: one pass over the source.
+                                                         int n_threads, const std::vector<std::vector<bool>> * only) {
+    std::vector<std::vector<double>> out(menus.size());
+    std::vector<std::pair<size_t, size_t>> jobs;
+    std::vector<bool> sampled(menus.size(), false);
+    for (size_t i = 0; i < menus.size(); ++i) {
+        out[i].assign(menus[i].types.size(), 0.0);
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            if (menus[i].types[k] != menus[i].tensor->type && (!only || (*only)[i][k])) {
+                jobs.emplace_back(i, k);
+                sampled[i] = true;
+            }
+        }
+    }
+    // The sampled rows of every tensor with work in f32, with their expert's importance: one pass over the source.
     struct sample {
         std::vector<int64_t> rows;      // row indices (over experts × rows per expert)
         std::vector<float> f32;         // [rows.size(), ne0]
@@ -79,6 +91,9 @@ std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, 
     };
     std::vector<sample> samples(menus.size());
     for (size_t i = 0; i < menus.size(); ++i) {
+        if (!sampled[i]) {
+            continue;
+        }
         const gguf_tensor & t = *menus[i].tensor;
         const int64_t R = t.n_rows(), ne0 = t.ne[0];
         const int64_t n = std::min(R, std::max(o.min_sample_rows, R / std::max<int64_t>(1, o.sample_divisor)));
@@ -95,16 +110,13 @@ std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, 
                             std::span<float>(s.f32).subspan(static_cast<size_t>(j * ne0), static_cast<size_t>(ne0)), 1, t.name);
         }
     }
-    std::vector<std::vector<double>> out(menus.size());
-    std::vector<std::pair<size_t, size_t>> jobs;
-    for (size_t i = 0; i < menus.size(); ++i) {
-        out[i].assign(menus[i].types.size(), 0.0);
-        for (size_t k = 0; k < menus[i].types.size(); ++k) {
-            if (menus[i].types[k] != menus[i].tensor->type) {
-                jobs.emplace_back(i, k);
-            }
-        }
-    }
+    // The types with no lattice grid first, then the lattice types whose grids a lattice_warmup has ready first: a
+    // job of a lattice type waits for its grid (ggml's IQ1 grid takes ≈ 19 s), and the others need not wait with it.
+    constexpr int k_no_grid = 1 << 20;
+    std::stable_sort(jobs.begin(), jobs.end(), [&](const auto & a, const auto & b) {
+        const int ga = lattice_grid_order(menus[a.first].types[a.second]), gb = lattice_grid_order(menus[b.first].types[b.second]);
+        return (ga < 0 ? k_no_grid : ga) > (gb < 0 ? k_no_grid : gb);
+    });
     progress bar("sampled errors", static_cast<int64_t>(jobs.size()), "cand");
     std::atomic<size_t> next{0};
     std::exception_ptr failure;
@@ -152,6 +164,42 @@ std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, 
         std::rethrow_exception(failure);
     }
     return out;
+}
+
+error_split split_for_lattice_grids(const std::vector<tensor_menu> & menus) {
+    error_split s;
+    for (const tensor_menu & m : menus) {
+        // As eager_types chooses: among the non-lattice block types (other than the source's own), when there are any.
+        const bool fast = std::any_of(m.types.begin(), m.types.end(), [&](ggml_type t) {
+            return !is_float(t) && !lattice_quantizer(t) && t != m.tensor->type;
+        });
+        std::vector<bool> first, later;
+        for (ggml_type t : m.types) {
+            first.push_back(!fast || !lattice_quantizer(t));
+            later.push_back(!first.back());
+        }
+        s.first.push_back(std::move(first));
+        s.later.push_back(std::move(later));
+    }
+    return s;
+}
+
+std::vector<std::vector<bool>> error_split::needed_now(const std::vector<tensor_menu> & menus,
+                                                       const std::vector<std::vector<double>> & err_hat) {
+    std::vector<std::vector<bool>> now(menus.size());
+    for (size_t i = 0; i < menus.size(); ++i) {
+        now[i].assign(menus[i].types.size(), false);
+        bool fast = false;  // eager_types' test: a non-lattice block type with Ê > 0
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            const ggml_type t = menus[i].types[k];
+            fast = fast || (err_hat[i][k] > 0 && !is_float(t) && !lattice_quantizer(t));
+        }
+        for (size_t k = 0; !fast && k < menus[i].types.size(); ++k) {
+            now[i][k] = later[i][k];
+            later[i][k] = false;
+        }
+    }
+    return now;
 }
 
 std::vector<std::vector<bool>> eager_types(const std::vector<tensor_menu> & menus,

@@ -4,7 +4,9 @@
 // IQ3_S: 1.5–7 M weights/s per core, against 8–45 M for the K-quants and legacy types and 290 M for Q8_0;
 // bench_quant's quantize_1core, docs/BENCHMARKS.md), and an 8B model's whole menu is ≈ 90 GB of candidates. The steps:
 //   1. Ê: every menu type's importance-weighted error, measured on a sample of each tensor's rows
-//      (sampled_weighted_errors: ggml_quantize_chunk of those rows, so the same quantizer as the candidate's).
+//      (sampled_weighted_errors: ggml_quantize_chunk of those rows, so the same quantizer as the candidate's). The
+//      lattice types' part is measured beside step 2's build (error_split), while their grids build on their own
+//      threads (ggml/quant.h lattice_warmup): those take ≈ 32 core-s, 19 s of it IQ1's, one after the other.
 //   2. The eager types: per tensor, a few fast (non-lattice) types spread in log Ê, built in full and measured by
 //      the probe (eager_types).
 //   3. Every other type's ΔKL predicted from Ê and the measured ratios ΔKL/Ê of its tensor (the anchored probe's
@@ -62,11 +64,27 @@ double quantize_cost_per_weight(ggml_type type);
 /// row quantized alone by ggml_quantize_chunk with its expert's importance (a_j = 1 without an imatrix entry), as
 /// quantize_tensor quantizes it. 0 for the source's own type (its bytes are copied). Rows quantize independently in
 /// every llama.cpp type, so a sampled row's bytes are those of the full candidate's row: Ê is exact when every row
-/// is sampled. Runs on `n_threads` (0 = every core) with a progress bar. Throws voodoo::error naming the tensor
-/// when its imatrix entry has the wrong length (importance_for).
+/// is sampled. `only` ([tensor][menu type], may be null) limits the work to its true entries (the others stay 0).
+/// Runs on `n_threads` (0 = every core) with a progress bar. Throws voodoo::error naming the tensor when its imatrix
+/// entry has the wrong length (importance_for).
 std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, const std::vector<tensor_menu> & menus,
                                                          const importance_map * importance, const prune_options & o,
-                                                         int n_threads = 0);
+                                                         int n_threads = 0,
+                                                         const std::vector<std::vector<bool>> * only = nullptr);
+
+/// The split of sampled_weighted_errors' work that lets the lattice types' grids build meanwhile (issue #16), so
+/// that the eager types are chosen and built before the lattice types' Ê is known: `first` every type without a
+/// lattice grid, and every type of a tensor whose menu has no non-lattice block type; `later` the rest (lattice types
+/// only). [tensor][menu type].
+struct error_split {
+    std::vector<std::vector<bool>> first, later;
+    /// After `first` is measured (err_hat): the entries of `later` that eager_types needs too, moved out of it. They
+    /// are a tensor's lattice types when none of its non-lattice block types has Ê > 0 (eager_types then chooses
+    /// among every block type). With them measured, eager_types chooses what it would choose on the whole Ê.
+    std::vector<std::vector<bool>> needed_now(const std::vector<tensor_menu> & menus,
+                                              const std::vector<std::vector<double>> & err_hat);
+};
+error_split split_for_lattice_grids(const std::vector<tensor_menu> & menus);
 
 /// The eager types, [tensor][menu type]: o.eager types among the non-lattice block types with Ê > 0 (the lattice and
 /// float types when there are none), spread evenly in log Ê from the largest, as anchor_plan spreads the probe's
