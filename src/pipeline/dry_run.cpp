@@ -51,7 +51,8 @@ double dry_quantize_rate(const gguf_file & src, const gguf_tensor & t, ggml_type
     const std::span<const uint8_t> bytes = src.data(t).subspan(0, row_bytes * static_cast<size_t>(rows));
     const std::vector<float> x = dequantize(t.type, bytes, ne0, 1, t.name);
     const std::vector<float> ones(static_cast<size_t>(ne0), 1.0f);
-    // One row first: the IQ1/IQ2/IQ3 types build their grids on first use (ggml_quantize_init), once per process.
+    // One row first: the IQ1/IQ2/IQ3 types build their grids on first use (ggml_quantize_init; dry_run builds them
+    // ahead, lattice_warmup), once per process.
     quantize(type, std::span<const float>(x).subspan(0, static_cast<size_t>(ne0)), ne0, ones, 1, t.name);
     const auto t0 = dry_clock::now();
     const std::vector<uint8_t> q = quantize(type, x, ne0, ones, 1, t.name);
@@ -302,6 +303,14 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
     const int threads = resolve_threads(in.train.threads);
     const int ggml_threads = resolve_threads(in.ggml_threads);
     std::map<ggml_type, double> qrate;
+    {
+        // The lattice types' grids, built at once on their own threads (one after the other, ≈ 29 s of one core).
+        std::vector<ggml_type> types;
+        for (const auto & entry : sample_of) {
+            types.push_back(entry.first);
+        }
+        lattice_warmup grids(types, threads);
+    }
     for (const auto & [type, t] : sample_of) {
         qrate[type] = dry_quantize_rate(src, *t, type);
     }
