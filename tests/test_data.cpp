@@ -220,9 +220,30 @@ TEST(data, empty_text_is_refused_and_nothing_is_written) {
     expect_refused_by_library("\n\n   \n", "holds no text", 512, 0.05);
 }
 
-TEST(data, text_shorter_than_one_chunk_is_refused_and_nothing_is_written) {
-    expect_refused("Once upon a time there was a cat.\n", "shorter than one chunk");
-    expect_refused_by_library(tinystories_head(20000), "fewer than one chunk", 512, 0.001);
+TEST(data, text_shorter_than_one_chunk_is_refused_naming_the_file_and_the_flag_and_nothing_is_written) {
+    expect_refused("Once upon a time there was a cat.\n", "in.txt' is too short for one chunk of --ctx 512 (a BOS and 511 tokens of text)");
+    expect_refused_by_library(tinystories_head(20000), "in.txt' holds too little for a validation chunk of --ctx 512", 512, 0.001);
+}
+
+TEST(data, text_in_a_script_the_vocabulary_does_not_cover_is_refused_naming_the_file) {
+    // stories260K's 512-token vocabulary is English: Chinese text becomes byte-fallback tokens, as in the eval.
+    std::string zh;
+    for (int i = 0; i < 400; ++i) {
+        zh += "\xe4\xbb\x8a\xe5\xa4\xa9\xe5\xa4\xa9\xe6\xb0\x94\xe5\xbe\x88\xe5\xa5\xbd\xe3\x80\x82\n\n";  // 今天天气很好。
+    }
+    expect_refused(zh, "in.txt' is not in a script the vocabulary of");
+    expect_refused(zh, "calibrate on text in the model's language");
+    // English with a little of it is text the model can calibrate on.
+    temp_dir tmp;
+    voodoo::test::write_file(tmp.file("in.txt"), tinystories_head(200000) + zh.substr(0, 2000));
+    const auto r = run_voodoo("data --model " + stories260k() + " --text " + tmp.file("in.txt") + " --out " + tmp.file("out") + " --ctx 64");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+TEST(data, a_ctx_beyond_the_models_trained_context_is_refused_before_tokenizing) {
+    // stories260K: llama.context_length = 2048.
+    expect_refused(tinystories_head(20000), "--ctx 4096 is larger than the context", "--ctx 4096");
+    expect_refused(tinystories_head(20000), "(2048): its imatrix and training would see positions it never saw; use --ctx 2048 or less", "--ctx 4096");
 }
 
 TEST(data, non_utf8_text_is_refused_with_its_offset_and_nothing_is_written) {

@@ -98,6 +98,15 @@ nlohmann::json split_json(const std::string & file, const split_stats & s) {
             {"n_tokens_dropped", s.n_tokens_dropped}};
 }
 
+// "the text 'a.txt'" or "the texts 'a.txt' and 'b.txt'", for messages.
+std::string text_list(const std::vector<std::string> & texts) {
+    std::string s = texts.size() == 1 ? "the text " : "the texts ";
+    for (size_t i = 0; i < texts.size(); ++i) {
+        s += (i == 0 ? "" : i + 1 == texts.size() ? " and " : ", ") + ("'" + texts[i] + "'");
+    }
+    return s;
+}
+
 }  // namespace
 
 nlohmann::json prepare_data(const data_options & o) {
@@ -116,6 +125,11 @@ nlohmann::json prepare_data(const data_options & o) {
     const vocab voc(o.model);
     if (voc.n_tokens() <= 0) {
         fail("'{}' has an empty vocabulary", o.model);
+    }
+    if (voc.n_ctx_train() > 0 && o.ctx > voc.n_ctx_train()) {  // as the eval refuses its --eval-ctx (eval.h)
+        fail("--ctx {} is larger than the context '{}' was trained on ({}): its imatrix and training would see "
+             "positions it never saw; use --ctx {} or less",
+             o.ctx, o.model, voc.n_ctx_train(), voc.n_ctx_train());
     }
     const int32_t bos = voc.add_bos() ? voc.bos() : -1;
     if (voc.add_bos() && bos < 0) {
@@ -149,6 +163,8 @@ nlohmann::json prepare_data(const data_options & o) {
     }
 
     std::vector<document> documents;
+    std::vector<double> uncovered(o.texts.size(), 0.0);     // <unk> and byte-fallback tokens, per file
+    std::vector<int64_t> file_tokens(o.texts.size(), 0);
     {
         progress bar("data", static_cast<int64_t>(total_bytes), "B");
         int64_t n_tokens = 0;
@@ -159,12 +175,24 @@ nlohmann::json prepare_data(const data_options & o) {
                     doc.tokens.push_back(eos);
                 }
                 n_tokens += static_cast<int64_t>(doc.tokens.size());
+                const size_t text_tokens = doc.tokens.size() - (eos >= 0 ? 1 : 0);
+                uncovered[f] += uncovered_share(voc.get(), std::span<const int32_t>(doc.tokens).first(text_tokens)) *
+                                static_cast<double>(text_tokens);
+                file_tokens[f] += static_cast<int64_t>(text_tokens);
                 documents.push_back(std::move(doc));
                 bar.add(static_cast<int64_t>(d.size()), fmt::format("{} tokens", n_tokens));
             }
         }
     }
 
+    for (size_t f = 0; f < o.texts.size(); ++f) {  // as the eval refuses its text (eval.h)
+        const double share = file_tokens[f] > 0 ? uncovered[f] / static_cast<double>(file_tokens[f]) : 0.0;
+        if (share > k_max_uncovered_share) {
+            fail("the text '{}' is not in a script the vocabulary of '{}' covers: {:.0f}% of its {} tokens are <unk> "
+                 "or byte-fallback tokens (at most {:.0f}% allowed); calibrate on text in the model's language",
+                 o.texts[f], o.model, 100.0 * share, file_tokens[f], 100.0 * k_max_uncovered_share);
+        }
+    }
     std::vector<size_t> order(documents.size());
     std::iota(order.begin(), order.end(), size_t{0});
     splitmix64 rng{o.seed};
@@ -191,15 +219,19 @@ nlohmann::json prepare_data(const data_options & o) {
     split_stats train_stats, val_stats;
     const std::vector<int32_t> train = make_chunks(train_docs, o.ctx, bos, train_stats);
     const std::vector<int32_t> val = make_chunks(val_docs, o.ctx, bos, val_stats);
+    // A chunk is ctx tokens, the first of them BOS when the vocabulary adds one: ctx − 1 of the text's.
+    const std::string files = text_list(o.texts);
+    const std::string chunk = bos >= 0 ? fmt::format("--ctx {} (a BOS and {} tokens of text)", o.ctx, o.ctx - 1)
+                                       : fmt::format("--ctx {}", o.ctx);
     if (train_stats.n_chunks == 0) {
-        fail("the text is shorter than one chunk: the train split has {} tokens ({} in all), a chunk needs {}; give "
-             "more text or a smaller --ctx",
-             train_stats.n_tokens, total_tokens, bos >= 0 ? o.ctx - 1 : o.ctx);
+        fail("{} is too short for one chunk of {}: {} tokens in all, {} of them in the train split ({} held out for "
+             "validation, whole documents); give more text or a smaller --ctx",
+             files, chunk, total_tokens, train_stats.n_tokens, val_tokens);
     }
     if (o.val_fraction > 0 && val_stats.n_chunks == 0) {
-        fail("the val split has {} tokens, fewer than one chunk of {}; give more text, a larger --val-fraction, a "
-             "smaller --ctx, or --val-fraction 0",
-             val_stats.n_tokens, bos >= 0 ? o.ctx - 1 : o.ctx);
+        fail("{} holds too little for a validation chunk of {}: the documents held out (--val-fraction {}) are {} "
+             "tokens; give more text, a larger --val-fraction, a smaller --ctx, or --val-fraction 0",
+             files, chunk, o.val_fraction, val_stats.n_tokens);
     }
 
     namespace fs = std::filesystem;

@@ -86,11 +86,22 @@ uint64_t vocab_hash(const gguf_file & file) {
 
 std::string vocab_hash_hex(uint64_t hash) { return fmt::format("{:016x}", hash); }
 
+double uncovered_share(const llama_vocab * v, std::span<const int32_t> tokens) {
+    int64_t uncovered = 0;
+    for (const int32_t t : tokens) {
+        uncovered += (llama_vocab_get_attr(v, t) & (LLAMA_TOKEN_ATTR_UNKNOWN | LLAMA_TOKEN_ATTR_BYTE)) != 0;
+    }
+    return tokens.empty() ? 0.0 : static_cast<double>(uncovered) / static_cast<double>(tokens.size());
+}
+
 vocab::vocab(const std::string & model_path) {
     {
         const gguf_file file(model_path);  // validates before libllama sees the file
         hash_ = vocab_hash(file);
         tokenizer_model_ = file.get_string("tokenizer.ggml.model").value_or("");
+        if (const auto arch = file.get_string("general.architecture")) {
+            n_ctx_train_ = file.get_int(*arch + ".context_length").value_or(0);
+        }
     }
     llama_runtime_init();
     llama_model_params params = llama_model_default_params();

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -24,6 +25,14 @@ uint64_t vocab_hash(const gguf_file & file);
 /// The hash as 16 lower-case hex digits (the form JSON sidecars carry).
 std::string vocab_hash_hex(uint64_t hash);
 
+/// The share of `tokens` (ids of `v`) that are <unk> or byte-fallback tokens (LLAMA_TOKEN_ATTR_UNKNOWN or
+/// LLAMA_TOKEN_ATTR_BYTE): text in a script the vocabulary does not cover. 0 for no tokens.
+double uncovered_share(const llama_vocab * v, std::span<const int32_t> tokens);
+
+/// The most of a text's tokens that may be uncovered (uncovered_share) before the eval and the data stage refuse it
+/// as text in a language the model was not made for.
+constexpr double k_max_uncovered_share = 0.5;
+
 /// A model's vocabulary, loaded with libllama's vocab_only (no weights are read).
 class vocab {
 public:
@@ -38,6 +47,8 @@ public:
     uint64_t hash() const { return hash_; }
     /// tokenizer.ggml.model ("llama", "gpt2", …).
     const std::string & tokenizer_model() const { return tokenizer_model_; }
+    /// The context the model was trained on: the header's {general.architecture}.context_length, or 0 without one.
+    int64_t n_ctx_train() const { return n_ctx_train_; }
     int32_t n_tokens() const;
     /// llama_vocab_get_add_bos: whether llama.cpp starts every sequence with BOS for this vocabulary.
     bool add_bos() const;
@@ -60,6 +71,7 @@ private:
     const llama_vocab * vocab_ = nullptr;
     uint64_t hash_ = 0;
     std::string tokenizer_model_;
+    int64_t n_ctx_train_ = 0;
 };
 
 }  // namespace voodoo

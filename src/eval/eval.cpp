@@ -30,8 +30,6 @@ namespace voodoo {
 namespace {
 
 constexpr int k_min_ctx = 16;
-// More uncovered tokens than this and the text is not in a script the vocab covers.
-constexpr double k_max_uncovered = 0.5;
 
 struct model_deleter {
     void operator()(llama_model * m) const { llama_model_free(m); }
@@ -525,16 +523,11 @@ std::vector<llama_token> checked_tokens(const eval_options & opt, const gguf_fil
              opt.reference);
     }
     std::vector<llama_token> tokens = tokenize(vocab, text, opt.text);
-    int64_t uncovered = 0;
-    for (llama_token t : tokens) {
-        const auto attr = llama_vocab_get_attr(vocab, t);
-        uncovered += (attr & (LLAMA_TOKEN_ATTR_UNKNOWN | LLAMA_TOKEN_ATTR_BYTE)) != 0;
-    }
-    const double frac = static_cast<double>(uncovered) / static_cast<double>(tokens.size());
-    if (frac > k_max_uncovered) {
+    const double frac = uncovered_share(vocab, tokens);
+    if (frac > k_max_uncovered_share) {
         fail("the text '{}' is not in a script the vocabulary of '{}' covers: {:.0f}% of its {} tokens are <unk> "
              "or byte-fallback tokens (at most {:.0f}% allowed); evaluate on text in the model's language",
-             opt.text, opt.reference, 100.0 * frac, tokens.size(), 100.0 * k_max_uncovered);
+             opt.text, opt.reference, 100.0 * frac, tokens.size(), 100.0 * k_max_uncovered_share);
     }
     if (static_cast<int64_t>(tokens.size()) < 2 * static_cast<int64_t>(opt.n_ctx)) {
         fail("the text '{}' is {} tokens; {} {} needs at least {} (as llama-perplexity): give a longer text or a "
