@@ -163,7 +163,7 @@ nlohmann::json prepare_data(const data_options & o) {
     }
 
     std::vector<document> documents;
-    std::vector<double> uncovered(o.texts.size(), 0.0);     // <unk> and byte-fallback tokens, per file
+    std::vector<int64_t> uncovered(o.texts.size(), 0);      // <unk> and byte-fallback tokens, per file
     std::vector<int64_t> file_tokens(o.texts.size(), 0);
     {
         progress bar("data", static_cast<int64_t>(total_bytes), "B");
@@ -176,8 +176,7 @@ nlohmann::json prepare_data(const data_options & o) {
                 }
                 n_tokens += static_cast<int64_t>(doc.tokens.size());
                 const size_t text_tokens = doc.tokens.size() - (eos >= 0 ? 1 : 0);
-                uncovered[f] += uncovered_share(voc.get(), std::span<const int32_t>(doc.tokens).first(text_tokens)) *
-                                static_cast<double>(text_tokens);
+                uncovered[f] += uncovered_tokens(voc.get(), std::span<const int32_t>(doc.tokens).first(text_tokens));
                 file_tokens[f] += static_cast<int64_t>(text_tokens);
                 documents.push_back(std::move(doc));
                 bar.add(static_cast<int64_t>(d.size()), fmt::format("{} tokens", n_tokens));
@@ -186,7 +185,7 @@ nlohmann::json prepare_data(const data_options & o) {
     }
 
     for (size_t f = 0; f < o.texts.size(); ++f) {  // as the eval refuses its text (eval.h)
-        const double share = file_tokens[f] > 0 ? uncovered[f] / static_cast<double>(file_tokens[f]) : 0.0;
+        const double share = file_tokens[f] > 0 ? static_cast<double>(uncovered[f]) / static_cast<double>(file_tokens[f]) : 0.0;
         if (share > k_max_uncovered_share) {
             fail("the text '{}' is not in a script the vocabulary of '{}' covers: {:.0f}% of its {} tokens are <unk> "
                  "or byte-fallback tokens (at most {:.0f}% allowed); calibrate on text in the model's language",

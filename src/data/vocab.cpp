@@ -86,12 +86,16 @@ uint64_t vocab_hash(const gguf_file & file) {
 
 std::string vocab_hash_hex(uint64_t hash) { return fmt::format("{:016x}", hash); }
 
-double uncovered_share(const llama_vocab * v, std::span<const int32_t> tokens) {
+int64_t uncovered_tokens(const llama_vocab * v, std::span<const int32_t> tokens) {
     int64_t uncovered = 0;
     for (const int32_t t : tokens) {
         uncovered += (llama_vocab_get_attr(v, t) & (LLAMA_TOKEN_ATTR_UNKNOWN | LLAMA_TOKEN_ATTR_BYTE)) != 0;
     }
-    return tokens.empty() ? 0.0 : static_cast<double>(uncovered) / static_cast<double>(tokens.size());
+    return uncovered;
+}
+
+double uncovered_share(const llama_vocab * v, std::span<const int32_t> tokens) {
+    return tokens.empty() ? 0.0 : static_cast<double>(uncovered_tokens(v, tokens)) / static_cast<double>(tokens.size());
 }
 
 vocab::vocab(const std::string & model_path) {

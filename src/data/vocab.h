@@ -25,8 +25,11 @@ uint64_t vocab_hash(const gguf_file & file);
 /// The hash as 16 lower-case hex digits (the form JSON sidecars carry).
 std::string vocab_hash_hex(uint64_t hash);
 
-/// The share of `tokens` (ids of `v`) that are <unk> or byte-fallback tokens (LLAMA_TOKEN_ATTR_UNKNOWN or
-/// LLAMA_TOKEN_ATTR_BYTE): text in a script the vocabulary does not cover. 0 for no tokens.
+/// How many of `tokens` (ids of `v`) are <unk> or byte-fallback tokens (LLAMA_TOKEN_ATTR_UNKNOWN or
+/// LLAMA_TOKEN_ATTR_BYTE): text in a script the vocabulary does not cover.
+int64_t uncovered_tokens(const llama_vocab * v, std::span<const int32_t> tokens);
+
+/// uncovered_tokens as a share of the tokens; 0 for no tokens.
 double uncovered_share(const llama_vocab * v, std::span<const int32_t> tokens);
 
 /// The most of a text's tokens that may be uncovered (uncovered_share) before the eval and the data stage refuse it

@@ -26,18 +26,14 @@ bool is_float(ggml_type t) { return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || 
 
 }  // namespace
 
-bool lattice_quantizer(ggml_type type) {
-    switch (type) {
-        case GGML_TYPE_IQ1_S:
-        case GGML_TYPE_IQ1_M:
-        case GGML_TYPE_IQ2_XXS:
-        case GGML_TYPE_IQ2_XS:
-        case GGML_TYPE_IQ2_S:
-        case GGML_TYPE_IQ3_XXS:
-        case GGML_TYPE_IQ3_S: return true;
-        default: return false;
-    }
-}
+bool lattice_quantizer(ggml_type type) { return lattice_grid_order(type) >= 0; }
+
+namespace {
+
+// The types eager_types prefers: block types whose quantizer searches no lattice.
+bool fast_block_type(ggml_type t) { return !is_float(t) && !lattice_quantizer(t); }
+
+}  // namespace
 
 double quantize_cost_per_weight(ggml_type type) {
     switch (type) {  // 1 / (M weights per second on one core), bench_quant quantize_1core, 2026-12-03
@@ -170,9 +166,8 @@ error_split split_for_lattice_grids(const std::vector<tensor_menu> & menus) {
     error_split s;
     for (const tensor_menu & m : menus) {
         // As eager_types chooses: among the non-lattice block types (other than the source's own), when there are any.
-        const bool fast = std::any_of(m.types.begin(), m.types.end(), [&](ggml_type t) {
-            return !is_float(t) && !lattice_quantizer(t) && t != m.tensor->type;
-        });
+        const bool fast = std::any_of(m.types.begin(), m.types.end(),
+                                      [&](ggml_type t) { return fast_block_type(t) && t != m.tensor->type; });
         std::vector<bool> first, later;
         for (ggml_type t : m.types) {
             first.push_back(!fast || !lattice_quantizer(t));
@@ -191,8 +186,7 @@ std::vector<std::vector<bool>> error_split::needed_now(const std::vector<tensor_
         now[i].assign(menus[i].types.size(), false);
         bool fast = false;  // eager_types' test: a non-lattice block type with Ê > 0
         for (size_t k = 0; k < menus[i].types.size(); ++k) {
-            const ggml_type t = menus[i].types[k];
-            fast = fast || (err_hat[i][k] > 0 && !is_float(t) && !lattice_quantizer(t));
+            fast = fast || (err_hat[i][k] > 0 && fast_block_type(menus[i].types[k]));
         }
         for (size_t k = 0; !fast && k < menus[i].types.size(); ++k) {
             now[i][k] = later[i][k];
