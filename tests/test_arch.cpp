@@ -11,6 +11,7 @@
 #include "model/replaced_weight.h"
 #include "train/candidates.h"
 #include "train/probe.h"
+#include "fixture_cache.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -74,18 +75,8 @@ fixture_spec spec_of(const std::string & arch) {
     return s;
 }
 
-/// Each architecture's fixture, written once per test run.
-const std::string & fixture(const std::string & arch) {
-    static test::temp_dir dir;
-    static std::map<std::string, std::string> paths;
-    auto it = paths.find(arch);
-    if (it == paths.end()) {
-        const std::string path = dir.file(arch + ".gguf");
-        write_fixture(spec_of(arch), path);
-        it = paths.emplace(arch, path).first;
-    }
-    return it->second;
-}
+/// Each architecture's fixture, written once per ctest run (test::cached_fixture).
+std::string fixture(const std::string & arch) { return test::cached_fixture(spec_of(arch)); }
 
 parity_report parity_of(const std::string & path, int64_t n_tokens) {
     parity_options o;
@@ -373,15 +364,7 @@ fixture_spec lfm2_spec(int64_t sliding_window = 0) {
     return s;
 }
 
-const std::string & lfm2_fixture() {
-    static test::temp_dir dir;
-    static const std::string path = [] {
-        const std::string p = dir.file("lfm2.gguf");
-        write_fixture(lfm2_spec(), p);
-        return p;
-    }();
-    return path;
-}
+std::string lfm2_fixture() { return test::cached_fixture(lfm2_spec()); }
 
 /// n_seq different sequences of n fixed-pattern ids through our forward as one [n_seq, n] batch, each row compared
 /// with libllama's logits of that sequence alone: the largest max |Δlogit| / max |logit| of the rows.
@@ -528,15 +511,7 @@ fixture_spec qwen35_spec() {
     return s;
 }
 
-const std::string & qwen35_fixture() {
-    static test::temp_dir dir;
-    static const std::string path = [] {
-        const std::string p = dir.file("qwen35.gguf");
-        write_fixture(qwen35_spec(), p);
-        return p;
-    }();
-    return path;
-}
+std::string qwen35_fixture() { return test::cached_fixture(qwen35_spec()); }
 
 std::string qwen35_build_error(const std::function<void(gguf_context *)> & edit, const std::string & skip = {}) {
     test::temp_dir dir;
@@ -642,15 +617,7 @@ fixture_spec qwen3moe_spec() {
     return s;
 }
 
-const std::string & qwen3moe_fixture() {
-    static test::temp_dir dir;
-    static const std::string path = [] {
-        const std::string p = dir.file("qwen3moe.gguf");
-        write_fixture(qwen3moe_spec(), p);
-        return p;
-    }();
-    return path;
-}
+std::string qwen3moe_fixture() { return test::cached_fixture(qwen3moe_spec()); }
 
 std::string qwen3moe_build_error(const std::function<void(gguf_context *)> & edit, const std::string & skip = {}) {
     test::temp_dir dir;
@@ -753,20 +720,14 @@ namespace {
 
 /// qwen35moe's parity fixture: qwen35's (delta net, attention, delta net) with 8 experts of FFN 256 per layer, 2 per
 /// token, and a shared expert of FFN 384 gated per token, as Qwen3.5's MoE models have.
-const std::string & qwen35moe_fixture() {
-    static test::temp_dir dir;
-    static const std::string path = [] {
-        fixture_spec s = qwen35_spec();
-        s.arch = "qwen35moe";
-        s.n_expert = 8;
-        s.n_expert_used = 2;
-        s.n_ff_exp = 256;
-        s.n_ff_shexp = 384;
-        const std::string p = dir.file("qwen35moe.gguf");
-        write_fixture(s, p);
-        return p;
-    }();
-    return path;
+std::string qwen35moe_fixture() {
+    fixture_spec s = qwen35_spec();
+    s.arch = "qwen35moe";
+    s.n_expert = 8;
+    s.n_expert_used = 2;
+    s.n_ff_exp = 256;
+    s.n_ff_shexp = 384;
+    return test::cached_fixture(s);
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "model/fixture.h"
 #include "model/parity.h"
 #include "pipeline/quantize.h"
+#include "fixture_cache.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -82,8 +83,7 @@ struct quantized {
 /// Writes the tiny fixture of `arch` and runs the chain on it, at stock Q4_0's size, menu Q4_0 / Q8_0.
 quantized run_chain(const test::temp_dir & dir, const std::string & arch) {
     quantized q;
-    q.source = dir.file(arch + ".gguf");
-    write_fixture(tiny(arch), q.source);
+    q.source = test::cached_fixture(tiny(arch));
     quantize_options o;
     o.model = q.source;
     o.texts = {test::shared_data() + "/text/gutenberg/pg11.txt"};
@@ -109,8 +109,7 @@ quantized run_chain(const test::temp_dir & dir, const std::string & arch) {
 /// tensor-type overrides (exactness contract, item 4), on `arch`'s tiny fixture.
 void expect_export_equals_llama_model_quantize(const std::string & arch) {
     test::temp_dir dir;
-    const std::string path = dir.file(arch + ".gguf");
-    write_fixture(tiny(arch), path);
+    const std::string path = test::cached_fixture(tiny(arch));
     const gguf_file src(path);
     recipe r = recipe_from_model(src);
     const std::vector<ggml_type> cycle = {GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q8_0,

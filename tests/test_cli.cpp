@@ -360,7 +360,7 @@ TEST(cli, quantize_killed_with_sigkill_in_any_stage_then_run_again_makes_the_sam
     const std::string work = dir.file("w");
     const std::vector<std::string> args = {
         "quantize", voodoo::test::stories260k(), "--text", dir.file("calib.txt"), "--eval-text", dir.file("held.txt"),
-        "--like", "Q4_0", "--ctx", "64", "--steps", "8", "--batch", "2", "--probe-sequences", "2", "--select-sequences",
+        "--like", "Q4_0", "--ctx", "64", "--imatrix-chunks", "16", "--steps", "8", "--batch", "2", "--probe-sequences", "2", "--select-sequences",
         "2", "--eval-ctx", "64", "--eval-chunks", "4", "--baselines", "Q4_0", "-t", "1", "--work", work,
         "--speed-reps", "0"};  // speed is measured, never the same twice: eval.json compares the quality numbers
     std::string line;

@@ -932,7 +932,8 @@ TEST(dist, voodoo_quantize_gpus_runs_the_train_stage_as_ranks_and_writes_the_sam
     write_calibration_text(dir.file("t.txt"));
     std::filesystem::create_directories(dir.file("one"));
     std::filesystem::create_directories(dir.file("two"));
-    const std::string job = fmt::format("quantize {} --text {} --like Q4_0 --steps 20 --eval-chunks 0 --work w -o out.gguf",
+    const std::string job = fmt::format("quantize {} --text {} --like Q4_0 --ctx 64 --imatrix-chunks 16 --steps 20 "
+                                        "--eval-chunks 0 --work w -o out.gguf",
                                         test::stories260k(), dir.file("t.txt"));
     const auto one = test::run_shell(fmt::format("cd {} && env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} 2>&1", dir.file("one"),
                                                  VOODOO_BIN, job));

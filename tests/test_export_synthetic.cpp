@@ -7,6 +7,7 @@
 #include "model/fixture.h"
 #include "model/gguf_weights.h"
 #include "model/registry.h"
+#include "fixture_cache.h"
 #include "test_util.h"
 #include "train/budget.h"
 #include "train/candidates.h"
@@ -23,22 +24,16 @@ using namespace voodoo;
 
 namespace {
 
-const std::string & synthetic_model() {
-    static test::temp_dir dir;
-    static const std::string path = [] {
-        fixture_spec spec;
-        spec.n_embd = 256;
-        spec.n_layer = 2;
-        spec.n_head = 4;
-        spec.n_head_kv = 2;
-        spec.head_dim = 64;
-        spec.n_ff = 512;
-        spec.vocab_path = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf";
-        const std::string p = dir.file("synthetic.gguf");
-        write_fixture(spec, p);
-        return p;
-    }();
-    return path;
+std::string synthetic_model() {
+    fixture_spec spec;
+    spec.n_embd = 256;
+    spec.n_layer = 2;
+    spec.n_head = 4;
+    spec.n_head_kv = 2;
+    spec.head_dim = 64;
+    spec.n_ff = 512;
+    spec.vocab_path = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf";
+    return test::cached_fixture(spec);
 }
 
 const std::vector<ggml_type> k_kquant_cycle = {GGML_TYPE_Q2_K, GGML_TYPE_Q3_K,  GGML_TYPE_Q4_K,   GGML_TYPE_Q5_K,

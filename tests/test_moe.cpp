@@ -18,6 +18,7 @@
 #include "model/parity.h"
 #include "train/candidates.h"
 #include "train/gated.h"
+#include "fixture_cache.h"
 #include "test_util.h"
 #include "tolerance.h"
 
@@ -63,12 +64,11 @@ fixture_spec moe_spec() {
 
 struct moe_case {
     test::temp_dir dir;
-    std::string model = dir.file("moe.gguf");
+    std::string model = test::cached_fixture(moe_spec());
     std::string data = dir.file("data");
     imatrix im;          // libllama's
     imatrix im_torch;    // our LibTorch forward's
     moe_case() {
-        write_fixture(moe_spec(), model);
         std::ifstream in(test::shared_data() + "/text/tinystories/tinystories_val.txt", std::ios::binary);
         std::string text(4000, '\0');
         in.read(text.data(), static_cast<std::streamsize>(text.size()));
