@@ -85,12 +85,12 @@ command add_quantize(CLI::App & app) {
         ->capture_default_str();
     sub->add_option("--seq", o->q.train.seq, "Tokens per training sequence (0 = --ctx)")->capture_default_str();
     auto * threads = sub->add_option("-t,--threads", o->q.threads,
-                                     "CPU threads for everything: LibTorch, quantization and libllama (0 = all cores; "
-                                     "libllama's then by model size)")
+                                     "CPU threads for everything: LibTorch, quantization and libllama (0 = every core, LibTorch's "
+                                     "OMP_NUM_THREADS when set; libllama's then by model size)")
                          ->capture_default_str()->check(non_negative());
     auto * ggml_threads = sub->add_option("--ggml-threads", o->q.ggml_threads,
                                           "Threads for libllama alone (imatrix, eval), over -t; 0 = 1 below 8M weights, "
-                                          "else every core")
+                                          "else as -t 0")
                               ->capture_default_str()->check(non_negative());
     sub->add_option("--device", o->q.train.device, "Where to train: cpu, cuda or cuda:N (CUDA builds)")->capture_default_str();
     sub->add_option("--gpus", o->q.gpus,

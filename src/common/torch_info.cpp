@@ -1,9 +1,12 @@
 #include "common/torch_info.h"
+#include "ggml/quant.h"
 
 #include <torch/torch.h>
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -52,8 +55,22 @@ int torch_threads() { return torch::get_num_threads(); }
 
 namespace voodoo {
 
+int torch_thread_count(int n) {
+    if (n > 0) {
+        return n;
+    }
+    if (const char * env = std::getenv("OMP_NUM_THREADS")) {
+        char * end = nullptr;
+        const long v = std::strtol(env, &end, 10);
+        if (end != env && *end == '\0' && v > 0) {
+            return static_cast<int>(std::min<long>(v, 4096));
+        }
+    }
+    return resolve_threads(0);
+}
+
 int set_torch_threads(int n) {
-    const int threads = n > 0 ? n : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    const int threads = torch_thread_count(n);
     torch::set_num_threads(threads);
     return threads;
 }

@@ -24,8 +24,15 @@ int torch_threads();
 
 namespace voodoo {
 
-/// Sets LibTorch's intra-op thread count to n, or to the number of cores when n ≤ 0 (Debian's
-/// LibTorch 1.13 starts with 1 thread). Returns the count set.
+/// LibTorch's intra-op threads for a `--threads n` flag: n when positive; else OMP_NUM_THREADS when it is set to a
+/// positive number (LibTorch's own rule, which set_num_threads would otherwise override: torchrun sets it to 1 for
+/// each of several ranks on one host, and ctest's runs of the tests set it to 1, so that processes sharing the cores
+/// do not each start a thread per core: OpenMP's threads then wait on each other, 3-7× slower, docs/BENCHMARKS.md);
+/// else resolve_threads(0), the cores this process may run on.
+int torch_thread_count(int n);
+
+/// Sets LibTorch's intra-op thread count to torch_thread_count(n) (Debian's LibTorch 1.13 starts with 1 thread).
+/// Returns the count set.
 int set_torch_threads(int n);
 
 }  // namespace voodoo

@@ -146,7 +146,7 @@ baseline_result quantize_one(const baseline_options & opt, const stock_recipe & 
     }
     llama_model_quantize_params qp = llama_model_quantize_default_params();
     qp.ftype = r.ftype;
-    qp.nthread = opt.n_threads;
+    qp.nthread = resolve_threads(opt.n_threads);
     qp.allow_requantize = opt.allow_requantize;
     if (im) {
         qp.imatrix = im->entries.data();

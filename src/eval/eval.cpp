@@ -6,6 +6,7 @@
 #include "ggml/gguf.h"
 #include "ggml/log.h"
 #include "ggml/runtime.h"
+#include "ggml/quant.h"
 #include "ggml/types.h"
 
 #include <llama.h>
@@ -563,7 +564,7 @@ eval_session::eval_session(const eval_options & opt, int64_t keep_reference_max_
     impl & s = *p_;
     s.opt = opt;
     check_flags(opt);
-    s.n_threads = opt.n_threads > 0 ? opt.n_threads : std::max(1, (int) std::thread::hardware_concurrency());
+    s.n_threads = resolve_threads(opt.n_threads);
     s.ref_file = std::make_unique<gguf_file>(opt.reference);
     s.ref_id = identity_of(*s.ref_file);
     check_header_ctx(opt, *s.ref_file);    // the header's context and the text before the weights are loaded

@@ -13,13 +13,19 @@
 #include <mutex>
 #include <thread>
 
+#include <sched.h>
+
 namespace voodoo {
 
 int resolve_threads(int n) {
     if (n > 0) {
         return n;
     }
-    return std::max(1u, std::thread::hardware_concurrency());
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {
+        return CPU_COUNT(&set);
+    }
+    return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 namespace {

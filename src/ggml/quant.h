@@ -42,7 +42,9 @@ std::vector<float> dequantize(ggml_type type, std::span<const uint8_t> src, int6
 /// byte count is whole rows. Throws voodoo::error naming the tensor when they are not valid.
 void validate_rows(ggml_type type, std::span<const uint8_t> src, int64_t ne0, std::string_view tensor_name = "tensor");
 
-/// Threads to use: n when positive, otherwise the number of cores.
+/// Threads to use: n when positive; otherwise (0, every flag's default) the cores this process may run on
+/// (sched_getaffinity: what `taskset`, a container's cpuset or a SLURM allocation grants, as nproc counts), else
+/// std::thread::hardware_concurrency (every core of the machine). LibTorch's own count: torch_thread_count.
 int resolve_threads(int n);
 
 /// The lattice types' tables built ahead, in parallel (issue #16). llama.cpp's lattice quantizers (IQ1_S and IQ1_M,

@@ -15,6 +15,7 @@
 #include "eval/report.h"
 #include "export/export.h"
 #include "export/model_card.h"
+#include "ggml/quant.h"
 #include "ggml/types.h"
 #include "imatrix/collect.h"
 #include "imatrix/imatrix.h"
@@ -894,7 +895,7 @@ bool apply_eval_defaults(quantize_options & o, int64_t n_weights) {
 }
 
 int ggml_threads_for(int64_t n_weights) {
-    return n_weights < 8'000'000 ? 1 : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    return n_weights < 8'000'000 ? 1 : resolve_threads(0);
 }
 
 void check_full_precision_source(const gguf_file & src, bool allow_requantize) {

@@ -193,7 +193,7 @@ int64_t candidate_bytes_to_build(const gguf_file & file, const std::vector<std::
             }
         }
     };
-    const int threads = std::max(1, std::min<int>(n_threads > 0 ? n_threads : static_cast<int>(std::thread::hardware_concurrency()),
+    const int threads = std::max(1, std::min<int>(resolve_threads(n_threads),
                                                    static_cast<int>(jobs.size())));
     std::vector<std::thread> pool;
     for (int i = 1; i < threads; ++i) {
