@@ -64,7 +64,7 @@ double dry_quantize_rate(const gguf_file & src, const gguf_tensor & t, ggml_type
 /// product, best of five after one.
 double dry_cpu_flops(int threads) {
     const int before = torch::get_num_threads();
-    torch::set_num_threads(torch_thread_count(threads));
+    set_torch_threads(threads);
     const torch::Tensor a = torch::randn({256, 1024}), b = torch::randn({1024, 1024});
     double best = 1e30;
     for (int i = 0; i < 6; ++i) {  // the first wakes the thread pool
@@ -80,7 +80,7 @@ double dry_cpu_flops(int threads) {
 /// step that forming W_eff = Σ p_k deq(Q_k) and the gate gradients ⟨G, deq Q_k⟩ repeat for every candidate weight.
 double dry_axpy_seconds(int threads) {
     const int before = torch::get_num_threads();
-    torch::set_num_threads(torch_thread_count(threads));
+    set_torch_threads(threads);
     torch::Tensor a = torch::randn({1 << 22}), b = torch::randn({1 << 22});
     double best = 1e30;
     for (int i = 0; i < 3; ++i) {

@@ -683,7 +683,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
 
     const int n_threads = resolve_threads(o.threads);
-    torch::set_num_threads(torch_thread_count(o.threads));
+    set_torch_threads(o.threads);
     const candidate_cache cache(o.cache_dir.empty() ? (fs::path(o.run_dir) / "candidates").string() : o.cache_dir);
     // On a GPU: bf16 compute, the teacher's matrices resident in bf16, the candidates resident as the path
     // wants them (quantized bytes for fused, dense bf16 for reference).
