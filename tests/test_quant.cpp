@@ -7,10 +7,13 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
+#include <string>
 #include <thread>
 
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -108,6 +111,42 @@ TEST(quant, a_row_that_does_not_fit_is_rejected_naming_tensor_shape_and_type) {
         EXPECT_NE(msg.find("blk.0.ffn_down.weight"), std::string::npos) << msg;
         EXPECT_NE(msg.find("[172, 64]"), std::string::npos) << msg;
         EXPECT_NE(msg.find("q4_0"), std::string::npos) << msg;
+    }
+}
+
+// Default thread counts (every flag's 0): VOODOO_THREADS when set, else the cores this process may run on. The
+// affinity is narrowed to one core in a child process (sched_setaffinity, as taskset does), so the test does not
+// depend on the machine's core count; the parent's environment and affinity stay as they were.
+TEST(quant, default_threads_are_voodoo_threads_else_the_cores_this_process_may_run_on) {
+    const char * saved = std::getenv("VOODOO_THREADS");
+    const std::string saved_value = saved ? saved : "";
+    ::setenv("VOODOO_THREADS", "3", 1);
+    EXPECT_EQ(resolve_threads(0), 3);
+    EXPECT_EQ(resolve_threads(5), 5);  // a flag's own count wins
+    for (const char * bad : {"0", "-2", "two", "4x", "99999"}) {
+        ::setenv("VOODOO_THREADS", bad, 1);
+        try {
+            resolve_threads(0);
+            ADD_FAILURE() << "VOODOO_THREADS=" << bad << " was accepted";
+        } catch (const error & e) {
+            EXPECT_NE(std::string(e.what()).find(std::string("VOODOO_THREADS='") + bad + "'"), std::string::npos) << e.what();
+        }
+    }
+    ::unsetenv("VOODOO_THREADS");
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(sched_getcpu() >= 0 ? sched_getcpu() : 0, &one);
+        const bool narrowed = sched_setaffinity(0, sizeof one, &one) == 0;
+        ::_exit(narrowed && resolve_threads(0) == 1 ? 0 : 1);
+    }
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "a process allowed one core did not default to 1 thread";
+    if (saved) {
+        ::setenv("VOODOO_THREADS", saved_value.c_str(), 1);
     }
 }
 

@@ -43,7 +43,7 @@ command add_baseline(CLI::App & app) {
     sub->add_option("--imatrix", o->base.imatrix, "llama.cpp GGUF imatrix (needed by IQ1/IQ2/IQ3_XXS and Q2_K_S)");
     sub->add_option("--out", o->out, "Output GGUF (with --recipe)");
     sub->add_option("--out-dir", o->out_dir, "Output folder (with --recipes): SOURCE_STEM-RECIPE.gguf, baselines.json");
-    sub->add_option("-t,--threads", o->base.n_threads, "Quantization threads (default: every core)")->check(non_negative());
+    sub->add_option("-t,--threads", o->base.n_threads, "Quantization threads (default: VOODOO_THREADS if set, else every core)")->check(non_negative());
     add_json_option(sub, o->json, "Each file made (recipe, path, bytes, BPW, tensor types)");
     sub->add_flag("--allow-requantize", o->base.allow_requantize, "Accept an already quantized source (llama-quantize's flag)");
     return {sub, [o] {

@@ -30,7 +30,7 @@ command add_check_parity(CLI::App & app) {
     sub->add_option("--text", o->parity.text_path, "Tokenize this text file (default: fixed pseudo-random token ids)")
         ->check(CLI::ExistingFile);
     sub->add_option("--tokens", o->parity.n_tokens, "Positions to compare")->capture_default_str();
-    sub->add_option("-t,--threads", o->parity.n_threads, "Threads for both runtimes (0 = every core)")->capture_default_str()->check(non_negative());
+    sub->add_option("-t,--threads", o->parity.n_threads, "Threads for both runtimes (0 = VOODOO_THREADS if set, else every core)")->capture_default_str()->check(non_negative());
     add_json_option(sub, o->json, "The report");
     return {sub, [o] {
         const std::string gguf = gguf_of_source(o->path, o->work.empty() ? default_work_folder(o->path) : o->work);

@@ -34,7 +34,7 @@ command add_eval(CLI::App & app) {
     sub->add_option("--ctx", o->eval.n_ctx, "Tokens per chunk; the second half of each is scored")
         ->capture_default_str();
     sub->add_option("--chunks", o->eval.n_chunks, "Chunks to score (-1, the default: every whole chunk of the text)");
-    sub->add_option("-t,--threads", o->eval.n_threads, "Threads (default: every core)")->check(non_negative());
+    sub->add_option("-t,--threads", o->eval.n_threads, "Threads (default: VOODOO_THREADS if set, else every core)")->check(non_negative());
     sub->add_option("--speed-reps", o->eval.speed_reps,
                     "Runs of llama-bench's pp512 and tg128 per file for the speed columns (0 = none)")
         ->capture_default_str()->check(non_negative());

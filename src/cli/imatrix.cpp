@@ -85,7 +85,7 @@ command add_imatrix(CLI::App & app) {
     auto * show = sub->add_option("--show", o->show, "Read an imatrix (GGUF or legacy .dat), check it fits the model, list it");
     sub->add_option("--chunks", o->collect.max_chunks, "Use the first N train chunks (-1 or 0 = all)")->capture_default_str()
         ->check(CLI::Range(int64_t{-1}, std::numeric_limits<int64_t>::max()));
-    sub->add_option("-t,--threads", o->collect.n_threads, "CPU threads (0 = every core)")->capture_default_str()->check(non_negative());
+    sub->add_option("-t,--threads", o->collect.n_threads, "CPU threads (0 = VOODOO_THREADS if set, else every core)")->capture_default_str()->check(non_negative());
     sub->add_option("--device", o->device,
                     "cpu, cuda or cuda:N (CUDA builds). The forward (--forward auto): libllama's own graph on the CPU "
                     "(llama-imatrix's statistic), Voodoo's LibTorch forward on a GPU, the same statistic within the "

@@ -85,7 +85,7 @@ command add_quantize(CLI::App & app) {
         ->capture_default_str();
     sub->add_option("--seq", o->q.train.seq, "Tokens per training sequence (0 = --ctx)")->capture_default_str();
     auto * threads = sub->add_option("-t,--threads", o->q.threads,
-                                     "CPU threads for everything: LibTorch, quantization and libllama (0 = every core, LibTorch's "
+                                     "CPU threads for everything: LibTorch, quantization and libllama (0 = VOODOO_THREADS if set, else every core, LibTorch's "
                                      "OMP_NUM_THREADS when set; libllama's then by model size)")
                          ->capture_default_str()->check(non_negative());
     auto * ggml_threads = sub->add_option("--ggml-threads", o->q.ggml_threads,

@@ -122,7 +122,7 @@ command add_train(CLI::App & app) {
         ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
     sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits)")->capture_default_str();
     sub->add_option("--seed", o->t.seed, "Seed (data order, Gumbel noise)")->capture_default_str();
-    sub->add_option("-t,--threads", o->t.threads, "Threads (0 = every core; LibTorch's OMP_NUM_THREADS when set)")->capture_default_str()->check(non_negative());
+    sub->add_option("-t,--threads", o->t.threads, "Threads (0 = VOODOO_THREADS if set, else every core; LibTorch's OMP_NUM_THREADS when set)")->capture_default_str()->check(non_negative());
     sub->add_option("--parallel", o->t.parallel,
                     "Under torchrun (WORLD_SIZE > 1): how the ranks split the training step: tp (tensor parallelism: "
                     "every layer split, Megatron style; llama, qwen2, qwen3) or layers (contiguous layers per rank, the probe and "

@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <thread>
@@ -20,6 +22,17 @@ namespace voodoo {
 int resolve_threads(int n) {
     if (n > 0) {
         return n;
+    }
+    if (const char * env = std::getenv("VOODOO_THREADS"); env != nullptr && *env != '\0') {
+        char * end = nullptr;
+        errno = 0;
+        const long v = std::strtol(env, &end, 10);
+        if (end == env || *end != '\0' || errno != 0 || v < 1 || v > 4096) {
+            throw error(fmt::format("VOODOO_THREADS='{}' is not a thread count: set it to a whole number from 1 to 4096, "
+                                    "or unset it to use every core this process may run on",
+                                    env));
+        }
+        return static_cast<int>(v);
     }
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0) {

@@ -42,9 +42,12 @@ std::vector<float> dequantize(ggml_type type, std::span<const uint8_t> src, int6
 /// byte count is whole rows. Throws voodoo::error naming the tensor when they are not valid.
 void validate_rows(ggml_type type, std::span<const uint8_t> src, int64_t ne0, std::string_view tensor_name = "tensor");
 
-/// Threads to use: n when positive; otherwise (0, every flag's default) the cores this process may run on
-/// (sched_getaffinity: what `taskset`, a container's cpuset or a SLURM allocation grants, as nproc counts), else
-/// std::thread::hardware_concurrency (every core of the machine). LibTorch's own count: torch_thread_count.
+/// Threads to use: n when positive; otherwise (0, every flag's default) the environment variable VOODOO_THREADS when
+/// set (a whole number from 1 to 4096; anything else throws voodoo::error naming the variable: the default for
+/// processes that share cores, e.g. the tests under `ctest -j`, where ggml's compute threads, which spin at each
+/// barrier, slow several-fold when two processes' threads take turns on one core), else the cores this process may
+/// run on (sched_getaffinity: what `taskset`, a container's cpuset or a SLURM allocation grants, as nproc counts),
+/// else std::thread::hardware_concurrency (every core of the machine). LibTorch's own count: torch_thread_count.
 int resolve_threads(int n);
 
 /// The lattice types' tables built ahead, in parallel (issue #16). llama.cpp's lattice quantizers (IQ1_S and IQ1_M,
