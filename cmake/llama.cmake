@@ -59,10 +59,13 @@ find_path(GGML_INCLUDE_DIR ggml.h HINTS ${_inc_hints} NO_DEFAULT_PATH)
 find_library(GGML_BASE_LIBRARY NAMES ggml-base HINTS ${_lib_hints} NO_DEFAULT_PATH)
 find_library(GGML_LIBRARY NAMES ggml ggml.v0.4.0 HINTS ${_lib_hints} NO_DEFAULT_PATH)
 find_library(LLAMA_LIBRARY NAMES llama llama.v0.4.0 HINTS ${_lib_hints} NO_DEFAULT_PATH)
-# ggml-common.h (block layouts and the i-quant tables) is not installed with the libraries: the GPU
-# dequantizers read it from the source tree (ggml/src of a checkout).
+# ggml-common.h (block layouts and the i-quant tables) and ggml-quants.h (the lattice grids' init functions) are not
+# installed with the libraries: the GPU dequantizers and the grids built ahead read them from the source tree
+# (ggml/src of a checkout).
 find_path(GGML_COMMON_INCLUDE_DIR ggml-common.h HINTS ${_common_hints} NO_DEFAULT_PATH)
-foreach(_v LLAMA_INCLUDE_DIR GGML_INCLUDE_DIR GGML_COMMON_INCLUDE_DIR GGML_BASE_LIBRARY GGML_LIBRARY LLAMA_LIBRARY)
+find_path(GGML_QUANTS_INCLUDE_DIR ggml-quants.h HINTS ${_common_hints} NO_DEFAULT_PATH)
+foreach(_v LLAMA_INCLUDE_DIR GGML_INCLUDE_DIR GGML_COMMON_INCLUDE_DIR GGML_QUANTS_INCLUDE_DIR GGML_BASE_LIBRARY GGML_LIBRARY
+           LLAMA_LIBRARY)
     if(NOT ${_v})
         message(FATAL_ERROR "llama.cpp: ${_v} not found (searched ${_inc_hints} ${_lib_hints}). "
                             "Point VOODOO_LLAMA_DIR at a llama.cpp build with include/ and its shared libraries, or unset it.")

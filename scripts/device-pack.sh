@@ -9,7 +9,7 @@ S=${SHARED:-../shared}/data
 rm -rf .device
 mkdir -p .device/llama/include .device/llama/lib .device/llama/models .device/include \
          .device/data/models/stories260K .device/data/text/tinystories .device/data/text/wikitext-2-raw
-cp .deps/llama.cpp/include/*.h .deps/llama.cpp/ggml/include/*.h .deps/llama.cpp/ggml/src/ggml-common.h .device/llama/include/
+cp .deps/llama.cpp/include/*.h .deps/llama.cpp/ggml/include/*.h .deps/llama.cpp/ggml/src/ggml-common.h .deps/llama.cpp/ggml/src/ggml-quants.h .device/llama/include/
 cp $B/libggml-base.so $B/libggml.v0.4.0.so $B/libllama.v0.4.0.so $B/libggml-cpu-*.so .device/llama/lib/
 cp .deps/llama.cpp/models/ggml-vocab-{qwen2,qwen35,llama-bpe,llama-spm}.gguf .device/llama/models/
 # llama.cpp's Hugging Face converter with its gguf-py (tests/test_hf.cpp runs it there: that machine has transformers).
