@@ -1094,10 +1094,13 @@ bool eval_ahead_runs(const quantize_options & o) {
     if (o.eval_chunks == 0 || o.eval_ahead == "off") {
         return false;
     }
-    // auto: off for now. The one GPU run with it on (docs/BENCHMARKS.md, session 23) built 368 candidates ahead during
-    // the probe where runs without it built 601 and 602, and on the 2-core machine an idle-class thread beside
-    // in-process training slowed it 2-3x: Linux's idle class did not keep it off the cores the quantizers use.
-    // Until an A/B run on the GPU machine says it gains, it runs only when asked (on).
+    // auto: on when the train stage runs on a GPU and the host has at least 8 cores. The A/B on one H100 machine
+    // (16 cores, the Qwen3-1.7B shape, docs/BENCHMARKS.md, session 27): 425.0 s off, 413.2 s on (train +8.0 s,
+    // eval -20.9 s, the same file). On the CPU device it loses: on the 2-core machine an idle-class thread beside
+    // in-process training slowed it 2-3x (Linux's idle class did not keep it off the cores the quantizers use).
+    if (o.eval_ahead == "auto") {
+        return o.train.device != "cpu" && resolve_threads(0) >= 8;
+    }
     return o.eval_ahead == "on";
 }
 
