@@ -17,10 +17,13 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <tuple>
+
+#include <sched.h>
 
 using namespace voodoo;
 
@@ -938,11 +941,20 @@ TEST(dist, voodoo_quantize_gpus_runs_the_train_stage_as_ranks_and_writes_the_sam
     const auto one = test::run_shell(fmt::format("cd {} && env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} 2>&1", dir.file("one"),
                                                  VOODOO_BIN, job));
     ASSERT_EQ(one.exit_code, 0) << one.output;
-    const auto two = test::run_shell(fmt::format("cd {} && env -u WORLD_SIZE VOODOO_PROGRESS=0 {} {} --gpus 2 --parallel layers 2>&1",
-                                                 dir.file("two"), VOODOO_BIN, job));
+    // Without VOODOO_THREADS (ctest sets it to 1), each rank's default threads are its share of the cores this
+    // process may run on.
+    const auto two = test::run_shell(fmt::format(
+        "cd {} && env -u WORLD_SIZE -u VOODOO_THREADS VOODOO_PROGRESS=0 {} {} --gpus 2 --parallel layers 2>&1",
+        dir.file("two"), VOODOO_BIN, job));
     ASSERT_EQ(two.exit_code, 0) << two.output;
-    EXPECT_NE(two.output.find("rank 0 of 2 (cpu, gloo), --parallel layers"), std::string::npos) << two.output;
-    EXPECT_NE(test::read_file(dir.file("two/w/run-Q4_0/rank1.log")).find("rank 1 of 2 (cpu, gloo), --parallel layers"),
+    cpu_set_t cores;
+    ASSERT_EQ(sched_getaffinity(0, sizeof cores, &cores), 0);
+    const int share = std::max(1, CPU_COUNT(&cores) / 2);
+    EXPECT_NE(two.output.find(fmt::format("rank 0 of 2 (cpu, gloo), --parallel layers, {} CPU threads", share)),
+              std::string::npos)
+        << two.output;
+    EXPECT_NE(test::read_file(dir.file("two/w/run-Q4_0/rank1.log"))
+                  .find(fmt::format("rank 1 of 2 (cpu, gloo), --parallel layers, {} CPU threads", share)),
               std::string::npos);
     const std::string a = test::read_file(dir.file("one/out.gguf")), b = test::read_file(dir.file("two/out.gguf"));
     ASSERT_GT(a.size(), 0u);

@@ -3,6 +3,7 @@
 #include "data/dataset.h"
 #include "dist/dist.h"
 #include "export/export.h"
+#include "ggml/quant.h"
 #include "eval/speed_table.h"
 #include "pipeline/dry_run.h"
 #include "pipeline/quantize.h"
@@ -210,8 +211,8 @@ command add_train(CLI::App & app) {
             const torch::Device where = t.device.starts_with("cuda") ? torch::Device(t.device) : torch::Device(torch::kCPU);
             group = std::make_unique<dist::process_group>(*env, std::chrono::minutes(30), where);
             t.group = group.get();
-            fmt::print(stderr, "rank {} of {} ({}, {}), --parallel {}\n", env->rank, env->world_size, t.device,
-                       group->backend(), t.parallel);
+            fmt::print(stderr, "rank {} of {} ({}, {}), --parallel {}, {} CPU threads\n", env->rank, env->world_size,
+                       t.device, group->backend(), t.parallel, resolve_threads(t.threads));
         }
         const bool rank0 = !env || env->rank == 0;
         const train_result r = train_gates(src, teacher ? *teacher : src, data.train(),

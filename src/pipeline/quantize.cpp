@@ -218,6 +218,13 @@ void run_child(std::vector<std::string> args, const std::string & what, const st
 void run_ranks(std::vector<std::string> args, int ranks, const std::string & log_prefix, const std::string & what,
                const std::string & stopped) {
     const int port = dist::free_tcp_port();
+    // The ranks share this host's cores: unless VOODOO_THREADS says otherwise, each rank's default thread count (its
+    // quantizers, libllama and, without OMP_NUM_THREADS, LibTorch) is its share of the cores, as torchrun's
+    // OMP_NUM_THREADS=1 keeps ranks from oversubscribing; -t still sets it outright.
+    const char * user_threads = std::getenv("VOODOO_THREADS");
+    const std::string share = user_threads != nullptr && *user_threads != '\0'
+                                  ? std::string()
+                                  : std::to_string(std::max(1, resolve_threads(0) / std::max(1, ranks)));
     std::vector<pid_t> pids;
     for (int r = 0; r < ranks; ++r) {
         const std::string log = fmt::format("{}{}.log", log_prefix, r);
@@ -234,6 +241,9 @@ void run_ranks(std::vector<std::string> args, int ranks, const std::string & log
             setenv("LOCAL_WORLD_SIZE", std::to_string(ranks).c_str(), 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
             setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+            if (!share.empty()) {
+                setenv("VOODOO_THREADS", share.c_str(), 1);
+            }
         }));
     }
     // In the order they end: the first rank to fail is the one to name (the others then fail waiting for it), and
