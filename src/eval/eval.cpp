@@ -5,8 +5,8 @@
 #include "data/vocab.h"
 #include "ggml/gguf.h"
 #include "ggml/log.h"
-#include "ggml/runtime.h"
 #include "ggml/quant.h"
+#include "ggml/runtime.h"
 #include "ggml/types.h"
 
 #include <llama.h>
