@@ -6,7 +6,12 @@
 // (weighted_errors, predict_from_anchors), and reports for each n:
 //   - the prediction error |ln(predicted / measured)| over the unmeasured candidates (median, p90, max);
 //   - the knapsack regret: at budgets spread from the all-cheapest to the all-Q8_0 file, the measured Σ ΔKL
-//     of the exact knapsack on predicted values against that of the exact knapsack on measured values.
+//     of the exact knapsack on predicted values against that of the exact knapsack on measured values;
+// and, for candidate pruning (train/prune.h, issue #16), with --eager N,… and --margins M,…: the eager types' ΔKL
+// taken from the probe and the others predicted from the sampled errors as the train stage does, the error of those
+// predictions (alone, and as the ratio of two types of one tensor), and at every budget what plan_pruning keeps
+// (candidates, bytes, and the quantizers' work by quantize_cost_per_weight), how often it prunes the exact knapsack's
+// choice on the measured ΔKL, and the regret of the knapsack of the kept types; --per-budget lists the kept types.
 //
 //   probe_anchors MODEL.gguf --imatrix IM.gguf --probe WORK/run-X/probe.json --cache WORK/candidates --out R.json
 //
@@ -20,6 +25,7 @@
 #include "model/gguf_weights.h"
 #include "train/budget.h"
 #include "train/probe.h"
+#include "train/prune.h"
 #include "train/trainer.h"
 
 #include <CLI/CLI.hpp>
@@ -30,6 +36,7 @@
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <map>
 
 namespace {
 
@@ -57,6 +64,13 @@ int main(int argc, char ** argv) {
     app.add_option("--anchors", anchors, "Anchor counts to try")->delimiter(',')->capture_default_str();
     app.add_option("--budgets", budgets, "Budgets between the all-cheapest and the all-Q8_0 file")->capture_default_str();
     app.add_option("--threads", threads, "Threads (0 = all cores)")->capture_default_str();
+    bool per_budget = false;
+    std::vector<int> eager_counts = {2};
+    app.add_option("--eager", eager_counts, "Candidate pruning: eager types per tensor to try (prune_options::eager)")
+        ->delimiter(',')->capture_default_str();
+    app.add_flag("--per-budget", per_budget, "Candidate pruning: print what each budget keeps, by type");
+    std::vector<double> margins = {0.5};
+    app.add_option("--margins", margins, "Candidate pruning: bands to try (prune_options::margin)")->delimiter(',')->capture_default_str();
     CLI11_PARSE(app, argc, argv);
     try {
         using namespace voodoo;
@@ -143,6 +157,104 @@ int main(int argc, char ** argv) {
                                          {"p90_abs_log_error", quantile(logerr, 0.9)},
                                          {"max_abs_log_error", quantile(logerr, 1.0)},
                                          {"mean_regret", mean}, {"max_regret", mx}, {"budgets", rows}});
+        }
+        // Candidate pruning (train/prune.h) against the truth: the eager types' ΔKL from this probe, the others
+        // predicted from the sampled errors, at every budget; what each band keeps, and whether the exact knapsack on
+        // the measured ΔKL of the kept types alone (on the full menus' grid) is the full menus' one.
+        const auto hat = sampled_weighted_errors(src, menus, &importance, prune_options{}, threads);
+        for (int n_eager : eager_counts) {
+            prune_options po;
+            po.eager = n_eager;
+            const auto eager = eager_types(menus, hat, po);
+            std::vector<std::vector<double>> measured(menus.size());
+            for (size_t i = 0; i < menus.size(); ++i) {
+                for (size_t k = 0; k < menus[i].types.size(); ++k) {
+                    measured[i].push_back(eager[i][k] ? full[i][k] : std::numeric_limits<double>::quiet_NaN());
+                }
+            }
+            // How far the predictions are from the truth, alone and as the ratio of two types of one tensor.
+            const prune_plan p0 = plan_pruning(menus, hat, measured, eager, {b0}, {}, po);
+            std::vector<double> alone, pair;
+            for (size_t i = 0; i < menus.size(); ++i) {
+                for (size_t k = 0; k < menus[i].types.size(); ++k) {
+                    if (eager[i][k] || !(full[i][k] > 1e-8) || !(p0.predicted[i][k] > 0)) {
+                        continue;
+                    }
+                    alone.push_back(std::abs(std::log(p0.predicted[i][k] / full[i][k])));
+                    for (size_t j = 0; j < menus[i].types.size(); ++j) {
+                        if (j != k && full[i][j] > 1e-8 && p0.predicted[i][j] > 0) {
+                            pair.push_back(std::abs(std::log((p0.predicted[i][k] / p0.predicted[i][j]) / (full[i][k] / full[i][j]))));
+                        }
+                    }
+                }
+            }
+            fmt::print("\npredictions from {} eager types: |ln(predicted / measured)| median {:.3f} p90 {:.3f} p99 {:.3f} max "
+                       "{:.3f}; of a pair's ratio: median {:.3f} p90 {:.3f} p99 {:.3f} max {:.3f}\n", po.eager,
+                       quantile(alone, 0.5), quantile(alone, 0.9), quantile(alone, 0.99), quantile(alone, 1.0),
+                       quantile(pair, 0.5), quantile(pair, 0.9), quantile(pair, 0.99), quantile(pair, 1.0));
+            report["prediction"].push_back({{"eager", n_eager}, {"abs_log_error", {{"median", quantile(alone, 0.5)}, {"p90", quantile(alone, 0.9)},
+                                                       {"p99", quantile(alone, 0.99)}, {"max", quantile(alone, 1.0)}}},
+                                    {"pair_abs_log_error", {{"median", quantile(pair, 0.5)}, {"p90", quantile(pair, 0.9)},
+                                                            {"p99", quantile(pair, 0.99)}, {"max", quantile(pair, 1.0)}}}});
+            fmt::print("{:>5} {:>6} {:>14} {:>12} {:>11} {:>10} {:>11}\n", "eager", "margin", "kept", "kept bytes", "kept work",
+                       "pruned best", "max regret");
+            for (double m : margins) {
+                po.margin = m;
+                int64_t kept = 0, total = 0, missed = 0;
+                double kept_bytes = 0, total_bytes = 0, worst = 0, kept_cost = 0;
+                for (int j = 0; j < budgets; ++j) {
+                    budget b = b0;
+                    b.limit = b.min_total + (std::min(b.max_total, b.q8_0_bytes) - b.min_total) * (j + 0.5) / budgets;
+                    const std::vector<int> best = allocate_exact(b, full);
+                    const prune_plan p = plan_pruning(menus, hat, measured, eager, {b}, {}, po);
+                    kept += p.kept;
+                    total += p.total;
+                    kept_bytes += p.kept_bytes;
+                    total_bytes += p.total_bytes;
+                    // The quantizers' work (prune.h quantize_cost_per_weight): what the build's time follows.
+                    double cost_kept = 0, cost_all = 0;
+                    std::map<std::string, int> kept_types;
+                    for (size_t i = 0; i < menus.size(); ++i) {
+                        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+                            const double c = quantize_cost_per_weight(menus[i].types[k]) *
+                                             static_cast<double>(menus[i].tensor->n_elements());
+                            cost_all += c;
+                            cost_kept += p.keep[i][k] ? c : 0.0;
+                            kept_types[type_name(menus[i].types[k])] += p.keep[i][k];
+                        }
+                    }
+                    kept_cost += cost_kept / cost_all / budgets;
+                    if (per_budget) {
+                        std::string types;
+                        for (const auto & [t, n] : kept_types) {
+                            types += fmt::format(" {}:{}", t, n);
+                        }
+                        fmt::print("  budget {:>2} ({:.3f} of the all-Q8_0 file): kept {} ({:.1f}% of the work){}\n", j,
+                                   static_cast<double>(b.limit) / static_cast<double>(b.q8_0_bytes), p.kept,
+                                   100 * cost_kept / cost_all, types);
+                    }
+                    const std::vector<tensor_menu> km = pruned_menus(menus, p.keep);
+                    budget bp = make_budget(src, km, target{target_kind::size, 1e12}, eopts, /*check_range =*/false);
+                    bp.limit = b.limit;
+                    share_grid(bp, b);
+                    std::vector<std::vector<double>> kt(menus.size());
+                    for (size_t i = 0; i < menus.size(); ++i) {
+                        missed += !p.keep[i][static_cast<size_t>(best[i])];
+                        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+                            if (p.keep[i][k]) {
+                                kt[i].push_back(full[i][k]);
+                            }
+                        }
+                    }
+                    const double got = estimated_loss(kt, allocate_exact(bp, kt)), want = estimated_loss(full, best);
+                    worst = std::max(worst, want > 0 ? got / want - 1.0 : 0.0);
+                }
+                fmt::print("{:>5} {:>6.2f} {:>6}/{:<7} {:>11.1f}% {:>10.1f}% {:>10} {:>10.3f}%\n", n_eager, m, kept, total,
+                           100 * kept_bytes / total_bytes, 100 * kept_cost, missed, 100 * worst);
+                report["pruning"].push_back({{"eager", n_eager}, {"margin", m}, {"kept", kept}, {"candidates", total},
+                                             {"kept_bytes_fraction", kept_bytes / total_bytes}, {"kept_work_fraction", kept_cost},
+                                             {"best_choices_pruned", missed}, {"max_regret", worst}});
+            }
         }
         if (!out_path.empty()) {
             write_file_atomic(out_path, report.dump(1) + "\n");

@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, dry-8b, bg, bg-wait. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, dry-8b, e2e-8b-defaults, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -223,6 +223,35 @@ e2e-8b)
     cp /tmp/e2e-8b/times.json "$OUT/e2e/times-8b.json" 2>/dev/null
     cp /tmp/e2e-8b/eval.md "$OUT/e2e/llama3-8b-eval.md" 2>/dev/null; cp /tmp/e2e-8b/eval.json "$OUT/e2e/llama3-8b-eval.json" 2>/dev/null
     awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 + 0 > m) m = $2 + 0} END {print "peak GPU memory used:", m, "MiB"}' "$OUT/e2e/gpu-mem-8b.csv"
+    ;;
+e2e-8b-defaults)
+    # Issue #16's question at 8B: `voodoo quantize --device cuda` on the Llama-3.1-8B shape (the fixture of e2e-8b)
+    # with every option at its default, as e2e-1.7b runs the 1.7B shape: the default menu, 8 probe sequences, the
+    # probe's anchors, the eval's chunks and llama-bench runs auto. It takes longer than one session's device time, so
+    # what it reaches is what is measured: every stage's line in the log as it ends, and every 10 s the candidate
+    # cache's files and bytes (cache-8b.csv: the build's rate) and the GPU's memory.
+    log e2e llama3.1-8b shape, every default
+    rm -rf /tmp/e2e-17b* /tmp/e2e-8b
+    mkdir -p "$OUT/e2e"
+    [ -f /tmp/llama3-8b-shape.gguf ] || /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch llama \
+        --vocab "$D/llama/models/ggml-vocab-llama-bpe.gguf" --n-embd 4096 --n-layer 32 --n-head 32 --n-head-kv 8 \
+        --head-dim 128 --n-ff 14336 --type bf16 --rope-freq-base 500000 -o /tmp/llama3-8b-shape.gguf > "$OUT/e2e/fixture-8b.log" 2>&1
+    ls -la /tmp/llama3-8b-shape.gguf; df -B1 /tmp | tee "$OUT/e2e/df-8b.txt"; free -b | tee -a "$OUT/e2e/df-8b.txt"
+    nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 1000 > "$OUT/e2e/gpu-mem-8b.csv" 2>&1 &
+    SMI=$!
+    ( while sleep 10; do
+        echo "$(date +%T),$(find /tmp/e2e-8b/candidates -type f 2>/dev/null | wc -l),$(du -sb /tmp/e2e-8b/candidates 2>/dev/null | cut -f1),$(df -B1 --output=avail /tmp | tail -1)"
+      done ) > "$OUT/e2e/cache-8b.csv" 2>&1 &
+    CACHE=$!
+    /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/llama3-8b-shape.gguf --text "$D/data/text/wikitext-2-raw/wiki.valid.raw" \
+        --like Q4_K_M --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --device cuda \
+        --work /tmp/e2e-8b > "$OUT/e2e/llama3-8b-defaults.log" 2>&1
+    kill $SMI $CACHE
+    grep -E "^== |in [0-9.]+ ?s|Maximum resident|Elapsed|candidates for|built ahead|--probe-anchors auto|eval defaults|warning|error" \
+        "$OUT/e2e/llama3-8b-defaults.log" | cut -c1-300 | tail -40
+    du -sh /tmp/e2e-8b/* > "$OUT/e2e/disk-8b.txt" 2>&1; cat "$OUT/e2e/disk-8b.txt"
+    cp /tmp/e2e-8b/times.json "$OUT/e2e/times-8b.json" 2>/dev/null
+    cp /tmp/e2e-8b/eval.md "$OUT/e2e/llama3-8b-eval.md" 2>/dev/null
     ;;
 dry-8b)
     # Issue #16 ("will it fit?"): the dry run of the default job on the Llama-3.1-8B shape (the fixture of e2e-8b;
