@@ -245,7 +245,7 @@ e2e-8b-defaults)
     CACHE=$!
     /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/llama3-8b-shape.gguf --text "$D/data/text/wikitext-2-raw/wiki.valid.raw" \
         --like Q4_K_M --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --device cuda \
-        --work /tmp/e2e-8b > "$OUT/e2e/llama3-8b-defaults.log" 2>&1
+        --work /tmp/e2e-8b ${E2E_ARGS:-} > "$OUT/e2e/llama3-8b-defaults.log" 2>&1
     kill $SMI $CACHE
     grep -E "^== |in [0-9.]+ ?s|Maximum resident|Elapsed|candidates for|built ahead|--probe-anchors auto|eval defaults|warning|error" \
         "$OUT/e2e/llama3-8b-defaults.log" | cut -c1-300 | tail -40
