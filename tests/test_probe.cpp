@@ -136,6 +136,33 @@ TEST(probe, unmeasured_types_are_predicted_from_the_error_ratio_of_the_nearest_m
     EXPECT_NE(msg.find("q2_K"), std::string::npos) << msg;
 }
 
+TEST(probe, a_stop_request_ends_the_probe_before_the_next_forward) {
+    // Ctrl-C during the probe (minutes at 8B): asked before each candidate's forward, it throws voodoo::stopped saying
+    // how far the probe went. Four candidates to measure (Q4_0 and Q8_0 of two tensors; the F32 source's own bytes
+    // are measured too, here: no plan).
+    const gguf_file f(test::stories260k());
+    const std::vector<gated_tensor> gated = three_candidates(f, nullptr);
+    std::unique_ptr<causal_lm> model = build_model(f);
+    gguf_weights dense(f), teacher(f);
+    const torch::Tensor tokens = torch::randint(1, model->hparams().n_vocab, {1, 16}, torch::kLong);
+    int asked = 0;
+    std::string msg;
+    try {
+        (void)probe_sensitivity(*model, dense, teacher, gated, tokens, torch::kCPU, 16, torch::kFloat, nullptr,
+                                int64_t(2) << 30, nullptr, [&] { return ++asked >= 3; });
+        ADD_FAILURE() << "the probe did not stop";
+    } catch (const stopped & e) {
+        msg = e.what();
+    }
+    EXPECT_EQ(asked, 3);
+    EXPECT_NE(msg.find("after 2 of 6"), std::string::npos) << msg;
+    // Never asked to stop: the same ΔKL as without a stop test.
+    const auto plain = probe_sensitivity(*model, dense, teacher, gated, tokens, torch::kCPU, 16);
+    const auto polled = probe_sensitivity(*model, dense, teacher, gated, tokens, torch::kCPU, 16, torch::kFloat, nullptr,
+                                          int64_t(2) << 30, nullptr, [] { return false; });
+    EXPECT_EQ(polled, plain);
+}
+
 TEST(probe, an_anchored_probe_measures_exactly_what_the_full_probe_measures_at_its_anchors) {
     const gguf_file f(test::stories260k());
     const std::vector<gated_tensor> gated = three_candidates(f, nullptr);

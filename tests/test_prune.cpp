@@ -416,6 +416,51 @@ TEST(prune, the_candidate_schedule_changes_no_byte_whatever_the_threads) {
     }
 }
 
+TEST(prune, a_stop_request_ends_the_candidate_build_after_the_candidates_in_progress_and_keeps_them) {
+    // Ctrl-C while candidates build (a quarter of an hour at 8B): the build asks the stop test before each candidate,
+    // stops, and throws voodoo::stopped; what was built is in the cache, and the same build again reads it back.
+    const gguf_file f(test::stories260k());
+    std::vector<tensor_menu> menus;
+    for (const char * name : {"blk.0.attn_q.weight", "blk.1.ffn_up.weight", "blk.2.attn_v.weight"}) {
+        tensor_menu m;
+        m.tensor = &f.tensor(name);
+        m.types = {GGML_TYPE_Q4_0, GGML_TYPE_Q5_0, GGML_TYPE_Q8_0};
+        menus.push_back(m);
+    }
+    const test::temp_dir tmp;
+    const candidate_cache cache(tmp.path.string());
+    auto entries = [&] {
+        int64_t n = 0;
+        for (const auto & e : std::filesystem::recursive_directory_iterator(tmp.path)) {
+            n += e.is_regular_file();
+        }
+        return n;
+    };
+    int asked = 0;
+    std::string msg;
+    try {
+        // One thread: the candidates are built one at a time, so the third question finds two built.
+        (void)build_candidates(f, menus, nullptr, cache, 1, {}, [&] { return ++asked >= 3; });
+        ADD_FAILURE() << "the build did not stop";
+    } catch (const stopped & e) {
+        msg = e.what();
+    }
+    EXPECT_EQ(asked, 3);
+    EXPECT_EQ(entries(), 2) << "the two candidates built before the stop are kept";
+    EXPECT_NE(msg.find("2 of 9"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(tmp.path.string()), std::string::npos) << msg;
+    EXPECT_NE(msg.find("run the same command again"), std::string::npos) << msg;
+    // Never asked to stop: every candidate, the same bytes as quantize_tensor's.
+    const std::vector<gated_tensor> g = build_candidates(f, menus, nullptr, cache, 1, {}, [] { return false; });
+    EXPECT_EQ(entries(), 9);
+    for (size_t i = 0; i < g.size(); ++i) {
+        for (size_t k = 0; k < g[i].types.size(); ++k) {
+            EXPECT_EQ(g[i].bytes[k], quantize_tensor(f, *menus[i].tensor, menus[i].types[k], {}, {}, 1))
+                << menus[i].tensor->name << " as " << type_name(menus[i].types[k]);
+        }
+    }
+}
+
 namespace {
 
 // A tmpfs of `bytes` mounted at `dir` for the life of the object (root only: `mounted` false elsewhere).

@@ -265,7 +265,7 @@ std::vector<std::vector<double>> probe_pipelined(causal_lm & model, weight_sourc
                                                  torch::Device device, int64_t chunk,
                                                  const std::function<bool(size_t, size_t)> & wanted,
                                                  std::vector<std::vector<double>> out, int64_t stream_bytes,
-                                                 const dist::layer_pipeline & p) {
+                                                 const dist::layer_pipeline & p, const std::function<void()> & check_stop) {
     const int rank = p.rank(), last = p.size() - 1;
     int64_t n_mine = 0;  // the candidates whose forward passes through this rank
     for (size_t i = 0; i < gated.size(); ++i) {
@@ -298,6 +298,7 @@ std::vector<std::vector<double>> probe_pipelined(causal_lm & model, weight_sourc
             if (!wanted(i, k) || rank < start) {
                 continue;
             }
+            check_stop();
             swap.set(name, p.uses(name) ? candidate_weights(g, k, device).view(torch_shape(g)) : torch::Tensor());
             torch::Tensor h;
             if (rank > start) {
@@ -331,7 +332,7 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
                                                    const torch::Tensor & tokens, torch::Device device, int64_t chunk,
                                                    torch::ScalarType dtype,
                                                    const std::vector<std::vector<bool>> * measure, int64_t stream_bytes,
-                                                   const dist::layer_pipeline * pipe) {
+                                                   const dist::layer_pipeline * pipe, const std::function<bool()> & stop) {
     if (measure && measure->size() != gated.size()) {
         fail("probe_sensitivity: a plan of {} tensors for {} gated tensors", measure->size(), gated.size());
     }
@@ -349,9 +350,17 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
     }
     torch::NoGradGuard no_grad;
     dtype_scope scope(model, dtype);
+    int64_t measured = 0;
+    const auto check_stop = [&] {
+        if (stop && stop()) {
+            throw stopped(fmt::format("stopped during the probe, after {} of {} candidates' forwards; run the same "
+                                      "command again (the candidates are kept)", measured, n_candidates));
+        }
+        ++measured;
+    };
     if (pipe && pipe->size() > 1) {
         return probe_pipelined(model, dense, teacher, gated, tokens, device, chunk, wanted, std::move(out), stream_bytes,
-                               *pipe);
+                               *pipe, check_stop);
     }
     const torch::Tensor h_t = model.hidden(tokens, teacher);
     const teacher_logp t_logp(model, h_t, teacher, chunk);
@@ -366,6 +375,7 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
         const gated_tensor & g = gated[i];
         for (size_t k = 0; k < g.types.size(); ++k) {
             if (wanted(i, k)) {
+                check_stop();
                 swap.set(g.tensor->name, candidate_weights(g, k, device).view(torch_shape(g)));
                 out[i][k] = kl(streams.hidden(model, tokens, g.tensor->name, swap), swap) - base;
                 bar.add(1);

@@ -9,6 +9,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -39,13 +40,17 @@ struct layer_pipeline;
 /// every rank every value. A rank reads only the weights and candidates of its own layers (layer_pipeline::uses), so
 /// a teacher larger than one device can be probed; each keeps the streams of its own layers within `stream_bytes`.
 /// The same operations on the same values as one process: the same ΔKL bit for bit (tests/test_dist.cpp).
+/// `stop` (optional; Ctrl-C): asked before each candidate's forward; once true, voodoo::stopped is thrown (the
+/// eager probe of an 8B model takes minutes: docs/BENCHMARKS.md). With `pipe`, a rank that stops leaves the others
+/// to the launcher, which stops them (quantize --gpus).
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
                                                    const torch::Tensor & tokens, torch::Device device, int64_t chunk,
                                                    torch::ScalarType dtype = torch::kFloat,
                                                    const std::vector<std::vector<bool>> * measure = nullptr,
                                                    int64_t stream_bytes = int64_t(2) << 30,
-                                                   const dist::layer_pipeline * pipe = nullptr);
+                                                   const dist::layer_pipeline * pipe = nullptr,
+                                                   const std::function<bool()> & stop = {});
 
 /// The importance-weighted squared error of every candidate, [tensor][menu type]:
 ///   E_k = Σ_rows Σ_j a_j · (W_ij − deq(Q_k)_ij)²,

@@ -114,7 +114,8 @@ bool keep_all_or(const std::function<bool(const std::string &)> & keep, const st
 
 std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vector<tensor_menu> & menus,
                                            const importance_map * importance, const candidate_cache & cache,
-                                           int threads, const std::function<bool(const std::string &)> & keep) {
+                                           int threads, const std::function<bool(const std::string &)> & keep,
+                                           const std::function<bool()> & stop) {
     std::vector<gated_tensor> out(menus.size());
     std::vector<std::pair<size_t, size_t>> jobs;
     for (size_t i = 0; i < menus.size(); ++i) {
@@ -147,6 +148,10 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
     progress bar("candidates", static_cast<int64_t>(jobs.size()), "cand");
     std::exception_ptr failure;
     std::mutex failure_mutex;
+    std::atomic<bool> stopping{false};
+    std::atomic<int64_t> done{0};
+    // Asked before each candidate; once true it stays true for every thread (one Ctrl-C).
+    auto should_stop = [&] { return stopping || (stop && stop() && (stopping = true)); };
     auto build = [&](size_t j, int job_threads) {
         const auto [i, k] = jobs[j];
         try {
@@ -154,6 +159,7 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
             std::vector<uint8_t> & b = out[i].bytes[k];
             b = candidate_bytes(src, t, menus[i].types[k], importance_for(importance, t), &cache, {}, job_threads);
             out[i].hashes[k] = XXH3_64bits(b.data(), b.size());
+            ++done;
         } catch (...) {
             std::lock_guard<std::mutex> lock(failure_mutex);
             failure = failure ? failure : std::current_exception();
@@ -161,13 +167,14 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
         bar.add(1);
     };
     size_t first_small = 0;
-    while (first_small < order.size() && n_threads > 1 && cost[order[first_small]] > total / n_threads && !failure) {
+    while (first_small < order.size() && n_threads > 1 && cost[order[first_small]] > total / n_threads && !failure &&
+           !should_stop()) {
         build(order[first_small++], n_threads);
     }
     std::atomic<size_t> next{first_small};
     auto work = [&] {
         for (size_t j; (j = next++) < order.size();) {
-            if (failure) {
+            if (failure || should_stop()) {
                 break;
             }
             build(order[j], 1);
@@ -183,6 +190,11 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
     bar.finish();
     if (failure) {
         std::rethrow_exception(failure);
+    }
+    if (stopping) {
+        throw stopped(fmt::format("stopped while building candidates: {} of {} built, kept in '{}'; run the same command "
+                                  "again to resume (they are read back, not built again)", done.load(), jobs.size(),
+                                  cache.dir()));
     }
     return out;
 }
@@ -734,6 +746,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     const torch::Tensor probe_tokens = tokens_of(train, probe_chunks, train.ctx());
     const std::string probe_path = o.probe_file.empty() ? (fs::path(o.run_dir) / "probe.json").string() : o.probe_file;
     const torch::ScalarType probe_dtype = o.probe_compute == "bf16" ? torch::kBFloat16 : torch::kFloat;
+    // Ctrl-C before the first step: the candidates and the probes ask it (minutes each at 8B), not only the steps.
+    const std::function<bool()> stop_now = [&] { return o.should_stop && o.should_stop(-1); };
     auto check_finite = [&](const std::vector<gated_tensor> & g, const std::vector<std::vector<double>> & s,
                             const std::vector<std::vector<bool>> & plan) {
         for (size_t i = 0; i < g.size(); ++i) {
@@ -790,7 +804,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
             o.group->barrier();
         }
-        std::vector<gated_tensor> built = build_candidates(src, m, importance, cache, n_threads, keep_bytes);
+        std::vector<gated_tensor> built = build_candidates(src, m, importance, cache, n_threads, keep_bytes, stop_now);
         if (layer_sharding) {
             // The other ranks' candidates' xxh3-64 (the probe's identity), from their owners: one all-reduce to which
             // every other rank adds zeros.
@@ -839,7 +853,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                            rank, ranks, my_layers.first, my_layers.second, n);
             }
             return probe_sensitivity(*model, dense, teacher_weights, g, probe_tokens, device, loss_chunk, probe_dtype, &p,
-                                     int64_t(2) << 30, pipeline);
+                                     int64_t(2) << 30, pipeline, stop_now);
         }
         std::vector<std::vector<bool>> mine = plan;
         int64_t n = 0;
@@ -853,7 +867,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         fmt::print(stderr, "probe: rank {} of {} measures {} of the {} candidates planned\n", rank, ranks,
                    n / ranks + (n % ranks > rank ? 1 : 0), n);
         std::vector<std::vector<double>> out =
-            probe_sensitivity(*model, dense, teacher_weights, g, probe_tokens, device, loss_chunk, probe_dtype, &mine);
+            probe_sensitivity(*model, dense, teacher_weights, g, probe_tokens, device, loss_chunk, probe_dtype, &mine,
+                              int64_t(2) << 30, nullptr, stop_now);
         std::vector<double> flat;
         for (size_t i = 0; i < out.size(); ++i) {
             for (size_t k = 0; k < out[i].size(); ++k) {

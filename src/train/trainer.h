@@ -134,9 +134,13 @@ nlohmann::json selection_to_json(const train_result & r);
 /// candidates this process builds or reads and holds; the others get empty bytes and hashes 0, which the caller fills
 /// (a layer-sharded rank, issue #17: it reads and holds the candidates of its own layers only, the other hashes come
 /// from their owners). Throws voodoo::error naming the tensor when llama.cpp's quantizer refuses a type.
+/// `stop` (optional; Ctrl-C: train_options::should_stop): asked before each candidate; once true, the threads finish
+/// the candidates in progress (each is in the cache, as every one built before) and voodoo::stopped is thrown, saying
+/// how many were built. An 8B model's candidates take a quarter of an hour (docs/BENCHMARKS.md, issue #16).
 std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vector<tensor_menu> & menus,
                                            const importance_map * importance, const candidate_cache & cache,
-                                           int threads, const std::function<bool(const std::string &)> & keep = {});
+                                           int threads, const std::function<bool(const std::string &)> & keep = {},
+                                           const std::function<bool()> & stop = {});
 
 /// The defaults for `--device cpu`, where one forward of a 30M-weight model runs about 1,000× slower than on
 /// an H200 and a run must still take minutes (docs/BENCHMARKS.md, "One size of mix30M on the CPU"): the probe on
