@@ -461,6 +461,23 @@ TEST(prune, a_stop_request_ends_the_candidate_build_after_the_candidates_in_prog
     }
 }
 
+TEST(prune, a_stop_request_ends_a_prefetch_wait_after_the_job_in_progress) {
+    // The ranks of `quantize --gpus N` build their share with candidate_prefetch and wait for it: the wait asks the
+    // stop test (Ctrl-C) and stops after the candidate in progress. mix30M's embedding (16.4 M weights) takes a
+    // second or more per K-quant on one thread, so the first question comes while the first job runs.
+    const gguf_file f(mix30m());
+    const gguf_tensor & embd = f.tensor("token_embd.weight");
+    const test::temp_dir tmp;
+    const candidate_cache cache(tmp.path.string());
+    candidate_prefetch part(f, {{&embd, GGML_TYPE_Q4_K}, {&embd, GGML_TYPE_Q5_K}, {&embd, GGML_TYPE_Q6_K}}, nullptr,
+                            cache, 1);
+    EXPECT_FALSE(part.wait([] { return true; }));
+    EXPECT_LT(part.built(), 3);
+    candidate_prefetch all(f, {{&embd, GGML_TYPE_Q4_K}}, nullptr, cache, 1);
+    EXPECT_TRUE(all.wait([] { return false; }));
+    EXPECT_EQ(all.built(), 1);
+}
+
 namespace {
 
 // A tmpfs of `bytes` mounted at `dir` for the life of the object (root only: `mounted` false elsewhere).

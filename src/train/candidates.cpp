@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <atomic>
+#include <chrono>
 #include <exception>
 #include <filesystem>
 #include <mutex>
@@ -164,7 +165,10 @@ std::vector<uint8_t> candidate_bytes(const gguf_file & file, const gguf_tensor &
 candidate_prefetch::candidate_prefetch(const gguf_file & file, std::vector<job> jobs, const importance_map * importance,
                                        const candidate_cache & cache, int n_threads)
     : file_(file), jobs_(std::move(jobs)), importance_(importance), cache_(cache), n_threads_(n_threads) {
-    thread_ = std::thread([this] { run(); });
+    thread_ = std::thread([this] {
+        run();
+        finished_ = true;
+    });
 }
 
 candidate_prefetch::~candidate_prefetch() { stop(); }
@@ -254,6 +258,18 @@ int64_t candidate_prefetch::wait() {
         thread_.join();
     }
     return built_;
+}
+
+bool candidate_prefetch::wait(const std::function<bool()> & stop) {
+    while (!finished_) {
+        if (stop && stop()) {
+            this->stop();
+            return false;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    wait();
+    return true;
 }
 
 }  // namespace voodoo

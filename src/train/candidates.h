@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -115,6 +116,10 @@ public:
     int64_t stop();
     /// Waits until every job is built (or the prefetch ended on an error); returns how many were built.
     int64_t wait();
+    /// wait(), asking `stop` every 100 ms (Ctrl-C): once it is true, stop() and false; true when every job ran.
+    bool wait(const std::function<bool()> & stop);
+    /// How many jobs were built (or found in the cache) so far.
+    int64_t built() const { return built_; }
     /// Bytes of the candidates built so far.
     size_t bytes() const { return bytes_; }
 
@@ -126,6 +131,7 @@ private:
     const candidate_cache & cache_;
     int n_threads_;
     std::atomic<bool> stop_{false};
+    std::atomic<bool> finished_{false};
     std::atomic<int64_t> built_{0};
     std::atomic<size_t> bytes_{0};
     std::thread thread_;

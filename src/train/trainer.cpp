@@ -798,7 +798,11 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             const size_t n_mine = mine.size();
             {
                 candidate_prefetch part(src, std::move(mine), importance, cache, n_threads);
-                part.wait();
+                if (!part.wait(stop_now)) {
+                    throw stopped(fmt::format("stopped while building candidates: rank {} of {} built {} of its {}, kept in "
+                                              "'{}'; run the same command again to resume", rank, ranks, part.built(),
+                                              n_mine, cache.dir()));
+                }
             }
             fmt::print(stderr, "candidates: rank {} of {} built {} of {} in {:.1f} s\n", rank, ranks, n_mine, all,
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
