@@ -136,6 +136,26 @@ TEST(probe, unmeasured_types_are_predicted_from_the_error_ratio_of_the_nearest_m
     EXPECT_NE(msg.find("q2_K"), std::string::npos) << msg;
 }
 
+TEST(probe, a_candidates_forward_runs_its_layer_the_later_ones_and_the_head) {
+    // stories260K: 5 layers and a head of its own (output.weight). The share of a whole forward's matrix weights each
+    // candidate's probe forward runs, counted here from the file's tensors.
+    const gguf_file f(test::stories260k());
+    ASSERT_NE(f.find_tensor("output.weight"), nullptr);
+    std::vector<double> layer(5, 0.0);
+    for (const gguf_tensor & t : f.tensors()) {
+        if (t.n_dims >= 2 && t.name.rfind("blk.", 0) == 0) {
+            layer[static_cast<size_t>(t.name[4] - '0')] += static_cast<double>(t.n_elements());
+        }
+    }
+    const double head = static_cast<double>(f.tensor("output.weight").n_elements());
+    const double total = head + layer[0] + layer[1] + layer[2] + layer[3] + layer[4];
+    EXPECT_DOUBLE_EQ(probe_forward_share(f, "blk.0.attn_q.weight"), 1.0);
+    EXPECT_DOUBLE_EQ(probe_forward_share(f, "blk.3.ffn_up.weight"), (head + layer[3] + layer[4]) / total);
+    EXPECT_DOUBLE_EQ(probe_forward_share(f, "blk.4.ffn_down.weight"), (head + layer[4]) / total);
+    EXPECT_DOUBLE_EQ(probe_forward_share(f, "output.weight"), head / total);  // only the head runs
+    EXPECT_DOUBLE_EQ(probe_forward_share(f, "token_embd.weight"), 1.0);    // the embedding: the whole forward
+}
+
 TEST(probe, a_stop_request_ends_the_probe_before_the_next_forward) {
     // Ctrl-C during the probe (minutes at 8B): asked before each candidate's forward, it throws voodoo::stopped saying
     // how far the probe went. Four candidates to measure (Q4_0 and Q8_0 of two tensors; the F32 source's own bytes

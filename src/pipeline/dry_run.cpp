@@ -14,6 +14,7 @@
 #include "train/budget.h"
 #include "train/candidates.h"
 #include "train/gated.h"
+#include "train/probe.h"
 #include "train/trainer.h"
 
 #include <fmt/format.h>
@@ -366,25 +367,34 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
         }
         add("candidates", fmt::format("{} quantizations on {} core{} ({} already in the cache)", to_build, threads, threads == 1 ? "" : "s", in_cache), s);
     }
-    // The probe and the selection run whole --ctx chunks.
+    // The probe and the selection run whole --ctx chunks. A candidate's forward runs from its own layer on
+    // (probe_forward_share: about half a whole forward; the first, the source's, is whole).
     {
         int64_t forwards = 1, full = 1, anchored = 1;
+        double work = 1, work_full = 1, work_anchored = 1;  // in whole forwards
         const int a = in.train.probe_anchors;
         for (const tensor_menu & m : menus) {
             const int64_t k = static_cast<int64_t>(m.types.size());
-            forwards += a > 0 ? std::min<int64_t>(a, k) : k;
+            const double share = probe_forward_share(src, m.tensor->name);
+            const int64_t n = a > 0 ? std::min<int64_t>(a, k) : k;
+            forwards += n;
             full += k;
             anchored += std::min<int64_t>(2, k);
+            work += share * static_cast<double>(n);
+            work_full += share * static_cast<double>(k);
+            work_anchored += share * static_cast<double>(std::min<int64_t>(2, k));
         }
         const double per_forward = static_cast<double>(in.train.probe_sequences * in.ctx) * fwd_flops_per_token / (gpu ? gpu_f32 : cpu);
         std::string how;
         if (a < 0) {  // auto (probe.h resolve_probe_anchors): the rest measured only when it fits the limit
-            const bool all = per_forward * static_cast<double>(full - anchored) <= in.train.probe_auto_seconds;
+            const bool all = per_forward * (work_full - work_anchored) <= in.train.probe_auto_seconds;
             forwards = all ? full : anchored;
+            work = all ? work_full : work_anchored;
             how = all ? " (--probe-anchors auto: every type)" : " (--probe-anchors auto: 2 anchors per tensor)";
         }
-        add("probe", fmt::format("{} forwards of {} × {} tokens{}", forwards, in.train.probe_sequences, in.ctx, how),
-            static_cast<double>(forwards) * per_forward);
+        add("probe", fmt::format("{} forwards of {} × {} tokens{}, {:.0f}% of a whole forward each on average", forwards,
+                                 in.train.probe_sequences, in.ctx, how, 100.0 * work / static_cast<double>(forwards)),
+            work * per_forward);
     }
     {
         const double tokens = static_cast<double>(in.train.steps) * in.train.batch * in.train.accum * static_cast<double>(seq);

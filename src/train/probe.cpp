@@ -17,6 +17,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <map>
 #include <optional>
 #include <unordered_map>
 
@@ -326,6 +327,36 @@ std::vector<std::vector<double>> probe_pipelined(causal_lm & model, weight_sourc
 }
 
 }  // namespace
+
+double probe_forward_share(const gguf_file & file, const std::string & tensor) {
+    const bool tied = file.find_tensor("output.weight") == nullptr;
+    const std::string head = tied ? "token_embd.weight" : "output.weight";
+    std::map<int64_t, double> layer;  // matrix weights per layer
+    double head_weights = 0;
+    for (const gguf_tensor & t : file.tensors()) {
+        if (t.n_dims < 2) {
+            continue;
+        }
+        if (const int64_t l = layer_of_tensor(t.name); l >= 0) {
+            layer[l] += static_cast<double>(t.n_elements());
+        } else if (t.name == head) {
+            head_weights = static_cast<double>(t.n_elements());
+        }
+    }
+    double total = head_weights, from = head_weights;
+    const int64_t own = layer_of_tensor(tensor);
+    for (const auto & [l, w] : layer) {
+        total += w;
+        from += l >= own ? w : 0.0;
+    }
+    if (total <= 0) {
+        return 1.0;
+    }
+    if (own < 0) {
+        return tensor == "output.weight" && !tied ? head_weights / total : 1.0;
+    }
+    return from / total;
+}
 
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,

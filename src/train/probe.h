@@ -52,6 +52,14 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
                                                    const dist::layer_pipeline * pipe = nullptr,
                                                    const std::function<bool()> & stop = {});
 
+/// The share of a whole forward's matrix weights that probe_sensitivity runs for a candidate of `tensor` in `file`:
+/// its layer and every later one, and the head (output.weight, or token_embd.weight when the head is tied), over all
+/// layers and the head; 1 for a tensor outside the layers but the head, the head's share for an untied head. The
+/// layer streams' stride is not counted (every layer's stream kept). What the dry run's probe estimate multiplies a
+/// whole forward by (pipeline/dry_run.cpp): on the 8B shape the probe's forward measured 0.304 s at 2 × 512 tokens on
+/// an H100, about half a whole one (docs/BENCHMARKS.md, session 28).
+double probe_forward_share(const gguf_file & file, const std::string & tensor);
+
 /// The importance-weighted squared error of every candidate, [tensor][menu type]:
 ///   E_k = Σ_rows Σ_j a_j · (W_ij − deq(Q_k)_ij)²,
 /// W the source weights (`dense`), a the tensor's imatrix importance (per input column, per expert for 3-D
