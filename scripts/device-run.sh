@@ -44,6 +44,14 @@ e2e_17b() {
     awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 + 0 > m) m = $2 + 0} END {print "peak GPU memory used:", m, "MiB"}' "$OUT/e2e/gpu-mem-1.7b$tag.csv"
 }
 
+# The synthetic Llama-3.1-8B shape of the 8B stages (32 layers, 4096 wide, 14,336 FFN, the full 128,256-token
+# vocabulary, BF16, its own head; random weights), made once into /tmp (≈ 1 min, 16.1 GB).
+fixture_8b() {
+    [ -f /tmp/llama3-8b-shape.gguf ] || /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch llama \
+        --vocab "$D/llama/models/ggml-vocab-llama-bpe.gguf" --n-embd 4096 --n-layer 32 --n-head 32 --n-head-kv 8 \
+        --head-dim 128 --n-ff 14336 --type bf16 --rope-freq-base 500000 -o /tmp/llama3-8b-shape.gguf > "$OUT/e2e/fixture-8b.log" 2>&1
+}
+
 for stage in "$@"; do
 case "$stage" in
 build)
@@ -233,9 +241,7 @@ e2e-8b-defaults)
     log e2e llama3.1-8b shape, every default
     rm -rf /tmp/e2e-17b* /tmp/e2e-8b
     mkdir -p "$OUT/e2e"
-    [ -f /tmp/llama3-8b-shape.gguf ] || /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch llama \
-        --vocab "$D/llama/models/ggml-vocab-llama-bpe.gguf" --n-embd 4096 --n-layer 32 --n-head 32 --n-head-kv 8 \
-        --head-dim 128 --n-ff 14336 --type bf16 --rope-freq-base 500000 -o /tmp/llama3-8b-shape.gguf > "$OUT/e2e/fixture-8b.log" 2>&1
+    fixture_8b
     ls -la /tmp/llama3-8b-shape.gguf; df -B1 /tmp | tee "$OUT/e2e/df-8b.txt"; free -b | tee -a "$OUT/e2e/df-8b.txt"
     nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 1000 > "$OUT/e2e/gpu-mem-8b.csv" 2>&1 &
     SMI=$!
@@ -261,9 +267,7 @@ dry-8b)
     log dry-run llama3.1-8b shape
     rm -rf /tmp/e2e-17b /tmp/qwen3-1.7b-shape.gguf
     mkdir -p "$OUT/e2e"
-    [ -f /tmp/llama3-8b-shape.gguf ] || /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch llama \
-        --vocab "$D/llama/models/ggml-vocab-llama-bpe.gguf" --n-embd 4096 --n-layer 32 --n-head 32 --n-head-kv 8 \
-        --head-dim 128 --n-ff 14336 --type bf16 --rope-freq-base 500000 -o /tmp/llama3-8b-shape.gguf > "$OUT/e2e/fixture-8b.log" 2>&1
+    fixture_8b
     df -B1 /tmp | tee "$OUT/e2e/df-8b.txt"; free -b | tee -a "$OUT/e2e/df-8b.txt"
     /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/llama3-8b-shape.gguf --text "$D/data/text/wikitext-2-raw/wiki.valid.raw" \
         --like Q4_K_M --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --device cuda \

@@ -151,7 +151,12 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
     std::atomic<bool> stopping{false};
     std::atomic<int64_t> done{0};
     // Asked before each candidate; once true it stays true for every thread (one Ctrl-C).
-    auto should_stop = [&] { return stopping || (stop && stop() && (stopping = true)); };
+    auto should_stop = [&] {
+        if (!stopping && stop && stop()) {
+            stopping = true;
+        }
+        return stopping.load();
+    };
     auto build = [&](size_t j, int job_threads) {
         const auto [i, k] = jobs[j];
         try {
