@@ -15,6 +15,10 @@
 //
 //   probe_anchors MODEL.gguf --imatrix IM.gguf --probe WORK/run-X/probe.json --cache WORK/candidates --out R.json
 //
+// --against P2.json compares a second full probe of the same candidates (another arithmetic: --probe-compute tf32 or
+// bf16) with the first, taken as the truth: |ln(P2 / P1)| per type (median, max, over the candidates whose P1 ΔKL is
+// above 1e-8) and the regret of the exact knapsack on P2's values, measured with P1's, at the same budgets.
+//
 // The imatrix and candidate cache should be the ones the probe was measured with (same WORK folder): with
 // another imatrix the candidates differ slightly from those the probe measured.
 #include "common/error.h"
@@ -69,6 +73,8 @@ int main(int argc, char ** argv) {
     app.add_option("--eager", eager_counts, "Candidate pruning: eager types per tensor to try (prune_options::eager)")
         ->delimiter(',')->capture_default_str();
     app.add_flag("--per-budget", per_budget, "Candidate pruning: print what each budget keeps, by type");
+    std::string against_path;
+    app.add_option("--against", against_path, "A second full probe of the same candidates to compare with --probe");
     std::vector<double> margins = {0.5};
     app.add_option("--margins", margins, "Candidate pruning: bands to try (prune_options::margin)")->delimiter(',')->capture_default_str();
     CLI11_PARSE(app, argc, argv);
@@ -110,6 +116,53 @@ int main(int argc, char ** argv) {
         // Budgets: exact file bytes from the all-cheapest file to the all-Q8_0 one (above it every ΔKL is ~1e-7).
         const budget b0 = make_budget(src, menus, target{target_kind::ratio, 1.0}, eopts);
         nlohmann::json report = {{"model", model_path}, {"probe", probe_path}, {"tensors", gated.size()}};
+        if (!against_path.empty()) {
+            std::ifstream in2(against_path);
+            if (!in2) {
+                fail("cannot open the probe '{}' (--against)", against_path);
+            }
+            const nlohmann::json aj = nlohmann::json::parse(in2);
+            const std::vector<std::vector<double>> other = load_probe(against_path, aj.value("identity", ""), gated);
+            if (other.empty()) {
+                fail("probe '{}' (--against) does not hold every menu type of every tensor of '{}'", against_path, model_path);
+            }
+            std::map<std::string, std::vector<double>> by_type;
+            std::vector<double> all;
+            for (size_t i = 0; i < gated.size(); ++i) {
+                for (size_t k = 0; k < gated[i].types.size(); ++k) {
+                    if (full[i][k] > 1e-8 && other[i][k] > 0) {
+                        const double e = std::abs(std::log(other[i][k] / full[i][k]));
+                        by_type[type_name(gated[i].types[k])].push_back(e);
+                        all.push_back(e);
+                    }
+                }
+            }
+            fmt::print("--against {}: |ln(against / probe)| over {} candidates: median {:.4f} p90 {:.4f} max {:.4f}\n",
+                       against_path, all.size(), quantile(all, 0.5), quantile(all, 0.9), quantile(all, 1.0));
+            nlohmann::json types = nlohmann::json::object();
+            for (const auto & [name, v] : by_type) {
+                fmt::print("  {:<8} median {:.4f} max {:.4f} (n {})\n", name, quantile(v, 0.5), quantile(v, 1.0), v.size());
+                types[name] = {{"median", quantile(v, 0.5)}, {"max", quantile(v, 1.0)}, {"n", v.size()}};
+            }
+            std::vector<double> regrets;
+            for (int j = 0; j < budgets; ++j) {
+                budget b = b0;
+                b.limit = b.min_total + (std::min(b.max_total, b.q8_0_bytes) - b.min_total) * (j + 0.5) / budgets;
+                const double best = estimated_loss(full, allocate_exact(b, full));
+                const double got = estimated_loss(full, allocate_exact(b, other));
+                regrets.push_back(best > 0 ? got / best - 1.0 : 0.0);
+            }
+            double mean = 0;
+            for (double r : regrets) {
+                mean += r / static_cast<double>(regrets.size());
+            }
+            const double mx = *std::max_element(regrets.begin(), regrets.end());
+            fmt::print("  knapsack on the --against values, measured with --probe's: regret mean {:.3f}% max {:.3f}% over {} budgets\n",
+                       100 * mean, 100 * mx, budgets);
+            report["against"] = {{"probe", against_path}, {"abs_log_error", {{"median", quantile(all, 0.5)},
+                                 {"p90", quantile(all, 0.9)}, {"max", quantile(all, 1.0)}, {"n", all.size()}}},
+                                 {"by_type", types}, {"regret", regrets}, {"mean_regret", mean}, {"max_regret", mx}};
+        }
         fmt::print("{:>3} {:>9} {:>10} {:>10} {:>10} {:>12} {:>12}\n", "n", "measured", "med|ln|", "p90|ln|",
                    "max|ln|", "mean regret", "max regret");
         for (int n : anchors) {

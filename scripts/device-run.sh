@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, dry-8b, e2e-8b-defaults, bg, bg-wait. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, probe-tf32, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, dry-8b, e2e-8b-defaults, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -386,6 +386,51 @@ ladder-mix30M-eval)
     tail -3 "$OUT/ladder/mix30M-anchored.log"
     tar czf "$OUT/ladder/mix30M.tgz" -C $W work/imatrix.gguf work/probe.json anchored/probe.json \
         $(cd $W && ls -d work/{curve,eval}.* work/run-*/{recipe,greedy.recipe,selection}.json anchored/run-*/selection.json 2>/dev/null)
+    ;;
+probe-tf32)
+    # Issue #16: the probe's f32 products on the tensor cores (--probe-compute tf32) against f32. (1) On mix30M's
+    # learned weights (unpacked into /tmp/mix30M.gguf by an earlier call), every candidate of every default-menu type
+    # probed both ways (--candidates all --probe-anchors 0, the same imatrix), compared by bench/probe_anchors --against
+    # (|ln(tf32 / f32)| per type; the exact knapsack on the TF32 values, measured with the f32 ones, at 40 budgets),
+    # and the files of three sizes trained and selected from each probe, evaluated on 40 chunks of wiki.test.raw.
+    # (2) The eager probe's time on the Qwen3-1.7B shape both ways: the default job (every default but the probe's
+    # arithmetic) run until its log says "the eager probe in", then stopped.
+    log probe tf32
+    mkdir -p "$OUT/tf32"
+    if [ -f /tmp/mix30M.gguf ]; then
+        W=/tmp/tf32; mkdir -p $W; T=$D/data/text/wikitext-2-raw/wiki.valid.raw
+        for p in f32 tf32; do
+            build-cuda/bin/voodoo quantize /tmp/mix30M.gguf --text $T --eval-text $D/data/text/wikitext-2-raw/wiki.test.raw \
+                --like IQ2_M,Q4_K_M,Q6_K --candidates all --probe-anchors 0 --probe-compute $p --baselines none \
+                --eval-chunks 40 --speed-reps 0 --device cuda --work $W/$p \
+                $([ $p = tf32 ] && echo --imatrix $W/f32/imatrix.gguf) > "$OUT/tf32/mix30M-$p.log" 2>&1
+            grep -E "^== times|selection on|probe in|in [0-9.]+ s" "$OUT/tf32/mix30M-$p.log" | cut -c1-220 | tail -12
+            cp $W/$p/probe.json "$OUT/tf32/mix30M-probe-$p.json"; cp $W/$p/eval.md "$OUT/tf32/mix30M-eval-$p.md" 2>/dev/null
+            for r in $W/$p/run-*/selection.json; do cp $r "$OUT/tf32/mix30M-$p-$(basename $(dirname $r))-selection.json"; done
+        done
+        build-cuda/bin/probe_anchors /tmp/mix30M.gguf --imatrix $W/f32/imatrix.gguf --probe $W/f32/probe.json \
+            --against $W/tf32/probe.json --cache $W/f32/candidates --anchors 2 --threads 16 \
+            --out "$OUT/tf32/against-mix30M.json" > "$OUT/tf32/against-mix30M.log" 2>&1
+        head -30 "$OUT/tf32/against-mix30M.log"
+        rm -rf $W
+    else
+        log "no /tmp/mix30M.gguf (send .device-model and unpack it first): part 1 skipped"
+    fi
+    rm -rf /tmp/e2e-17b*
+    [ -f /tmp/qwen3-1.7b-shape.gguf ] || build-cuda/bin/voodoo-fixture --arch qwen3 --vocab "$D/llama/models/ggml-vocab-qwen2.gguf" \
+        --n-embd 2048 --n-layer 28 --n-head 16 --n-head-kv 8 --head-dim 128 --n-ff 6144 --type bf16 --tied \
+        -o /tmp/qwen3-1.7b-shape.gguf > "$OUT/tf32/fixture-1.7b.log" 2>&1
+    for p in f32 tf32; do
+        L="$OUT/tf32/qwen3-1.7b-probe-$p.log"
+        build-cuda/bin/voodoo quantize /tmp/qwen3-1.7b-shape.gguf --text "$D/data/text/wikitext-2-raw/wiki.valid.raw" \
+            --like Q4_K_M --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --device cuda \
+            --work /tmp/e2e-17b-$p --probe-compute $p > "$L" 2>&1 &
+        PID=$!
+        while kill -0 $PID 2>/dev/null && ! grep -q "the eager probe in" "$L"; do sleep 1; done
+        kill -INT $PID 2>/dev/null; wait $PID
+        grep -E "^== |eager|built ahead" "$L" | cut -c1-200
+        rm -rf /tmp/e2e-17b-$p
+    done
     ;;
 ablations)
     # mix30M at three sizes, one change each against the ladder's defaults: training in f32, no CE term,

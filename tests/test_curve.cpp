@@ -105,6 +105,9 @@ TEST(probe, a_stored_probe_is_reused_only_for_the_same_candidates_and_tokens) {
     // Another token, another candidate byte, another dtype: another identity, nothing reused.
     EXPECT_NE(probe_identity(gated, tokens + 1), id);
     EXPECT_NE(probe_identity(gated, tokens, torch::kBFloat16), id);
+    // TF32 products: another identity; an f32 probe keeps the identity it had before the flag existed.
+    EXPECT_NE(probe_identity(gated, tokens, torch::kFloat, 0, true), id);
+    EXPECT_EQ(probe_identity(gated, tokens, torch::kFloat, 0, false), id);
     auto changed = gated;
     changed[1].bytes[0][2] = 9;
     EXPECT_NE(probe_identity(changed, tokens), id);

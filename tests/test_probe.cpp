@@ -299,3 +299,23 @@ TEST(probe, auto_anchors_on_stories260k_probe_as_every_type_or_as_two_anchors_by
     EXPECT_NE(again.find("probe (--probe-anchors auto): every kept type measured"), std::string::npos) << again;
     EXPECT_EQ(recipe("again"), recipe("all"));
 }
+
+TEST(probe, the_tf32_scope_turns_tf32_on_for_its_life_and_restores_what_was_set) {
+    auto & ctx = at::globalContext();
+    const bool before = ctx.allowTF32CuBLAS();
+    ctx.setAllowTF32CuBLAS(false);
+    {
+        const tf32_matmul_scope off(false);  // off: changes nothing
+        EXPECT_FALSE(ctx.allowTF32CuBLAS());
+        const tf32_matmul_scope on(true);
+        EXPECT_TRUE(ctx.allowTF32CuBLAS());
+    }
+    EXPECT_FALSE(ctx.allowTF32CuBLAS());
+    ctx.setAllowTF32CuBLAS(true);
+    {
+        const tf32_matmul_scope on(true);
+        EXPECT_TRUE(ctx.allowTF32CuBLAS());
+    }
+    EXPECT_TRUE(ctx.allowTF32CuBLAS());  // what was set before, not false
+    ctx.setAllowTF32CuBLAS(before);
+}

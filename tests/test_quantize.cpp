@@ -20,6 +20,9 @@
 #include <tuple>
 #include <vector>
 
+#include <chrono>
+#include <csignal>
+#include <sys/wait.h>
 #include <unistd.h>
 
 using namespace voodoo;
@@ -650,4 +653,45 @@ TEST(quantize, the_eval_ahead_of_training_gives_the_evals_numbers_bit_for_bit) {
         same(a.eval.files[f], b.eval.files[f]);
     }
     EXPECT_GT(b.eval.files.front().kld_mean, 0.0);
+}
+
+namespace {
+
+// A child running `script` in /bin/sh with SIGINT at its default (the test runner may have it ignored, and a
+// non-interactive shell cannot trap a signal ignored on entry).
+pid_t sh_child(const char * script) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+        std::signal(SIGINT, SIG_DFL);
+        execl("/bin/sh", "sh", "-c", script, static_cast<char *>(nullptr));
+        _exit(127);
+    }
+    return pid;
+}
+
+}  // namespace
+
+TEST(quantize, a_stop_request_reaches_the_stages_child_processes_as_one_sigint_each) {
+    // Two "ranks" that stop cleanly (exit 130, as voodoo does on SIGINT) only when told, each on its own after 10 s
+    // with exit 7 (so a signal that never comes fails the test rather than hangs it), and one that ends by itself.
+    const char * waits = "trap 'exit 130' INT; i=0; while [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; exit 7";
+    const std::vector<int> pids = {sh_child(waits), sh_child("exit 3"), sh_child(waits)};
+    const auto t0 = std::chrono::steady_clock::now();
+    auto stop = [&] { return std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(300); };
+    std::vector<size_t> order;
+    const std::vector<int> status = wait_children(pids, stop, [&](size_t i, int) { order.push_back(i); });
+    ASSERT_EQ(status.size(), 3u);
+    for (size_t i : {size_t{0}, size_t{2}}) {
+        ASSERT_TRUE(WIFEXITED(status[i])) << i;
+        EXPECT_EQ(WEXITSTATUS(status[i]), 130) << "child " << i << " did not get the SIGINT";
+    }
+    ASSERT_TRUE(WIFEXITED(status[1]));
+    EXPECT_EQ(WEXITSTATUS(status[1]), 3);
+    ASSERT_EQ(order.size(), 3u);
+    EXPECT_EQ(order[0], 1u);  // the one that ended by itself, first
+
+    // No stop test: a child runs to its own end.
+    const std::vector<int> alone = wait_children({sh_child("sleep 0.2; exit 0")}, {});
+    ASSERT_TRUE(WIFEXITED(alone[0]));
+    EXPECT_EQ(WEXITSTATUS(alone[0]), 0);
 }

@@ -424,6 +424,9 @@ TEST(train, a_device_this_build_or_machine_lacks_is_refused_before_any_work) {
     o.device = "tpu";
     EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, o); }).find("--device 'tpu'"), std::string::npos);
     o.device = "cpu";
+    o.probe_compute = "tf32";  // the tensor cores' f32 mode: CUDA only
+    EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, o); }).find("--probe-compute tf32"), std::string::npos);
+    o.probe_compute = "f32";
     o.mixture = "fused";
     EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, o); }).find("--mixture fused"), std::string::npos);
 #if !defined(VOODOO_HAVE_CUDA)

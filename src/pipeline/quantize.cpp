@@ -170,6 +170,51 @@ std::string types_list(const std::vector<ggml_type> & types) {
     return s;
 }
 
+}  // namespace
+
+std::vector<int> wait_children(const std::vector<int> & pids, const std::function<bool()> & stop,
+                               const std::function<void(size_t, int)> & on_exit) {
+    std::vector<int> status(pids.size(), 0);
+    std::vector<bool> running(pids.size(), true);
+    bool forwarded = false;
+    for (size_t left = pids.size(); left > 0;) {
+        bool ended = false;
+        for (size_t i = 0; i < pids.size(); ++i) {
+            if (!running[i]) {
+                continue;
+            }
+            int st = 0;
+            const pid_t got = waitpid(pids[i], &st, WNOHANG);
+            if (got == pids[i] || (got < 0 && errno != EINTR)) {  // ended, or not ours to wait for
+                running[i] = false;
+                status[i] = got < 0 ? (127 << 8) : st;
+                --left;
+                ended = true;
+                if (on_exit) {
+                    on_exit(i, status[i]);
+                }
+            }
+        }
+        if (left == 0) {
+            break;
+        }
+        if (!forwarded && stop && stop()) {
+            forwarded = true;  // once: a child that heard the terminal's Ctrl-C too only sets its flag again
+            for (size_t i = 0; i < pids.size(); ++i) {
+                if (running[i]) {
+                    kill(pids[i], SIGINT);
+                }
+            }
+        }
+        if (!ended) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+    }
+    return status;
+}
+
+namespace {
+
 // Runs args[0] with args and waits for it. Throws voodoo::error naming `what` when it cannot start, when it
 // exits 130 (interrupted: `stopped`), or when it fails (its own error is on stderr).
 // Starts args[0] with args in a child process whose stdout goes to its stderr (a stage's report is progress here:
@@ -200,9 +245,7 @@ pid_t start_child(std::vector<std::string> & args, const std::string & what, con
 
 void run_child(std::vector<std::string> args, const std::string & what, const std::string & stopped) {
     const pid_t pid = start_child(args, what, {});
-    int status = 0;
-    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
-    }
+    const int status = wait_children({pid}, [] { return stage_stop() && stage_stop()(-1); })[0];
     if (WIFEXITED(status) && WEXITSTATUS(status) == 130) {
         throw voodoo::stopped(stopped);
     }
@@ -251,22 +294,9 @@ void run_ranks(std::vector<std::string> args, int ranks, const std::string & log
     std::string failed;
     bool interrupted = false;
     std::vector<bool> running(static_cast<size_t>(ranks), true);
-    for (int left = ranks; left > 0;) {
-        int status = 0;
-        const pid_t pid = waitpid(-1, &status, 0);
-        if (pid < 0) {
-            if (errno == EINTR) {
-                continue;
-            }
-            break;
-        }
-        const auto it = std::find(pids.begin(), pids.end(), pid);
-        if (it == pids.end()) {
-            continue;
-        }
-        const int r = static_cast<int>(it - pids.begin());
-        running[static_cast<size_t>(r)] = false;
-        --left;
+    wait_children(pids, [] { return stage_stop() && stage_stop()(-1); }, [&](size_t i, int status) {
+        const int r = static_cast<int>(i);
+        running[i] = false;
         interrupted = interrupted || (WIFEXITED(status) && WEXITSTATUS(status) == 130);
         if (failed.empty() && !(WIFEXITED(status) && (WEXITSTATUS(status) == 0 || WEXITSTATUS(status) == 130))) {
             failed = fmt::format("{} failed on rank {} of {}{}{}", what, r, ranks,
@@ -279,7 +309,7 @@ void run_ranks(std::vector<std::string> args, int ranks, const std::string & log
                 }
             }
         }
-    }
+    });
     if (!failed.empty()) {
         fail("{}", failed);
     }

@@ -113,4 +113,13 @@ bool apply_eval_defaults(quantize_options & o, int64_t n_weights);
 /// written as WORK/curve.{md,json,png}. Throws voodoo::error from any stage, naming it; what finished stays in WORK.
 quantize_result run_quantize(const quantize_options & opts);
 
+/// Waits for the child processes `pids` (a stage's child: `voodoo train` or `voodoo imatrix` on a GPU, or torchrun-style
+/// ranks) and returns each one's waitpid status, in the order of `pids`. While they run, `stop` (the job's stop test,
+/// may be empty) is asked every 100 ms; once it is true, each child still running gets one SIGINT, the clean stop it
+/// would get from a terminal's Ctrl-C, which signals the whole foreground process group. A SIGINT sent to this process
+/// alone (`kill -INT`, a script or scheduler stopping the job) reached only the parent before, and the child trained on
+/// to its end. `on_exit(i, status)` (optional) runs as each child ends, in the order they end.
+std::vector<int> wait_children(const std::vector<int> & pids, const std::function<bool()> & stop,
+                               const std::function<void(size_t, int)> & on_exit = {});
+
 }  // namespace voodoo

@@ -557,12 +557,29 @@ void predict_from_anchors(const std::vector<gated_tensor> & gated, const std::ve
     }
 }
 
+tf32_matmul_scope::tf32_matmul_scope(bool on) : on_(on) {
+    if (on_) {
+        saved_ = at::globalContext().allowTF32CuBLAS();
+        at::globalContext().setAllowTF32CuBLAS(true);
+    }
+}
+
+tf32_matmul_scope::~tf32_matmul_scope() {
+    if (on_) {
+        at::globalContext().setAllowTF32CuBLAS(saved_);
+    }
+}
+
 std::string probe_identity(const std::vector<gated_tensor> & gated, const torch::Tensor & tokens,
-                           torch::ScalarType dtype, int anchors) {
+                           torch::ScalarType dtype, int anchors, bool tf32) {
     XXH3_state_t * st = XXH3_createState();
     XXH3_64bits_reset(st);
     const int32_t dt = static_cast<int32_t>(dtype);
     XXH3_64bits_update(st, &dt, sizeof dt);
+    if (tf32) {  // only then, so f32 probes keep the identity they had before TF32 existed
+        const int32_t t = 32;
+        XXH3_64bits_update(st, &t, sizeof t);
+    }
     if (anchors > 0) {  // 0 hashes nothing here, so a full probe and an anchored one of the same candidates differ
         const int32_t a = anchors;
         XXH3_64bits_update(st, &a, sizeof a);

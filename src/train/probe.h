@@ -96,9 +96,25 @@ void predict_from_anchors(const std::vector<gated_tensor> & gated, const std::ve
                           std::vector<std::vector<double>> & sens);
 
 /// The identity of a probe: the candidates' bytes (every type of every menu, each by its xxh3-64: gated_tensor::hashes), the probe tokens, the model's
-/// tensor names, the probe's dtype and its anchors per tensor (0 = all), as 16 hex digits. A probe file with another identity is never reused.
+/// tensor names, the probe's dtype and its anchors per tensor (0 = all), and whether its f32 products ran in TF32, as 16 hex digits. A probe file with another identity is never reused.
 std::string probe_identity(const std::vector<gated_tensor> & gated, const torch::Tensor & tokens,
-                           torch::ScalarType dtype = torch::kFloat, int anchors = 0);
+                           torch::ScalarType dtype = torch::kFloat, int anchors = 0, bool tf32 = false);
+
+/// While alive, lets CUDA's f32 matrix products run on the tensor cores in TF32 (inputs rounded to a 10-bit
+/// mantissa, f32 accumulation: PyTorch's allow_tf32 for cuBLAS) when `on`, and restores the previous setting when it
+/// ends; with `on` false it changes nothing. Process-wide (a LibTorch global), so only for one thread's work at a
+/// time. The probe's `--probe-compute tf32` (issue #16: the f32 probe's forwards are the GPU's longest stage at 8B);
+/// docs/BENCHMARKS.md measures what it does to the ΔKL against f32.
+class tf32_matmul_scope {
+public:
+    explicit tf32_matmul_scope(bool on);
+    ~tf32_matmul_scope();
+    tf32_matmul_scope(const tf32_matmul_scope &) = delete;
+    tf32_matmul_scope & operator=(const tf32_matmul_scope &) = delete;
+private:
+    bool on_;
+    bool saved_ = false;
+};
 
 /// Writes the probe to `path` atomically as JSON: {"identity", "tensors": [{"name", "delta_kl": {type: nats},
 /// "measured": [types]}]}; "measured" lists the types a forward measured (the others were predicted or are the

@@ -568,8 +568,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     if (!o.compute.empty() && o.compute != "f32" && o.compute != "bf16") {
         fail("--compute '{}': expected f32 or bf16", o.compute);
     }
-    if (o.probe_compute != "f32" && o.probe_compute != "bf16") {
-        fail("--probe-compute '{}': expected f32 or bf16", o.probe_compute);
+    if (o.probe_compute != "f32" && o.probe_compute != "tf32" && o.probe_compute != "bf16") {
+        fail("--probe-compute '{}': expected f32, tf32 (a CUDA device only) or bf16", o.probe_compute);
     }
     if (o.select_sequences < 1) {
         fail("--select-sequences must be at least 1 (got {})", o.select_sequences);
@@ -588,6 +588,10 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
 
     // Everything that can be refused is refused before any work.
     const torch::Device device = parse_train_device(o.device);
+    if (o.probe_compute == "tf32" && !device.is_cuda()) {
+        fail("--probe-compute tf32 is the CUDA tensor cores' f32 mode and the device is {}: use --probe-compute f32 "
+             "(the default), or --device cuda", device.str());
+    }
     const mixture_path path = o.mixture.empty() ? (device.is_cuda() ? mixture_path::fused : mixture_path::cpu)
                                                 : parse_mixture_path(o.mixture);
     if (path == mixture_path::cpu && !device.is_cpu()) {
@@ -751,6 +755,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     const torch::Tensor probe_tokens = tokens_of(train, probe_chunks, train.ctx());
     const std::string probe_path = o.probe_file.empty() ? (fs::path(o.run_dir) / "probe.json").string() : o.probe_file;
     const torch::ScalarType probe_dtype = o.probe_compute == "bf16" ? torch::kBFloat16 : torch::kFloat;
+    const bool probe_tf32 = o.probe_compute == "tf32";
     // Ctrl-C before the first step: the candidates and the probes ask it (minutes each at 8B), not only the steps.
     const std::function<bool()> stop_now = [&] { return o.should_stop && o.should_stop(-1); };
     auto check_finite = [&](const std::vector<gated_tensor> & g, const std::vector<std::vector<double>> & s,
@@ -851,6 +856,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // rank holding only its own layers' weights (probe_sensitivity's pipeline). Either way each value is computed with
     // one process's arithmetic, so the result is the single process's.
     auto probe_over_ranks = [&](std::vector<gated_tensor> & g, const std::vector<std::vector<bool>> & plan) {
+        const tf32_matmul_scope tf32(probe_tf32);
         if (ranks == 1 || layer_sharding) {
             std::vector<std::vector<bool>> p = plan;
             if (layer_sharding) {
@@ -958,7 +964,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         fmt::print(stderr, "pruning: sampled errors of the lattice types (beside them) in {:.1f} s\n", seconds_since(t2));
         const std::string eager_path = (fs::path(probe_path).parent_path() /
                                         (fs::path(probe_path).stem().string() + ".eager.json")).string();
-        const std::string eager_id = probe_identity(eg, probe_tokens, probe_dtype, po.eager);
+        const std::string eager_id = probe_identity(eg, probe_tokens, probe_dtype, po.eager, probe_tf32);
         std::vector<std::vector<double>> es = load_probe(eager_path, eager_id, eg);
         if (!every_rank_has(!es.empty())) {
             es.clear();  // a rank without the file (another host's folder): every rank measures, or the probe's
@@ -1211,7 +1217,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
 
     // Sensitivities (kept in the probe file, shared by the sizes of a ladder), and the allocation they
     // suggest: the least total ΔKL under the budget (allocate_exact). The gates start there.
-    const std::string probe_id = probe_identity(gated, probe_tokens, probe_dtype, anchors);
+    const std::string probe_id = probe_identity(gated, probe_tokens, probe_dtype, anchors, probe_tf32);
     std::vector<std::vector<double>> sens = load_probe(probe_path, probe_id, gated);
     if (!every_rank_has(!sens.empty())) {
         sens.clear();
