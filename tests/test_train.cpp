@@ -424,6 +424,12 @@ TEST(train, a_device_this_build_or_machine_lacks_is_refused_before_any_work) {
     o.device = "tpu";
     EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, o); }).find("--device 'tpu'"), std::string::npos);
     o.device = "cpu";
+    // auto: the tensor cores' f32 mode on a CUDA device, f32 on the CPU; a value given is kept.
+    EXPECT_EQ(resolved_probe_compute("auto", "cpu"), "f32");
+    EXPECT_EQ(resolved_probe_compute("auto", "cuda"), "tf32");
+    EXPECT_EQ(resolved_probe_compute("auto", "cuda:1"), "tf32");
+    EXPECT_EQ(resolved_probe_compute("f32", "cuda"), "f32");
+    EXPECT_EQ(resolved_probe_compute("bf16", "cpu"), "bf16");
     o.probe_compute = "tf32";  // the tensor cores' f32 mode: CUDA only
     EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, o); }).find("--probe-compute tf32"), std::string::npos);
     o.probe_compute = "f32";

@@ -138,8 +138,8 @@ command add_quantize(CLI::App & app) {
     sub->add_option("--probe-auto-seconds", o->q.train.probe_auto_seconds,
                     "With --probe-anchors auto: the longest the full probe's remaining forwards may take")
         ->capture_default_str()->check(non_negative_number());
-    sub->add_option("--probe-compute", o->q.train.probe_compute, "The probe's arithmetic: f32; tf32 (CUDA: f32 products on the tensor cores); bf16 only to measure what bf16 costs")
-        ->capture_default_str()->check(CLI::IsMember({"f32", "tf32", "bf16"}));
+    sub->add_option("--probe-compute", o->q.train.probe_compute, "The probe's arithmetic: auto (tf32 on a CUDA device, f32 on the CPU), f32, tf32 (CUDA: f32 products on the tensor cores), or bf16 only to measure what bf16 costs")
+        ->capture_default_str()->check(CLI::IsMember({"auto", "f32", "tf32", "bf16"}));
     sub->add_option("--compute", o->q.train.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)")
         ->check(CLI::IsMember({"f32", "bf16"}));
     sub->add_option("--select-sequences", o->q.train.select_sequences,

@@ -85,8 +85,8 @@ command add_train(CLI::App & app) {
                     "Validation sequences on which the final selection measures each candidate recipe")->capture_default_str();
     sub->add_option("--prior-recipe", o->t.prior_recipes,
                     "recipe.json of a smaller budget, also a candidate of the final selection (repeatable)");
-    sub->add_option("--probe-compute", o->t.probe_compute, "The probe's arithmetic: f32; tf32 (CUDA: f32 products on the tensor cores); bf16 only to measure what bf16 costs")
-        ->capture_default_str()->check(CLI::IsMember({"f32", "tf32", "bf16"}));
+    sub->add_option("--probe-compute", o->t.probe_compute, "The probe's arithmetic: auto (tf32 on a CUDA device, f32 on the CPU), f32, tf32 (CUDA: f32 products on the tensor cores), or bf16 only to measure what bf16 costs")
+        ->capture_default_str()->check(CLI::IsMember({"auto", "f32", "tf32", "bf16"}));
     sub->add_option("--compute", o->t.compute, "Training forward dtype: f32 or bf16 (default: bf16 on cuda, f32 on cpu)")
         ->check(CLI::IsMember({"f32", "bf16"}));
     sub->add_option("--gate-init", o->t.gate_init, "Start logit of the probe's allocation")->capture_default_str();

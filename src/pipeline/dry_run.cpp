@@ -326,7 +326,9 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
     const double axpy = dry_axpy_seconds(in.train.threads);
     // A whole H200 step of a small model is bound by launches, not FLOPs (docs/BENCHMARKS.md: 22.8% MFU at the
     // Llama-3-8B slice); 100 TFLOP/s of bf16 and 30 of f32 are what the measured steps and probes reach.
-    const double gpu_bf16 = 100e12, gpu_f32 = 30e12;
+    // The probe's f32 products on the tensor cores (--probe-compute tf32, auto's choice on a GPU) ran its forwards 2.7× as
+    // fast on an H100 (Qwen3-1.7B shape, 8 × 512 tokens: 0.291 → 0.107 s; session 29): ≈ 80 TFLOP/s.
+    const double gpu_bf16 = 100e12, gpu_f32 = 30e12, gpu_tf32 = 80e12;
     nlohmann::json rates = {{"cpu_f32_product_flops", cpu_peak}, {"cpu_forward_flops", cpu},
                             {"cpu_axpy_seconds_per_element", axpy}, {"threads", threads}, {"ggml_threads", ggml_threads},
                             {"quantize_weights_per_s_per_core", nlohmann::json::object()}};
@@ -384,7 +386,9 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
             work_full += share * static_cast<double>(k);
             work_anchored += share * static_cast<double>(std::min<int64_t>(2, k));
         }
-        const double per_forward = static_cast<double>(in.train.probe_sequences * in.ctx) * fwd_flops_per_token / (gpu ? gpu_f32 : cpu);
+        const bool tf32 = gpu && resolved_probe_compute(in.train.probe_compute, in.train.device) == "tf32";
+        const double per_forward = static_cast<double>(in.train.probe_sequences * in.ctx) * fwd_flops_per_token /
+                                   (gpu ? (tf32 ? gpu_tf32 : gpu_f32) : cpu);
         std::string how;
         if (a < 0) {  // auto (probe.h resolve_probe_anchors): the rest measured only when it fits the limit
             const bool all = per_forward * (work_full - work_anchored) <= in.train.probe_auto_seconds;

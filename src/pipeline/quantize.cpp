@@ -708,7 +708,7 @@ nlohmann::json run_inputs(const train_options & t, const std::string & model, co
             {"lambda_kl", t.lambda_kl}, {"lambda_ce", t.lambda_ce}, {"lambda_size", t.lambda_size},
             {"size_tol", t.size_tol}, {"st_gumbel_fraction", t.st_gumbel_fraction}, {"routing", t.routing}, {"gate_init", t.gate_init},
             {"probe_sequences", t.probe_sequences}, {"probe_anchors", t.probe_anchors},
-            {"probe_compute", t.probe_compute}, {"compute", t.compute}, {"select_sequences", t.select_sequences},
+            {"probe_compute", resolved_probe_compute(t.probe_compute, t.device)}, {"compute", t.compute}, {"select_sequences", t.select_sequences},
             {"seed", t.seed}, {"smaller_sizes", priors}};
     if (t.candidates != "all") {  // only when pruning: earlier work folders (every candidate built) stay valid
         nlohmann::json goals = nlohmann::json::array();

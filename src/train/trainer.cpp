@@ -568,8 +568,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     if (!o.compute.empty() && o.compute != "f32" && o.compute != "bf16") {
         fail("--compute '{}': expected f32 or bf16", o.compute);
     }
-    if (o.probe_compute != "f32" && o.probe_compute != "tf32" && o.probe_compute != "bf16") {
-        fail("--probe-compute '{}': expected f32, tf32 (a CUDA device only) or bf16", o.probe_compute);
+    if (o.probe_compute != "auto" && o.probe_compute != "f32" && o.probe_compute != "tf32" && o.probe_compute != "bf16") {
+        fail("--probe-compute '{}': expected auto, f32, tf32 (a CUDA device only) or bf16", o.probe_compute);
     }
     if (o.select_sequences < 1) {
         fail("--select-sequences must be at least 1 (got {})", o.select_sequences);
@@ -754,8 +754,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // model will serve, not the training's shorter windows.
     const torch::Tensor probe_tokens = tokens_of(train, probe_chunks, train.ctx());
     const std::string probe_path = o.probe_file.empty() ? (fs::path(o.run_dir) / "probe.json").string() : o.probe_file;
-    const torch::ScalarType probe_dtype = o.probe_compute == "bf16" ? torch::kBFloat16 : torch::kFloat;
-    const bool probe_tf32 = o.probe_compute == "tf32";
+    const std::string probe_compute = resolved_probe_compute(o.probe_compute, o.device);
+    const torch::ScalarType probe_dtype = probe_compute == "bf16" ? torch::kBFloat16 : torch::kFloat;
+    const bool probe_tf32 = probe_compute == "tf32";
     // Ctrl-C before the first step: the candidates and the probes ask it (minutes each at 8B), not only the steps.
     const std::function<bool()> stop_now = [&] { return o.should_stop && o.should_stop(-1); };
     auto check_finite = [&](const std::vector<gated_tensor> & g, const std::vector<std::vector<double>> & s,
@@ -1662,6 +1663,13 @@ void check_device_name(const std::string & s) {
 #endif
     }
     fail("--device '{}': expected cpu, cuda or cuda:N", s);
+}
+
+std::string resolved_probe_compute(const std::string & probe_compute, const std::string & device) {
+    if (probe_compute != "auto") {
+        return probe_compute;
+    }
+    return device == "cuda" || device.rfind("cuda:", 0) == 0 ? "tf32" : "f32";
 }
 
 torch::Device parse_train_device(const std::string & s) {
