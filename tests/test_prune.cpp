@@ -21,6 +21,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <set>
@@ -497,10 +499,12 @@ struct small_disk {
 
 }  // namespace
 
-TEST(prune, a_cache_without_disk_room_for_its_candidates_stops_before_building_them_and_says_what_would_fit) {
-    // Issue #16 ("will it fit?"): the kept candidates of the default menu at 8B are tens of GB. The build checks the
-    // room on the cache's disk first (need + the 256 MiB reserve against statvfs's free bytes) and stops with what
-    // would fit, instead of failing on a full disk part way.
+TEST(prune, a_cache_without_disk_room_keeps_what_fits_builds_the_rest_in_memory_and_trains_the_same_recipe) {
+    // Issue #16 ("will it fit?"): the kept candidates of the default menu at 8B are tens of GB, more than the GPU
+    // machine's disk. The build checks the room on the cache's disk first (need + the 256 MiB reserve against statvfs's
+    // free bytes); when it is short, the cache keeps only what leaves the reserve and the exported file's budget free,
+    // and the rest are built in memory only (the job holds every candidate's bytes in memory anyway), with a warning
+    // that says what would keep them all. Before session 29 the job stopped there.
     const test::temp_dir tmp;
     const std::string dir = tmp.path.string();
     small_disk tight(dir + "/tight", k_disk_reserve_bytes + (int64_t{64} << 10));
@@ -521,38 +525,66 @@ TEST(prune, a_cache_without_disk_room_for_its_candidates_stops_before_building_t
                                             "--cache {} --out {} -t 2",
                                             test::stories260k(), dir, cache, out));
     };
-    const auto refused = train(tight.dir + "/candidates", dir + "/run-tight");
-    EXPECT_EQ(refused.exit_code, 1) << refused.output;
-    for (const std::string & said : {std::string("not enough disk for the candidates still to build"), tight.dir + "/candidates",
-                                     std::string("free there, of which"), std::string("--work"), std::string("--menu")}) {
-        EXPECT_NE(refused.output.find(said), std::string::npos) << said << "\n" << refused.output;
-    }
-    EXPECT_FALSE(std::filesystem::exists(dir + "/run-tight/recipe.json"));
-    EXPECT_LT(tree_disk_bytes(tight.dir), int64_t{64} << 10) << "nothing was built before the check";
-    // Pruned (the default): a warning before the probe, from the candidates it will likely keep, then the same stop
-    // before the kept ones are built.
-    const auto pruned = test::run_voodoo(fmt::format("train --model {} --data {}/data --target-bpw 9 --steps 2 --batch 1 "
-                                                     "--probe-sequences 1 --select-sequences 1 --cache {}/pruned --out {}/run-pruned -t 2",
-                                                     test::stories260k(), dir, tight.dir, dir));
-    EXPECT_EQ(pruned.exit_code, 1) << pruned.output;
-    const size_t warned = pruned.output.find("the probe will likely keep");
-    const size_t probed = pruned.output.find("pruning: the eager probe in");
-    const size_t stopped = pruned.output.find("not enough disk for the candidates still to build");
-    ASSERT_NE(warned, std::string::npos) << pruned.output;
-    ASSERT_NE(probed, std::string::npos) << pruned.output;
-    ASSERT_NE(stopped, std::string::npos) << pruned.output;
-    EXPECT_LT(warned, probed);
-    EXPECT_LT(probed, stopped);
-
+    auto types_of = [](const std::string & run) {
+        std::ifstream in(run + "/recipe.tensor-types.txt");
+        return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    };
     const auto ok = train(roomy.dir + "/candidates", dir + "/run-roomy");
     ASSERT_EQ(ok.exit_code, 0) << ok.output;
-    EXPECT_TRUE(std::filesystem::exists(dir + "/run-roomy/recipe.json"));
+    EXPECT_EQ(ok.output.find("not enough disk"), std::string::npos) << ok.output;
+    EXPECT_EQ(ok.output.find("in memory only"), std::string::npos) << ok.output;
     // What it wrote is what the check counted (a second run needs nothing more).
     const int64_t written = tree_disk_bytes(roomy.dir + "/candidates");
     EXPECT_GT(written, 0);
     const auto again = train(roomy.dir + "/candidates", dir + "/run-again");
     ASSERT_EQ(again.exit_code, 0) << again.output;
     EXPECT_EQ(tree_disk_bytes(roomy.dir + "/candidates"), written);
+    ASSERT_FALSE(types_of(dir + "/run-roomy").empty());
+
+    const auto tight_run = train(tight.dir + "/candidates", dir + "/run-tight");
+    ASSERT_EQ(tight_run.exit_code, 0) << tight_run.output;
+    for (const std::string & said : {std::string("not enough disk in '") + tight.dir + "/candidates",
+                                     std::string("built in memory only"), std::string("--work"),
+                                     std::string("built in memory only, not kept in")}) {
+        EXPECT_NE(tight_run.output.find(said), std::string::npos) << said << "\n" << tight_run.output;
+    }
+    // Nothing fits beside the reserve there, so nothing was stored, and the recipe is the roomy run's: the same bytes.
+    EXPECT_LT(tree_disk_bytes(tight.dir), int64_t{64} << 10);
+    EXPECT_EQ(types_of(dir + "/run-tight"), types_of(dir + "/run-roomy"));
+
+    // Pruned (the default): a warning before the probe, from the candidates it will likely keep, then the same
+    // fallback once the probe has decided, and the run ends.
+    const auto pruned = test::run_voodoo(fmt::format("train --model {} --data {}/data --target-bpw 9 --steps 2 --batch 1 "
+                                                     "--probe-sequences 1 --select-sequences 1 --cache {}/pruned --out {}/run-pruned -t 2",
+                                                     test::stories260k(), dir, tight.dir, dir));
+    ASSERT_EQ(pruned.exit_code, 0) << pruned.output;
+    const size_t warned = pruned.output.find("the probe will likely keep");
+    const size_t probed = pruned.output.find("pruning: the eager probe in");
+    const size_t fallback = pruned.output.find("not enough disk in");
+    ASSERT_NE(warned, std::string::npos) << pruned.output;
+    ASSERT_NE(probed, std::string::npos) << pruned.output;
+    ASSERT_NE(fallback, std::string::npos) << pruned.output;
+    EXPECT_LT(warned, probed);
+    EXPECT_LT(probed, fallback);
+    EXPECT_TRUE(std::filesystem::exists(dir + "/run-pruned/recipe.json"));
+}
+
+TEST(prune, a_cache_with_keep_free_stores_only_what_leaves_that_much_free) {
+    const test::temp_dir tmp;
+    small_disk disk(tmp.path.string() + "/d", int64_t{4} << 20);
+    if (!disk.mounted) {
+        GTEST_SKIP() << "mounting a tmpfs needs root (CI runs as root)";
+    }
+    candidate_cache cache(disk.dir + "/c");
+    const std::vector<uint8_t> mib(size_t{1} << 20, 7);
+    EXPECT_TRUE(cache.store("aa01", mib));  // keep_free 0: every entry stored
+    cache.set_keep_free(free_disk_bytes(disk.dir) - (int64_t{3} << 19));  // room for one more MiB entry, not two
+    EXPECT_TRUE(cache.store("aa02", mib));
+    EXPECT_FALSE(cache.store("aa03", mib));
+    EXPECT_EQ(cache.not_stored(), 1);
+    EXPECT_EQ(cache.not_stored_bytes(), static_cast<int64_t>(mib.size() + sizeof(uint64_t)));
+    EXPECT_TRUE(cache.load("aa02", mib.size()).has_value());
+    EXPECT_FALSE(cache.load("aa03", mib.size()).has_value());
 }
 
 TEST(prune, errors_measured_in_two_parts_around_the_lattice_grids_are_the_whole_and_choose_the_same_eager_types) {

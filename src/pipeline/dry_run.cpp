@@ -647,10 +647,12 @@ std::string dry_run_to_text(const nlohmann::json & p) {
         } else if (d["fits_every_candidate"].get<bool>()) {
             verdict = exact ? "fits" : "fits even if every candidate is built";
         } else {
-            verdict = exact ? "DOES NOT FIT: the run would stop before building the candidates; a --work folder on a larger "
-                              "disk or a smaller menu (--menu) would fit"
-                            : "may not fit if most candidates are kept: the run checks the room for those the probe keeps "
-                              "before building them, and stops with what would fit";
+            verdict = exact ? "the candidates do not all fit: those beyond the disk would be built in memory only (a later "
+                              "run builds them again; with several --gpus the run stops instead); a --work folder on a "
+                              "larger disk or a smaller menu (--menu) keeps them all"
+                            : "may not fit if most candidates are kept: those the disk cannot hold are then built in memory "
+                              "only (a later run builds them again; with several --gpus the run stops instead); a --work "
+                              "folder on a larger disk keeps them all";
         }
         s += fmt::format("disk: {} free in {}; the run writes {}, and keeps {} free: {}\n",
                          free < 0 ? std::string("unknown") : dry_bytes_text(free), d["folder"].get<std::string>(), writes,

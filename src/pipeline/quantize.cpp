@@ -682,6 +682,13 @@ void export_recipe_file(const gguf_file & src, const std::string & recipe_path, 
     export_options eo = t.export_opts;
     eo.target = r.target;
     candidate_cache cache(t.cache_dir);
+    // The recipe's candidates the train stage built in memory only (a disk without room for them all) are made again
+    // here; the cache keeps them only where the file this writes still fits beside the reserve.
+    int64_t file_bytes = 0;
+    for (const auto & rt : r.tensors) {
+        file_bytes += static_cast<int64_t>(rt.bytes);
+    }
+    cache.set_keep_free(k_disk_reserve_bytes + file_bytes);
     eo.cache = &cache;
     export_gguf(src, r, out, eo);
     made["bytes"] = file_size(out);

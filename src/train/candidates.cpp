@@ -130,7 +130,38 @@ std::optional<std::vector<uint8_t>> candidate_cache::load(const std::string & ke
     return bytes;
 }
 
-void candidate_cache::store(const std::string & key, std::span<const uint8_t> bytes) const {
+namespace {
+
+// The bytes of the entries being written now, by every cache of this process: what statvfs does not count yet.
+std::mutex & writing_mutex() {
+    static std::mutex m;
+    return m;
+}
+int64_t writing_bytes = 0;
+
+}  // namespace
+
+bool candidate_cache::store(const std::string & key, std::span<const uint8_t> bytes) const {
+    const int64_t need = static_cast<int64_t>(bytes.size() + sizeof(uint64_t));
+    if (keep_free_ > 0) {
+        std::lock_guard<std::mutex> lock(writing_mutex());
+        const int64_t free = free_disk_bytes(dir_);
+        if (free >= 0 && free - writing_bytes - need < keep_free_) {
+            ++not_stored_->first;
+            not_stored_->second += need;
+            return false;
+        }
+        writing_bytes += need;
+    }
+    struct done_writing {
+        int64_t n;
+        ~done_writing() {
+            if (n > 0) {
+                std::lock_guard<std::mutex> lock(writing_mutex());
+                writing_bytes -= n;
+            }
+        }
+    } const written{keep_free_ > 0 ? need : 0};
     const std::string path = path_of(key);
     std::filesystem::create_directories(std::filesystem::path(path).parent_path());
     const uint64_t sum = XXH3_64bits(bytes.data(), bytes.size());
@@ -139,6 +170,7 @@ void candidate_cache::store(const std::string & key, std::span<const uint8_t> by
     out.write(bytes.data(), bytes.size());
     out.write(&sum, sizeof sum);
     out.commit();
+    return true;
 }
 
 int64_t candidate_cache::remove(const std::string & key) const {

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -57,8 +58,18 @@ public:
     /// True when the cache in `dir` holds an entry for `key` of `expected_bytes` (its size checked, not its
     /// checksum): what a dry run counts as built. Reads nothing else and makes no folder.
     static bool holds(const std::string & dir, const std::string & key, size_t expected_bytes);
-    /// Stores bytes atomically.
-    void store(const std::string & key, std::span<const uint8_t> bytes) const;
+    /// Stores bytes atomically and returns true; returns false without writing when keep_free() is above 0 and the
+    /// entry would leave less than that free on the cache's disk (statvfs, less the entries other threads are writing).
+    bool store(const std::string & key, std::span<const uint8_t> bytes) const;
+    /// Bytes the cache leaves free on its disk (issue #16: an 8B model's kept candidates can outgrow the disk, and the
+    /// job holds every candidate's bytes in memory anyway): 0, the default, stores every entry and a full disk is an
+    /// error; above 0, entries that would leave less are not stored (store returns false) and the job builds them in
+    /// memory only, so a later run builds them again.
+    void set_keep_free(int64_t bytes) { keep_free_ = bytes; }
+    int64_t keep_free() const { return keep_free_; }
+    /// The entries store() did not write (keep_free) so far, and their bytes.
+    int64_t not_stored() const { return not_stored_->first; }
+    int64_t not_stored_bytes() const { return not_stored_->second; }
     /// Removes the entry of `key` and returns the bytes it took on disk (0 when there was none).
     int64_t remove(const std::string & key) const;
 
@@ -67,6 +78,9 @@ public:
 private:
     std::string path_of(const std::string & key) const;
     std::string dir_;
+    int64_t keep_free_ = 0;
+    std::shared_ptr<std::pair<std::atomic<int64_t>, std::atomic<int64_t>>> not_stored_ =
+        std::make_shared<std::pair<std::atomic<int64_t>, std::atomic<int64_t>>>(0, 0);
 };
 
 /// quantize_tensor through the cache: load when present, else quantize and store. cache may be null.
@@ -97,7 +111,7 @@ void check_disk_room(const std::string & dir, int64_t need, const std::string & 
 /// (tensor, type, importance) loads them, so what is built ahead is exactly what would have been built after.
 /// A job that throws ends the prefetch quietly: the later build meets the same error and reports it. So does a job
 /// that would leave the cache's disk with less than k_disk_reserve_bytes free: what is built ahead is a guess, and
-/// the build after the probe checks the room for what is kept (check_disk_room) and says what would fit.
+/// the build after the probe checks the room for what is kept and builds what does not fit in memory only.
 class candidate_prefetch {
 public:
     struct job {

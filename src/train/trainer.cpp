@@ -705,7 +705,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
 
     const int n_threads = resolve_threads(o.threads);
     set_torch_threads(o.threads);
-    const candidate_cache cache(o.cache_dir.empty() ? (fs::path(o.run_dir) / "candidates").string() : o.cache_dir);
+    candidate_cache cache(o.cache_dir.empty() ? (fs::path(o.run_dir) / "candidates").string() : o.cache_dir);
     // On a GPU: bf16 compute, the teacher's matrices resident in bf16, the candidates resident as the path
     // wants them (quantized bytes for fused, dense bf16 for reference).
     const torch::ScalarType compute = o.compute == "f32"    ? torch::kFloat
@@ -1023,9 +1023,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                     const int64_t need = candidate_bytes_to_build(src, pairs, importance, cache.dir(), n_threads);
                     if (need + k_disk_reserve_bytes > free) {
                         fmt::print(stderr, "voodoo: warning: the {} candidates the probe will likely keep need {} more in '{}', "
-                                           "which has {} free, of which {} is kept free: the run will likely stop after the "
-                                           "probe, before building them. A work folder (quantize --work; train --cache) on a "
-                                           "disk with {} free, or a smaller menu (--menu), would fit\n",
+                                           "which has {} free, of which {} is kept free: those that do not fit will be built in "
+                                           "memory only, and a later run builds them again. A work folder (quantize --work; "
+                                           "train --cache) on a disk with {} free keeps them all\n",
                                    guess.size(), bytes_text(static_cast<double>(need)), cache.dir(),
                                    bytes_text(static_cast<double>(free)), bytes_text(static_cast<double>(k_disk_reserve_bytes)),
                                    bytes_text(static_cast<double>(need + k_disk_reserve_bytes)));
@@ -1171,17 +1171,38 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             }
         }
         const int64_t need = candidate_bytes_to_build(src, jobs, importance, cache.dir(), n_threads);
-        check_disk_room(cache.dir(), need, fmt::format("the candidates still to build ({} tensors)", menus.size()),
-                        fmt::format("a work folder (quantize --work; train --cache) on a disk with {} free would "
-                                    "fit, or a smaller menu (--menu with fewer types){}",
-                                    bytes_text(static_cast<double>(need + k_disk_reserve_bytes)),
-                                    prune ? "" : ", or --candidates targets (builds only what the targets can use)"));
+        const int64_t free = free_disk_bytes(cache.dir());
+        if (ranks > 1 || free < 0 || need + k_disk_reserve_bytes <= free) {
+            // Several ranks read each other's candidates from the cache: there it must hold them all.
+            check_disk_room(cache.dir(), need, fmt::format("the candidates still to build ({} tensors)", menus.size()),
+                            fmt::format("a work folder (quantize --work; train --cache) on a disk with {} free would "
+                                        "fit, or a smaller menu (--menu with fewer types){}",
+                                        bytes_text(static_cast<double>(need + k_disk_reserve_bytes)),
+                                        prune ? "" : ", or --candidates targets (builds only what the targets can use)"));
+        } else {
+            // One process holds every candidate's bytes in memory for the probe, training and selection whether or not
+            // the cache keeps them (session 29): so those that do not fit are built in memory only, and the disk keeps
+            // the reserve and room for the file the export writes (its budget), instead of the job stopping here.
+            cache.set_keep_free(k_disk_reserve_bytes + static_cast<int64_t>(b.limit));
+            fmt::print(stderr, "voodoo: warning: not enough disk in '{}' for the candidates still to build: {} to write, {} "
+                               "free there; the cache keeps what fits beside {} (the reserve and the exported file's "
+                               "budget), and the rest are built in memory only: this run holds every candidate in memory "
+                               "anyway, but a later run builds those again. A work folder (quantize --work; train --cache) "
+                               "on a disk with {} free keeps them all\n",
+                       cache.dir(), bytes_text(static_cast<double>(need)), bytes_text(static_cast<double>(free)),
+                       bytes_text(static_cast<double>(cache.keep_free())),
+                       bytes_text(static_cast<double>(need + k_disk_reserve_bytes)));
+        }
     }
     const auto t_build = std::chrono::steady_clock::now();
     std::vector<gated_tensor> gated = build_over_ranks(menus);
     fmt::print(stderr, "candidates of {} tensors ready in {:.1f} s ({:.1f} s into the train stage)\n", menus.size(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count(),
                std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count());
+    if (cache.not_stored() > 0) {
+        fmt::print(stderr, "candidates: {} ({}) built in memory only, not kept in '{}' (no room on its disk)\n",
+                   cache.not_stored(), bytes_text(static_cast<double>(cache.not_stored_bytes())), cache.dir());
+    }
     // When the teacher is the source file, its resident bf16 matrices stand in for the BF16/F16 candidates
     // that equal them (fused path): those candidates then cost no GPU memory of their own.
     const bool share = path == mixture_path::fused && compute == torch::kBFloat16 && same_file(src.path(), teacher.path());
