@@ -589,8 +589,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // Everything that can be refused is refused before any work.
     const torch::Device device = parse_train_device(o.device);
     if (o.probe_compute == "tf32" && !device.is_cuda()) {
-        fail("--probe-compute tf32 is the CUDA tensor cores' f32 mode and the device is {}: use --probe-compute f32 "
-             "(the default), or --device cuda", device.str());
+        fail("--probe-compute tf32 is the CUDA tensor cores' f32 mode and the device is {}: use --probe-compute auto "
+             "(the default: f32 here) or f32, or --device cuda", device.str());
     }
     const mixture_path path = o.mixture.empty() ? (device.is_cuda() ? mixture_path::fused : mixture_path::cpu)
                                                 : parse_mixture_path(o.mixture);
