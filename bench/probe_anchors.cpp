@@ -115,6 +115,11 @@ int main(int argc, char ** argv) {
 
         // Budgets: exact file bytes from the all-cheapest file to the all-Q8_0 one (above it every ΔKL is ~1e-7).
         const budget b0 = make_budget(src, menus, target{target_kind::ratio, 1.0}, eopts);
+        auto budget_at = [&](int j) {  // the j-th of `budgets` limits, spread evenly, midpoints
+            budget b = b0;
+            b.limit = b.min_total + (std::min(b.max_total, b.q8_0_bytes) - b.min_total) * (j + 0.5) / budgets;
+            return b;
+        };
         nlohmann::json report = {{"model", model_path}, {"probe", probe_path}, {"tensors", gated.size()}};
         if (!against_path.empty()) {
             std::ifstream in2(against_path);
@@ -146,8 +151,7 @@ int main(int argc, char ** argv) {
             }
             std::vector<double> regrets;
             for (int j = 0; j < budgets; ++j) {
-                budget b = b0;
-                b.limit = b.min_total + (std::min(b.max_total, b.q8_0_bytes) - b.min_total) * (j + 0.5) / budgets;
+                const budget b = budget_at(j);
                 const double best = estimated_loss(full, allocate_exact(b, full));
                 const double got = estimated_loss(full, allocate_exact(b, other));
                 regrets.push_back(best > 0 ? got / best - 1.0 : 0.0);
@@ -189,8 +193,7 @@ int main(int argc, char ** argv) {
             std::vector<double> regrets;
             nlohmann::json rows = nlohmann::json::array();
             for (int j = 0; j < budgets; ++j) {
-                budget b = b0;
-                b.limit = b.min_total + (std::min(b.max_total, b.q8_0_bytes) - b.min_total) * (j + 0.5) / budgets;
+                const budget b = budget_at(j);
                 const double best = estimated_loss(full, allocate_exact(b, full));
                 const double got = estimated_loss(full, allocate_exact(b, sens));
                 const double regret = best > 0 ? got / best - 1.0 : 0.0;
@@ -256,8 +259,7 @@ int main(int argc, char ** argv) {
                 int64_t kept = 0, total = 0, missed = 0;
                 double kept_bytes = 0, total_bytes = 0, worst = 0, kept_cost = 0;
                 for (int j = 0; j < budgets; ++j) {
-                    budget b = b0;
-                    b.limit = b.min_total + (std::min(b.max_total, b.q8_0_bytes) - b.min_total) * (j + 0.5) / budgets;
+                    const budget b = budget_at(j);
                     const std::vector<int> best = allocate_exact(b, full);
                     const prune_plan p = plan_pruning(menus, hat, measured, eager, {b}, {}, po);
                     kept += p.kept;

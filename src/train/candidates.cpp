@@ -147,8 +147,8 @@ bool candidate_cache::store(const std::string & key, std::span<const uint8_t> by
         std::lock_guard<std::mutex> lock(writing_mutex());
         const int64_t free = free_disk_bytes(dir_);
         if (free >= 0 && free - writing_bytes - need < keep_free_) {
-            ++not_stored_->first;
-            not_stored_->second += need;
+            ++not_stored_;
+            not_stored_bytes_ += need;
             return false;
         }
         writing_bytes += need;

@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -68,8 +67,8 @@ public:
     void set_keep_free(int64_t bytes) { keep_free_ = bytes; }
     int64_t keep_free() const { return keep_free_; }
     /// The entries store() did not write (keep_free) so far, and their bytes.
-    int64_t not_stored() const { return not_stored_->first; }
-    int64_t not_stored_bytes() const { return not_stored_->second; }
+    int64_t not_stored() const { return not_stored_; }
+    int64_t not_stored_bytes() const { return not_stored_bytes_; }
     /// Removes the entry of `key` and returns the bytes it took on disk (0 when there was none).
     int64_t remove(const std::string & key) const;
 
@@ -79,8 +78,7 @@ private:
     std::string path_of(const std::string & key) const;
     std::string dir_;
     int64_t keep_free_ = 0;
-    std::shared_ptr<std::pair<std::atomic<int64_t>, std::atomic<int64_t>>> not_stored_ =
-        std::make_shared<std::pair<std::atomic<int64_t>, std::atomic<int64_t>>>(0, 0);
+    mutable std::atomic<int64_t> not_stored_{0}, not_stored_bytes_{0};
 };
 
 /// quantize_tensor through the cache: load when present, else quantize and store. cache may be null.

@@ -1172,14 +1172,15 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         const int64_t need = candidate_bytes_to_build(src, jobs, importance, cache.dir(), n_threads);
         const int64_t free = free_disk_bytes(cache.dir());
-        if (ranks > 1 || free < 0 || need + k_disk_reserve_bytes <= free) {
+        const bool short_of_disk = free >= 0 && need + k_disk_reserve_bytes > free;
+        if (short_of_disk && ranks > 1) {
             // Several ranks read each other's candidates from the cache: there it must hold them all.
             check_disk_room(cache.dir(), need, fmt::format("the candidates still to build ({} tensors)", menus.size()),
                             fmt::format("a work folder (quantize --work; train --cache) on a disk with {} free would "
                                         "fit, or a smaller menu (--menu with fewer types){}",
                                         bytes_text(static_cast<double>(need + k_disk_reserve_bytes)),
                                         prune ? "" : ", or --candidates targets (builds only what the targets can use)"));
-        } else {
+        } else if (short_of_disk) {
             // One process holds every candidate's bytes in memory for the probe, training and selection whether or not
             // the cache keeps them (session 29): so those that do not fit are built in memory only, and the disk keeps
             // the reserve and room for the file the export writes (its budget), instead of the job stopping here.
