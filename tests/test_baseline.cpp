@@ -216,9 +216,9 @@ TEST(baseline_cli, all_that_fit_makes_every_file_and_marks_the_ones_that_fell_ba
 }  // namespace
 
 TEST(baseline, a_folder_keyed_on_its_inputs_reuses_a_stock_file_already_made_and_describes_it_alike) {
-    // voodoo quantize --like Q4_0 makes the stock file for its size before training; its eval's baselines then read
-    // that same file (reuse_existing) instead of quantizing the model again (issue #16: 26 s at the Qwen3-1.7B
-    // shape, ≈ 105 s at Llama-3.1-8B's). The description must be make_baseline's, field for field.
+    // voodoo quantize's eval ahead makes a stock file during training; its eval's baselines then read that same file
+    // (reuse_existing) instead of quantizing the model again (issue #16: 26 s at the Qwen3-1.7B shape, ≈ 105 s at
+    // Llama-3.1-8B's). The description must be make_baseline's, field for field.
     voodoo::test::temp_dir dir;
     const std::string folder = dir.file("b");
     voodoo::baseline_options o = options();
@@ -264,6 +264,21 @@ void expect_nearest_recipes_cover_the_six_nearest(const std::string & model, con
     voodoo::baseline_options o{model, imatrix, 2};
     const std::vector<std::string> names = voodoo::recipes_all_that_fit(!imatrix.empty());
     const auto made = voodoo::make_baselines(o, names, folder);
+    // Each file as plan_stock_file planned it without making it (llama.cpp's dry run, the header laid out as
+    // llama-quant.cpp lays it): the same size to the byte, the same type for every tensor.
+    for (const auto & r : made) {
+        if (!r.ok) {
+            continue;
+        }
+        const voodoo::stock_plan plan = voodoo::plan_stock_file(o, r.recipe);
+        EXPECT_EQ(plan.file_bytes, r.file_bytes) << r.recipe << " of " << model;
+        EXPECT_EQ(plan.tensor_bytes, r.tensor_bytes) << r.recipe << " of " << model;
+        const voodoo::gguf_file file(r.path);
+        ASSERT_EQ(plan.types.size(), file.tensors().size()) << r.recipe;
+        for (const auto & t : file.tensors()) {
+            EXPECT_EQ(plan.types.at(t.name), t.type) << r.recipe << " " << t.name;
+        }
+    }
     std::vector<const voodoo::baseline_result *> ok;
     for (const auto & r : made) {
         if (r.ok && r.same_types_as.empty()) {
@@ -315,7 +330,7 @@ void expect_nearest_recipes_cover_the_six_nearest(const std::string & model, con
 
 }  // namespace
 
-TEST(baseline, nearest_makes_only_the_recipes_that_can_be_nearest_and_they_hold_the_six_nearest_files) {
+TEST(baseline, nearest_makes_only_the_recipes_that_can_be_nearest_and_the_dry_run_plans_every_stock_file_to_the_byte) {
     // Issue #16: `--baselines nearest` made every stock recipe (29 files) to keep the six nearest in size. It now
     // sizes each by llama_model_quantize's dry run and makes the eight nearest each of our sizes; checked against
     // every file made, on stories260K (its dims fit only 32-block types: llama.cpp falls back for most tensors, and

@@ -439,8 +439,9 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     EXPECT_EQ(before["disk"]["candidates_to_build_bytes"], before["candidates"]["to_build_bytes"]);
     EXPECT_TRUE(before["disk"]["candidates_exact"].get<bool>());
     EXPECT_EQ(before["disk"]["exported_files_unknown"], 1);
-    EXPECT_EQ(before["disk"]["stock_files_to_make"], 1);  // the --like file
-    EXPECT_GT(before["disk"]["stock_files_bytes_estimate"].get<double>(), 0.0);
+    // No stock file is made: no eval compares with one, and the --like target's is sized by llama.cpp's dry run.
+    EXPECT_EQ(before["disk"]["stock_files_to_make"], 0);
+    EXPECT_EQ(before["disk"]["stock_files_bytes_estimate"].get<double>(), 0.0);
     EXPECT_EQ(before["disk"]["folder"], work + "/candidates");
     EXPECT_GT(before["disk"]["free_bytes"].get<int64_t>(), 0);  // the work folder's nearest existing ancestor's
     std::vector<std::string> stages;
@@ -448,9 +449,8 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
         stages.push_back(s["stage"]);
         EXPECT_GE(s["seconds"].get<double>(), 0.0);
     }
-    // No eval stage (--eval-chunks 0): the one stock file is the --like target.
-    EXPECT_EQ(stages, (std::vector<std::string>{"data", "imatrix", "candidates", "probe", "train", "select", "export", "baselines"}));
-    EXPECT_NE(before["stages"][7]["work"].get<std::string>().find("1 stock files"), std::string::npos) << before["stages"][7];
+    // No eval stage (--eval-chunks 0), so no baselines stage either.
+    EXPECT_EQ(stages, (std::vector<std::string>{"data", "imatrix", "candidates", "probe", "train", "select", "export"}));
 
     // The real run: its cache holds exactly the candidates the dry run said it would build.
     r = test::run_voodoo(args);
@@ -483,7 +483,11 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     // The range before the imatrix existed was already the exact one (the keys it will write were counted).
     EXPECT_EQ(after["sizes"]["min_bytes"], before["sizes"]["min_bytes"]);
     EXPECT_EQ(after["sizes"]["max_bytes"], before["sizes"]["max_bytes"]);
-    const std::string stock = work + "/baselines/stories260K-Q5_0.gguf";
+    // The run made no stock file (no eval), and sized its target without one: both sizes are the file llama.cpp
+    // makes with the run's imatrix, made here.
+    EXPECT_FALSE(std::filesystem::exists(work + "/baselines/stories260K-Q5_0.gguf"));
+    const std::string stock = tmp.file("stories260K-Q5_0.gguf");
+    ASSERT_TRUE(make_baseline({test::stories260k(), work + "/imatrix.gguf", 1}, "Q5_0", stock).ok);
     EXPECT_EQ(after["sizes"]["targets"][0]["bytes"].get<double>(), static_cast<double>(file_size(stock)));
     EXPECT_EQ(after["disk"]["exported_files_bytes"].get<double>(), static_cast<double>(file_size(stock)));
     EXPECT_TRUE(after["sizes"]["targets"][0]["feasible"].get<bool>());
@@ -566,7 +570,9 @@ TEST(quantize, max_slowdown_keeps_the_predicted_generation_time_within_the_stock
     const std::string table_path = cache + "/voodoo/type-speed-t1.json";
     ASSERT_TRUE(std::filesystem::exists(table_path)) << out;
     const gguf_file src(test::stories260k());
-    const gguf_file stock(work + "/baselines/stories260K-Q5_0.gguf");
+    // (No eval, so the run made no stock file: the one llama.cpp makes with the run's imatrix, made here.)
+    ASSERT_TRUE(make_baseline({test::stories260k(), work + "/imatrix.gguf", 1}, "Q5_0", tmp.file("stories260K-Q5_0.gguf")).ok);
+    const gguf_file stock(tmp.file("stories260K-Q5_0.gguf"));
     std::map<std::string, ggml_type> stock_types, voodoo_types;
     std::vector<ggml_type> types;
     for (const gguf_tensor & t : stock.tensors()) {

@@ -276,6 +276,107 @@ double stock_tensor_bytes(const baseline_options & opt, const stock_recipe & r) 
     return mib * 1024.0 * 1024.0;
 }
 
+stock_plan plan_stock_file(const baseline_options & opt, const std::string & recipe_name) {
+    const stock_recipe & r = recipe_by_name(recipe_name);
+    check_imatrix_given(r, opt);
+    const auto src = open_source(opt);
+    llama_runtime_init();
+    const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix, *src);
+    llama_model_quantize_params qp = llama_model_quantize_default_params();
+    qp.ftype = r.ftype;
+    qp.nthread = 1;
+    qp.allow_requantize = opt.allow_requantize;
+    qp.dry_run = true;
+    if (im) {  // the real run's inputs: llama.cpp's type rules ask whether an imatrix is given
+        qp.imatrix = im->entries.data();
+        qp.kv_overrides = im->kv.data();
+    }
+    ggml_log_capture capture;
+    // The dry run opens no output file and quantizes nothing (no lattice grid is built: no hold_lattice_tables).
+    const std::string never = opt.source + ".voodoo-dry-run-never-written.gguf";
+    if (llama_model_quantize(opt.source.c_str(), never.c_str(), &qp) != 0) {
+        fail("llama_model_quantize's dry run of {} on '{}' failed: {}", r.name, opt.source, capture.text());
+    }
+
+    // Its line per tensor: "[  12/ 201]  blk.0.attn_q.weight  - [ 2048,  2048,  1,  1], type =   bf16, size =  8.000
+    // MiB ->  2.250 MiB (q4_K)", or without " -> " for a tensor it keeps as it is.
+    stock_plan plan;
+    const std::string text = capture.info_text();
+    for (size_t a = 0; a < text.size();) {
+        const size_t e = std::min(text.find('\n', a), text.size());
+        const std::string_view line(text.data() + a, e - a);
+        a = e + 1;
+        const size_t open = line.find_first_not_of(' ');
+        const size_t close = line.find("] ");
+        if (open == std::string_view::npos || line[open] != '[' || close == std::string_view::npos) {
+            continue;
+        }
+        const size_t name_at = line.find_first_not_of(' ', close + 2);
+        const size_t name_end = line.find(" - [", name_at);
+        if (name_at == std::string_view::npos || name_end == std::string_view::npos) {
+            continue;
+        }
+        std::string name(line.substr(name_at, name_end - name_at));
+        name.erase(name.find_last_not_of(' ') + 1);  // printed left-aligned in a 36-wide field
+        const size_t arrow = line.find(" -> ", name_end);
+        if (arrow == std::string_view::npos) {
+            plan.types[name] = GGML_TYPE_COUNT;  // kept at the source's type
+            continue;
+        }
+        const size_t lp = line.rfind('('), rp = line.rfind(')');
+        const auto type = lp != std::string_view::npos && rp != std::string_view::npos && rp > lp
+                              ? type_from_name(line.substr(lp + 1, rp - lp - 1)) : std::nullopt;
+        if (!type) {
+            fail("llama_model_quantize's dry run of {} on '{}': no type in its line for {} (\"{}\")", r.name, opt.source,
+                 name, line);
+        }
+        plan.types[name] = *type;
+    }
+
+    // The header as llama-quant.cpp makes it, laid out by ggml's gguf API.
+    gguf_context * ctx = gguf_init_empty();
+    gguf_set_kv(ctx, src->ctx());
+    gguf_set_val_u32(ctx, "general.quantization_version", GGML_QNT_VERSION);
+    gguf_set_val_u32(ctx, "general.file_type", static_cast<uint32_t>(r.ftype));
+    for (const char * key : {"split.no", "split.count", "split.tensors.count"}) {
+        gguf_remove_key(ctx, key);
+    }
+    for (const llama_model_kv_override * o = im ? im->kv.data() : nullptr; o && o->key[0] != 0; ++o) {
+        switch (o->tag) {
+            case LLAMA_KV_OVERRIDE_TYPE_FLOAT: gguf_set_val_f32(ctx, o->key, static_cast<float>(o->val_f64)); break;
+            case LLAMA_KV_OVERRIDE_TYPE_INT: gguf_set_val_u32(ctx, o->key, static_cast<uint32_t>(std::abs(o->val_i64))); break;
+            case LLAMA_KV_OVERRIDE_TYPE_BOOL: gguf_set_val_bool(ctx, o->key, o->val_bool); break;
+            case LLAMA_KV_OVERRIDE_TYPE_STR: gguf_set_val_str(ctx, o->key, o->val_str); break;
+        }
+    }
+    ggml_context * meta = ggml_init(ggml_init_params{ggml_tensor_overhead() * (src->tensors().size() + 1), nullptr, true});
+    size_t data = 0;
+    for (const gguf_tensor & t : src->tensors()) {
+        const auto it = plan.types.find(t.name);
+        if (it == plan.types.end()) {
+            ggml_free(meta);
+            gguf_free(ctx);
+            fail("llama_model_quantize's dry run of {} on '{}' printed no type for tensor {}", r.name, opt.source, t.name);
+        }
+        if (it->second == GGML_TYPE_COUNT) {
+            it->second = t.type;
+        }
+        const size_t bytes = it->second == t.type ? t.n_bytes : tensor_bytes(it->second, t.shape(), t.name);
+        ggml_tensor * g = ggml_new_tensor(meta, it->second, t.n_dims, t.ne.data());
+        ggml_set_name(g, t.name.c_str());
+        gguf_add_tensor(ctx, g);
+        plan.tensor_bytes += bytes;
+        data += GGML_PAD(bytes, GGUF_DEFAULT_ALIGNMENT);  // llama-quant.cpp pads each tensor to this alignment
+    }
+    plan.file_bytes = gguf_get_meta_size(ctx) + data;  // the meta size includes its padding
+    ggml_free(meta);
+    gguf_free(ctx);
+    for (auto it = plan.types.begin(); it != plan.types.end();) {  // only the source's tensors
+        it = src->find_tensor(it->first) ? std::next(it) : plan.types.erase(it);
+    }
+    return plan;
+}
+
 std::vector<std::string> nearest_stock_recipes(const baseline_options & opt, const std::vector<std::string> & names,
                                                const std::vector<size_t> & our_sizes, size_t n) {
     if (names.size() <= n + 2) {

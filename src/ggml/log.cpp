@@ -75,6 +75,14 @@ std::string ggml_log_capture::info_line(std::string_view containing) const {
     return "";
 }
 
+std::string ggml_log_capture::info_text() const {
+    std::string out;
+    for (const std::string & part : *t_info) {
+        out += part;
+    }
+    return out;
+}
+
 std::string ggml_log_capture::text() const {
     std::string out;
     for (std::string line : *t_lines) {

@@ -25,6 +25,9 @@ public:
     /// The first info line collected so far that contains `containing` (as llama.cpp printed it), or "".
     std::string info_line(std::string_view containing) const;
 
+    /// Every info message collected so far, joined as printed (llama.cpp prints some lines in two calls).
+    std::string info_text() const;
+
 private:
     ggml_log_capture * outer_;
 };

@@ -259,7 +259,7 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
             j["max_bytes"] = b.max_total;
         } else {
             j["bytes"] = nullptr;
-            j["feasible"] = nullptr;  // the stock file is made by the run (llama_model_quantize) before training
+            j["feasible"] = nullptr;  // sized by the run once its imatrix exists (plan_stock_file: types depend on one)
         }
         targets.push_back(j);
     }
@@ -615,7 +615,7 @@ std::string dry_run_to_text(const nlohmann::json & p) {
                      z["exact"].get<bool>() ? "" : " (without the imatrix's header keys: a few hundred bytes off)");
     for (const auto & t : z["targets"]) {
         if (t["bytes"].is_null()) {
-            s += fmt::format("  {}: the stock file's size, known once the run has made it\n", t["target"].get<std::string>());
+            s += fmt::format("  {}: the stock file's size, known once the imatrix is made (llama.cpp's dry run sizes it with the imatrix)\n", t["target"].get<std::string>());
         } else {
             s += fmt::format("  {}: {:.0f} bytes, {}\n", t["target"].get<std::string>(), t["bytes"].get<double>(),
                              t["feasible"].get<bool>() ? "feasible" : "OUTSIDE the range");
