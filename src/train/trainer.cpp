@@ -108,6 +108,11 @@ std::vector<std::string> apply_cpu_defaults(train_options & o, const std::functi
 
 namespace {
 
+/// Wall seconds since t (the log's stage times: the GPU runs have no progress bars; issue #16 measures them).
+double seconds_since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
 bool keep_all_or(const std::function<bool(const std::string &)> & keep, const std::string & name) { return !keep || keep(name); }
 
 }  // namespace
@@ -919,9 +924,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     if (prune) {
         const auto t0 = std::chrono::steady_clock::now();
         // Each step's wall time in the log (the GPU runs have no progress bars): issue #16 measures them.
-        auto seconds_since = [](std::chrono::steady_clock::time_point t) {
-            return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-        };
         fmt::print(stderr, "pruning: {:.1f} s into the train stage\n", seconds_since(t_start));
         // The lattice types' grids, built at once on their own threads while the other types' errors are measured
         // (ggml_quantize_init builds them one after the other, with every other quantization waiting: ≈ 32 s of one
@@ -1209,6 +1211,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     const bool share = path == mixture_path::fused && compute == torch::kBFloat16 && same_file(src.path(), teacher.path());
     int64_t candidate_device_bytes = 0, candidate_host_bytes = 0;
     std::shared_ptr<void> stream;
+    const auto t_place = std::chrono::steady_clock::now();  // the stages after the candidates, timed (issue #16)
     if (std::find(on_host.begin(), on_host.end(), true) != on_host.end()) {
         // Prefetch one layer ahead: as many tensors as the first streamed tensor's layer holds.
         std::string layer;
@@ -1238,6 +1241,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         candidate_device_bytes += place_candidates(g, path, device, compute, torch::kBFloat16 == compute ? compute : torch::kFloat, source);
     }
 
+    const double place_seconds = seconds_since(t_place);
+    const auto t_sens = std::chrono::steady_clock::now();
     // Sensitivities (kept in the probe file, shared by the sizes of a ladder), and the allocation they
     // suggest: the least total ΔKL under the budget (allocate_exact). The gates start there.
     const std::string probe_id = probe_identity(gated, probe_tokens, probe_dtype, anchors, probe_tf32);
@@ -1288,6 +1293,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     } else {
         fmt::print(stderr, "probe: {} (reused)\n", probe_path);
     }
+    const double sens_seconds = seconds_since(t_sens);
+    const auto t_setup = std::chrono::steady_clock::now();
     const std::vector<int> start = allocate_exact(b, sens);
     if (writer) {
         save_sensitivity((fs::path(o.run_dir) / "sensitivity.json").string(), gated, sens, start);
@@ -1426,6 +1433,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     };
 
     const int st_from = o.steps - static_cast<int>(std::lround(o.st_gumbel_fraction * o.steps));
+    const double setup_seconds = seconds_since(t_setup);
+    const auto t_steps = std::chrono::steady_clock::now();
+    const int first_step = step;
     progress bar("train", o.steps, "steps");
     bar.add(step);
     bool stopped = false;
@@ -1527,6 +1537,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
     }
     bar.finish();
+    const double steps_seconds = seconds_since(t_steps);
     student.set_routing(routing_mode::mix, 0);  // what follows measures whole recipes, never routed tokens
 
     train_result res;
@@ -1551,8 +1562,12 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     }
     const torch::Tensor sel_tokens = res.select_held_apart ? tokens_of(*val, sel_chunks, train.ctx()) : probe_tokens;
     res.select_tokens_shape = {sel_tokens.size(0), sel_tokens.size(1)};
+    const auto t_select = std::chrono::steady_clock::now();
     const std::vector<int> choice = select_recipe(res, src, *model, dense, teacher_weights, gated, menus, b, probs, sens,
                                                   sel_tokens, device, loss_chunk, o, pipeline);
+    fmt::print(stderr, "after the candidates: placement {:.1f} s, probe and errors {:.1f} s, set-up {:.1f} s, {} steps {:.1f} s, "
+                       "selection {:.1f} s\n", place_seconds, sens_seconds, setup_seconds, step - first_step, steps_seconds,
+               seconds_since(t_select));
     if (layer_sharding) {
         // What this rank's device held of the source (and of a teacher of its own): the tensors its layers use, and no
         // other (the probe, the training and the selection all ran rank to rank).
