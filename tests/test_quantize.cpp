@@ -64,7 +64,8 @@ TEST(quantize, one_command_makes_a_file_within_the_stock_size_and_compares_it) {
     ASSERT_EQ(r.eval.files.size(), 3u);  // ours, Q4_0, Q5_0
     EXPECT_GT(r.eval.files[0].kld_mean, 0.0);
     EXPECT_NE(r.table.find("Q5_0"), std::string::npos);
-    for (const char * f : {"eval.md", "eval.json", "eval.png", "imatrix.gguf", "run-Q5_0/recipe.json", "data/data.json"}) {
+    for (const char * f : {"eval.md", "eval.json", "eval.png", "imatrix.gguf", "run-Q5_0/recipe.json", "data/data.json",
+                           "run-Q5_0/candidates.built.json"}) {
         EXPECT_TRUE(std::filesystem::exists(dir.path / "work" / f)) << f;
     }
     // The model card beside the file (issue #20), and what its stock rebuild command names lies beside it too.

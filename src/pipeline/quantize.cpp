@@ -574,8 +574,8 @@ public:
                            "progress{6}", what, done_ ? "scored on every chunk" : "scored in part (the rest now)", ran,
                            idle_ ? "at idle priority" : "at normal priority: SCHED_IDLE was refused",
                            session_->keeps_reference() ? ", the reference's logits kept" : "", waited,
-                           made_all_ ? "" : "; stock files not made ahead: beside every candidate the run could build they "
-                                            "would not fit on the disk");
+                           made_all_ ? "" : "; stock files not made ahead: beside the candidates the run built and its own "
+                                            "files they would not fit on the disk");
         return std::move(session_);
     }
 
@@ -1399,7 +1399,10 @@ quantize_result run_quantize(const quantize_options & opts) {
     std::unique_ptr<eval_ahead> ahead;
     if (eval_ahead_runs(o)) {
         const int64_t keep_max = memory_limit_bytes() / 8;
-        auto make_files = [&o, bo, base_dir, budgets, every_candidate_bytes, model = o.model](const std::atomic<bool> & stopping, bool & made_all) {
+        // The first size's train stage builds every size's candidates, and says so with this file once they are built.
+        const std::string built = (fs::path(work) / ("run-" + rungs.front().label) / k_candidates_built_file).string();
+        fs::remove(built);  // a previous run's: this run's train stage writes it again when its candidates are built
+        auto make_files = [&o, bo, base_dir, budgets, every_candidate_bytes, built, model = o.model](const std::atomic<bool> & stopping, bool & made_all) {
             const progress::quiet_scope quiet;
             const std::vector<std::string> names = baseline_names(o, bo, budgets);
             const std::string stem = fs::path(model).stem().string();
@@ -1418,8 +1421,24 @@ quantize_result run_quantize(const quantize_options & opts) {
                     ++missing;
                 }
             }
-            const int64_t free = free_disk_bytes(base_dir);
-            const bool make = free >= 0 && need <= static_cast<double>(free);
+            bool make = need <= static_cast<double>(free_disk_bytes(base_dir));
+            if (!make && missing > 0) {
+                // Not beside every candidate the menus hold (issue #16: at 8B they are 101.7 GiB, the probe keeps about
+                // half, and a disk without room for the rest builds them in memory): wait for the train stage's own
+                // candidates, which take every core meanwhile (this thread runs only on idle ones), then decide on
+                // the room they left for the stock files and our files.
+                while (!stopping && !fs::exists(built)) {
+                    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+                }
+                double after = static_cast<double>(k_disk_reserve_bytes);
+                for (size_t b : budgets) {
+                    after += static_cast<double>(b);
+                }
+                for (const std::string & name : names) {
+                    after += fs::exists(path_of(name)) ? 0.0 : estimate_stock_bytes(source, recipe_by_name(name));
+                }
+                make = !stopping && after <= static_cast<double>(free_disk_bytes(base_dir));
+            }
             made_all = make || missing == 0;
             std::vector<std::string> paths;
             for (const std::string & name : names) {

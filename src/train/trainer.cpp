@@ -1206,6 +1206,12 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         fmt::print(stderr, "candidates: {} ({}) built in memory only, not kept in '{}' (no room on its disk)\n",
                    cache.not_stored(), bytes_text(static_cast<double>(cache.not_stored_bytes())), cache.dir());
     }
+    if (writer && !o.run_dir.empty()) {  // for voodoo quantize's eval ahead (k_candidates_built_file)
+        write_file_atomic((fs::path(o.run_dir) / k_candidates_built_file).string(),
+                          nlohmann::json{{"tensors", menus.size()}, {"seconds", seconds_since(t_build)},
+                                         {"not_stored", cache.not_stored()}, {"not_stored_bytes", cache.not_stored_bytes()}}
+                                  .dump() + "\n");
+    }
     // When the teacher is the source file, its resident bf16 matrices stand in for the BF16/F16 candidates
     // that equal them (fused path): those candidates then cost no GPU memory of their own.
     const bool share = path == mixture_path::fused && compute == torch::kBFloat16 && same_file(src.path(), teacher.path());

@@ -23,6 +23,11 @@ class process_group;
 
 class token_file;
 
+/// Written in the run folder (train_options::run_dir) once the train stage's candidates are built, before the
+/// training: the tensors, the build's seconds, and the candidates built in memory only (no room in the cache's
+/// disk). voodoo quantize's eval ahead waits for it before deciding whether the stock files still fit on the disk.
+inline constexpr const char * k_candidates_built_file = "candidates.built.json";
+
 struct train_options {
     target goal;
     menu_options menu;
