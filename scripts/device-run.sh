@@ -37,7 +37,7 @@ e2e_17b() {
         "$@" --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" \
         --device cuda --work $W ${MENU:+--menu "$MENU"} ${E2E_ARGS:-} > "$OUT/e2e/qwen3-1.7b$tag.log" 2>&1
     kill $SMI
-    grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built|built ahead|--probe-anchors auto|eval defaults" "$OUT/e2e/qwen3-1.7b$tag.log" | cut -c1-220 | tail -40
+    grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built|built ahead|--probe-anchors auto|eval defaults|after the candidates|ahead: " "$OUT/e2e/qwen3-1.7b$tag.log" | cut -c1-220 | tail -40
     du -sh $W/* > "$OUT/e2e/disk-1.7b$tag.txt" 2>&1; cat "$OUT/e2e/disk-1.7b$tag.txt"
     cp $W/times.json "$OUT/e2e/times-1.7b$tag.json" 2>/dev/null
     cp $W/eval.md "$OUT/e2e/qwen3-1.7b$tag-eval.md" 2>/dev/null
