@@ -213,6 +213,30 @@ TEST(baseline_cli, all_that_fit_makes_every_file_and_marks_the_ones_that_fell_ba
     EXPECT_NE(r.output.find("| Q4_K_M | stories260K-Q4_K_M.gguf |"), std::string::npos) << r.output;
 }
 
+TEST(baseline_cli, a_dry_run_makes_nothing_and_gives_each_files_bytes_and_types_as_made) {
+    // `voodoo baseline --dry-run`: llama.cpp's dry run sizes each recipe without making it (plan_stock_file), so its
+    // JSON is what the files made then read, field for field, and the folder stays empty.
+    voodoo::test::temp_dir dir;
+    const std::string im = write_imatrix(dir);
+    const std::string args = "baseline " + stories260k() + " --recipes Q4_K_M,IQ2_XXS,Q8_0 --imatrix " + im + " --threads 1 ";
+    const auto dry = voodoo::test::run_voodoo_stdout(args + "--dry-run --json -");
+    ASSERT_EQ(dry.exit_code, 0) << dry.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("b")));
+    const auto made = voodoo::test::run_voodoo(args + "--out-dir " + dir.file("b"));
+    ASSERT_EQ(made.exit_code, 0) << made.output;
+    std::ifstream in(dir.file("b/baselines.json"));
+    const auto want = nlohmann::json::parse(in);
+    const auto got = nlohmann::json::parse(dry.output);
+    ASSERT_EQ(got.size(), 3u);
+    for (size_t i = 0; i < got.size(); ++i) {
+        for (const char * key : {"recipe", "file_bytes", "tensor_bytes", "n_weights", "bpw", "type_counts"}) {
+            EXPECT_EQ(got[i][key], want[i][key]) << key << " of " << want[i]["recipe"];
+        }
+    }
+    EXPECT_NE(voodoo::test::run_voodoo("baseline " + stories260k() + " --dry-run").output.find(
+                  "--dry-run needs --recipe NAME or --recipes LIST"), std::string::npos);
+}
+
 }  // namespace
 
 TEST(baseline, a_folder_keyed_on_its_inputs_reuses_a_stock_file_already_made_and_describes_it_alike) {

@@ -2,6 +2,8 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "eval/baseline.h"
+#include "ggml/gguf.h"
+#include "ggml/types.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -12,6 +14,22 @@
 namespace voodoo::cli {
 
 namespace {
+
+/// --recipes: "all-that-fit" (those that fit with or without an imatrix) or a comma list.
+std::vector<std::string> recipe_names(const std::string & recipes, bool has_imatrix) {
+    if (recipes == "all-that-fit") {
+        return recipes_all_that_fit(has_imatrix);
+    }
+    std::vector<std::string> names;
+    for (size_t start = 0; start <= recipes.size();) {
+        const size_t comma = std::min(recipes.find(',', start), recipes.size());
+        if (comma > start) {
+            names.push_back(recipes.substr(start, comma - start));
+        }
+        start = comma + 1;
+    }
+    return names;
+}
 
 nlohmann::json result_json(const baseline_result & r) {
     return {{"recipe", r.recipe},         {"path", r.path},           {"ok", r.ok},
@@ -26,7 +44,8 @@ command add_baseline(CLI::App & app) {
                 "  voodoo baseline model-f16.gguf --recipe Q4_K_M --out model-Q4_K_M.gguf\n"
                 "  voodoo baseline model-f16.gguf --recipe IQ2_M --imatrix imatrix.gguf --out model-IQ2_M.gguf\n"
                 "  voodoo baseline model-f16.gguf --recipes all-that-fit --out-dir baselines\n"
-                "  voodoo baseline model-f16.gguf --recipes Q4_0,Q8_0 --out-dir baselines");
+                "  voodoo baseline model-f16.gguf --recipes Q4_0,Q8_0 --out-dir baselines\n"
+                "  voodoo baseline model-f16.gguf --recipes Q4_K_M,Q5_K_M --imatrix imatrix.gguf --dry-run");
     struct options {
         baseline_options base;
         std::string recipe;
@@ -34,6 +53,7 @@ command add_baseline(CLI::App & app) {
         std::string out;
         std::string out_dir;
         std::string json;
+        bool dry_run = false;
     };
     auto o = std::make_shared<options>();
     sub->add_option("source", o->base.source, "Full-precision GGUF (F32/F16/BF16)")->required();
@@ -46,7 +66,41 @@ command add_baseline(CLI::App & app) {
     sub->add_option("-t,--threads", o->base.n_threads, "Quantization threads (default: VOODOO_THREADS if set, else every core)")->check(non_negative());
     add_json_option(sub, o->json, "Each file made (recipe, path, bytes, BPW, tensor types)");
     sub->add_flag("--allow-requantize", o->base.allow_requantize, "Accept an already quantized source (llama-quantize's flag)");
+    sub->add_flag("--dry-run", o->dry_run,
+                  "Make nothing: each recipe's file size to the byte and its tensor types, from llama.cpp's own dry run "
+                  "(as voodoo quantize --like sizes its target; give the --imatrix the file would be made with)");
     return {sub, [o] {
+        if (o->dry_run) {
+            if (o->recipe.empty() && o->recipes.empty()) {
+                fail("--dry-run needs --recipe NAME or --recipes LIST");
+            }
+            const std::vector<std::string> names = !o->recipe.empty() ? std::vector<std::string>{o->recipe}
+                                                                        : recipe_names(o->recipes, !o->base.imatrix.empty());
+            const gguf_file src(o->base.source);
+            std::vector<baseline_result> results;
+            nlohmann::json j = nlohmann::json::array();
+            for (const std::string & name : names) {
+                const stock_plan plan = plan_stock_file(o->base, name);
+                baseline_result r;
+                r.recipe = recipe_by_name(name).name;
+                r.path = "(not made: --dry-run)";
+                r.ok = true;
+                r.file_bytes = plan.file_bytes;
+                r.tensor_bytes = plan.tensor_bytes;
+                for (const gguf_tensor & t : src.tensors()) {
+                    r.n_weights += t.n_elements();
+                    r.type_counts[type_name(plan.types.at(t.name))] += 1;
+                }
+                r.bpw = 8.0 * static_cast<double>(r.tensor_bytes) / static_cast<double>(std::max<int64_t>(1, r.n_weights));
+                j.push_back(result_json(r));
+                results.push_back(std::move(r));
+            }
+            if (o->json != "-") {
+                fmt::print("{}", baselines_to_markdown(results));
+            }
+            write_json_to(o->json, o->recipe.empty() ? j : j.front());
+            return 0;
+        }
         if (!o->recipe.empty()) {
             if (o->out.empty()) {
                 fail("--recipe {} needs --out F.gguf", o->recipe);
@@ -64,19 +118,8 @@ command add_baseline(CLI::App & app) {
         if (o->out_dir.empty()) {
             fail("--recipes needs --out-dir DIR");
         }
-        std::vector<std::string> names;
-        if (o->recipes == "all-that-fit") {
-            names = recipes_all_that_fit(!o->base.imatrix.empty());
-        } else {
-            for (size_t start = 0; start <= o->recipes.size();) {
-                const size_t comma = std::min(o->recipes.find(',', start), o->recipes.size());
-                if (comma > start) {
-                    names.push_back(o->recipes.substr(start, comma - start));
-                }
-                start = comma + 1;
-            }
-        }
-        const std::vector<baseline_result> results = make_baselines(o->base, names, o->out_dir);
+        const std::vector<baseline_result> results =
+            make_baselines(o->base, recipe_names(o->recipes, !o->base.imatrix.empty()), o->out_dir);
         if (o->json != "-") {
             fmt::print("{}", baselines_to_markdown(results));
         }
