@@ -218,7 +218,7 @@ TEST(baseline_cli, a_dry_run_makes_nothing_and_gives_each_files_bytes_and_types_
     // JSON is what the files made then read, field for field, and the folder stays empty.
     voodoo::test::temp_dir dir;
     const std::string im = write_imatrix(dir);
-    const std::string args = "baseline " + stories260k() + " --recipes Q4_K_M,IQ2_XXS,Q8_0 --imatrix " + im + " --threads 1 ";
+    const std::string args = "baseline " + stories260k() + " --recipes Q4_K_M,IQ2_XXS,Q8_0,Q6_K --imatrix " + im + " --threads 1 ";
     const auto dry = voodoo::test::run_voodoo_stdout(args + "--dry-run --json -");
     ASSERT_EQ(dry.exit_code, 0) << dry.output;
     EXPECT_FALSE(std::filesystem::exists(dir.file("b")));
@@ -227,14 +227,19 @@ TEST(baseline_cli, a_dry_run_makes_nothing_and_gives_each_files_bytes_and_types_
     std::ifstream in(dir.file("b/baselines.json"));
     const auto want = nlohmann::json::parse(in);
     const auto got = nlohmann::json::parse(dry.output);
-    ASSERT_EQ(got.size(), 3u);
+    ASSERT_EQ(got.size(), 4u);
+    EXPECT_EQ(got[3]["same_types_as"], "Q8_0");  // 64-wide rows: Q6_K falls back to Q8_0 everywhere
     for (size_t i = 0; i < got.size(); ++i) {
-        for (const char * key : {"recipe", "file_bytes", "tensor_bytes", "n_weights", "bpw", "type_counts"}) {
+        for (const char * key : {"recipe", "file_bytes", "tensor_bytes", "n_weights", "bpw", "type_counts", "same_types_as"}) {
             EXPECT_EQ(got[i][key], want[i][key]) << key << " of " << want[i]["recipe"];
         }
     }
     EXPECT_NE(voodoo::test::run_voodoo("baseline " + stories260k() + " --dry-run").output.find(
                   "--dry-run needs --recipe NAME or --recipes LIST"), std::string::npos);
+    const auto out = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipe Q4_0 --dry-run --out " + dir.file("x.gguf"));
+    EXPECT_EQ(out.exit_code, 1);
+    EXPECT_NE(out.output.find("--dry-run makes no file"), std::string::npos) << out.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("x.gguf")));
 }
 
 }  // namespace

@@ -58,7 +58,7 @@ command add_baseline(CLI::App & app) {
     auto o = std::make_shared<options>();
     sub->add_option("source", o->base.source, "Full-precision GGUF (F32/F16/BF16)")->required();
     auto * one = sub->add_option("--recipe", o->recipe, "One llama-quantize recipe: Q4_K_M, Q8_0, IQ2_M, …");
-    auto * many = sub->add_option("--recipes", o->recipes, "'all-that-fit' or a comma-separated list (with --out-dir)");
+    auto * many = sub->add_option("--recipes", o->recipes, "'all-that-fit' or a comma-separated list (with --out-dir, or --dry-run)");
     one->excludes(many);
     sub->add_option("--imatrix", o->base.imatrix, "llama.cpp GGUF imatrix (needed by IQ1/IQ2/IQ3_XXS and Q2_K_S)");
     sub->add_option("--out", o->out, "Output GGUF (with --recipe)");
@@ -73,6 +73,9 @@ command add_baseline(CLI::App & app) {
         if (o->dry_run) {
             if (o->recipe.empty() && o->recipes.empty()) {
                 fail("--dry-run needs --recipe NAME or --recipes LIST");
+            }
+            if (!o->out.empty() || !o->out_dir.empty()) {
+                fail("--dry-run makes no file: drop --out/--out-dir, or drop --dry-run to make the files");
             }
             const std::vector<std::string> names = !o->recipe.empty() ? std::vector<std::string>{o->recipe}
                                                                         : recipe_names(o->recipes, !o->base.imatrix.empty());
@@ -90,6 +93,13 @@ command add_baseline(CLI::App & app) {
                 for (const gguf_tensor & t : src.tensors()) {
                     r.n_weights += t.n_elements();
                     r.type_counts[type_name(plan.types.at(t.name))] += 1;
+                    r.tensor_types.push_back(plan.types.at(t.name));
+                }
+                for (const baseline_result & earlier : results) {  // as make_baselines marks them
+                    if (earlier.tensor_types == r.tensor_types) {
+                        r.same_types_as = earlier.recipe;
+                        break;
+                    }
                 }
                 r.bpw = 8.0 * static_cast<double>(r.tensor_bytes) / static_cast<double>(std::max<int64_t>(1, r.n_weights));
                 j.push_back(result_json(r));
