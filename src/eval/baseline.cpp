@@ -252,14 +252,22 @@ double estimate_stock_bytes(const gguf_file & src, const stock_recipe & r) {
     return total;
 }
 
-double stock_tensor_bytes(const baseline_options & opt, const stock_recipe & r) {
-    const auto src = open_source(opt);
+namespace {
+
+/// llama_model_quantize's dry run of recipe r on opt.source, with im's imatrix and keys when given (llama.cpp's type
+/// rules ask whether there is one): everything it logged at info level (its type per tensor, its "quant size" line).
+/// It opens no output file and quantizes nothing. Throws voodoo::error with llama.cpp's reason when it fails.
+std::string dry_run_log(const baseline_options & opt, const stock_recipe & r, const imatrix_params * im) {
     llama_runtime_init();
     llama_model_quantize_params qp = llama_model_quantize_default_params();
     qp.ftype = r.ftype;
     qp.nthread = 1;
     qp.allow_requantize = opt.allow_requantize;
     qp.dry_run = true;
+    if (im) {
+        qp.imatrix = im->entries.data();
+        qp.kv_overrides = im->kv.data();
+    }
     ggml_log_capture capture;
     // The dry run opens no output file; the path is never made.
     const std::string never = opt.source + ".voodoo-dry-run-never-written.gguf";
@@ -267,10 +275,18 @@ double stock_tensor_bytes(const baseline_options & opt, const stock_recipe & r) 
     if (llama_model_quantize(opt.source.c_str(), never.c_str(), &qp) != 0) {
         fail("llama_model_quantize's dry run of {} on '{}' failed: {}", r.name, opt.source, capture.text());
     }
-    const std::string line = capture.info_line("quant size");
-    const size_t eq = line.find('=');
+    return capture.info_text();
+}
+
+}  // namespace
+
+double stock_tensor_bytes(const baseline_options & opt, const stock_recipe & r) {
+    open_source(opt);  // its checks: a readable source, full precision unless allow_requantize
+    const std::string text = dry_run_log(opt, r, nullptr);
+    const size_t at = text.find("quant size");
+    const size_t eq = at == std::string::npos ? std::string::npos : text.find('=', at);
     double mib = 0;
-    if (eq == std::string::npos || std::sscanf(line.c_str() + eq + 1, "%lf", &mib) != 1) {
+    if (eq == std::string::npos || std::sscanf(text.c_str() + eq + 1, "%lf", &mib) != 1) {
         fail("llama_model_quantize's dry run of {} on '{}' printed no size (\"quant size = … MiB\")", r.name, opt.source);
     }
     return mib * 1024.0 * 1024.0;
@@ -282,26 +298,11 @@ stock_plan plan_stock_file(const baseline_options & opt, const std::string & rec
     const auto src = open_source(opt);
     llama_runtime_init();
     const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix, *src);
-    llama_model_quantize_params qp = llama_model_quantize_default_params();
-    qp.ftype = r.ftype;
-    qp.nthread = 1;
-    qp.allow_requantize = opt.allow_requantize;
-    qp.dry_run = true;
-    if (im) {  // the real run's inputs: llama.cpp's type rules ask whether an imatrix is given
-        qp.imatrix = im->entries.data();
-        qp.kv_overrides = im->kv.data();
-    }
-    ggml_log_capture capture;
-    // The dry run opens no output file and quantizes nothing (no lattice grid is built: no hold_lattice_tables).
-    const std::string never = opt.source + ".voodoo-dry-run-never-written.gguf";
-    if (llama_model_quantize(opt.source.c_str(), never.c_str(), &qp) != 0) {
-        fail("llama_model_quantize's dry run of {} on '{}' failed: {}", r.name, opt.source, capture.text());
-    }
+    const std::string text = dry_run_log(opt, r, im.get());  // the real run's inputs, the imatrix included
 
     // Its line per tensor: "[  12/ 201]  blk.0.attn_q.weight  - [ 2048,  2048,  1,  1], type =   bf16, size =  8.000
     // MiB ->  2.250 MiB (q4_K)", or without " -> " for a tensor it keeps as it is.
     stock_plan plan;
-    const std::string text = capture.info_text();
     for (size_t a = 0; a < text.size();) {
         const size_t e = std::min(text.find('\n', a), text.size());
         const std::string_view line(text.data() + a, e - a);

@@ -1430,13 +1430,7 @@ quantize_result run_quantize(const quantize_options & opts) {
                 while (!stopping && !fs::exists(built)) {
                     std::this_thread::sleep_for(std::chrono::milliseconds(500));
                 }
-                double after = static_cast<double>(k_disk_reserve_bytes);
-                for (size_t b : budgets) {
-                    after += static_cast<double>(b);
-                }
-                for (const std::string & name : names) {
-                    after += fs::exists(path_of(name)) ? 0.0 : estimate_stock_bytes(source, recipe_by_name(name));
-                }
+                const double after = need - every_candidate_bytes;  // the reserve, our files, the stock files to make
                 make = !stopping && after <= static_cast<double>(free_disk_bytes(base_dir));
             }
             made_all = make || missing == 0;
