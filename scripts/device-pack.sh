@@ -17,6 +17,10 @@ mkdir -p .device/llama/convert
 cp -r .deps/llama.cpp/convert_hf_to_gguf.py .deps/llama.cpp/conversion .deps/llama.cpp/gguf-py .deps/llama.cpp/requirements \
     .device/llama/convert/
 cp /usr/include/xxhash.h /usr/include/xxh3.h .device/include/
+# ggml's source from the same bundle (0.4 MB compressed): the stage cuda-build of scripts/device-run.sh builds llama.cpp's
+# CUDA backend from it there for that GPU (issue #16: the eval on the GPU).
+(cd .deps/llama.cpp && tar cJf - ggml/CMakeLists.txt ggml/cmake ggml/include ggml/src/CMakeLists.txt ggml/src/*.c \
+    ggml/src/*.cpp ggml/src/*.h ggml/src/ggml-version.h.in ggml/src/ggml-cpu/*.h ggml/src/ggml-cuda) > .device/llama/ggml-src.tar.xz
 cp $S/models/stories260K/stories260K.gguf .device/data/models/stories260K/
 cp $S/text/tinystories/tinystories_val.txt .device/data/text/tinystories/
 cp $S/text/wikitext-2-raw/wiki.test.raw $S/text/wikitext-2-raw/wiki.valid.raw .device/data/text/wikitext-2-raw/

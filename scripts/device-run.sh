@@ -3,7 +3,7 @@
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, bench-small, bench-large,
-# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, probe-tf32, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, dry-8b, e2e-8b-defaults, bg, bg-wait. Logs and results
+# kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, probe-tf32, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, cuda-build, dry-8b, e2e-8b-defaults, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +52,39 @@ fixture_8b() {
         --head-dim 128 --n-ff 14336 --type bf16 --rope-freq-base 500000 -o /tmp/llama3-8b-shape.gguf > "$OUT/e2e/fixture-8b.log" 2>&1
 }
 
+cuda_build() {
+    # llama.cpp's CUDA backend built there for the GPU (sm_90) from ggml's source in the same bundle as the libraries
+    # (.device/llama/ggml-src.tar.xz, scripts/device-pack.sh), with that machine's nvcc: the pinned package family's
+    # prebuilt one does not run on driver 580 (stage cuda-lib above). A loadable backend (GGML_BACKEND_DL) linked
+    # against the bundle's own libggml-base.so (its soname, not the build's libggml-base.so.0, so that one copy of ggml
+    # serves both); later stages of the same call, bg's included, get it through GGML_BACKEND_PATH, and libllama's eval
+    # then offloads every layer to the GPU. Its own build time is in the log.
+    log cuda-build
+    rm -rf /tmp/ggml-src && mkdir -p /tmp/ggml-src && tar xJf "$D/llama/ggml-src.tar.xz" -C /tmp/ggml-src && touch /tmp/ggml-src/ggml/ggml.pc.in
+    t0=$SECONDS
+    cmake -S /tmp/ggml-src/ggml -B /tmp/ggml-cuda-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_BACKEND_DL=ON -DGGML_CPU=OFF \
+        -DGGML_NATIVE=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
+        > "$OUT/cuda-build-configure.log" 2>&1 || { tail -30 "$OUT/cuda-build-configure.log"; return 1; }
+    cmake --build /tmp/ggml-cuda-build -j "$(nproc)" --target ggml-base > "$OUT/cuda-build.log" 2>&1 || { tail -30 "$OUT/cuda-build.log"; return 1; }
+    base=$(readlink -f /tmp/ggml-cuda-build/src/libggml-base.so)
+    cp "$D/llama/lib/libggml-base.so" "$base" && touch "$base"
+    cmake --build /tmp/ggml-cuda-build -j "$(nproc)" --target ggml-cuda >> "$OUT/cuda-build.log" 2>&1 || { grep -E "error" -A3 "$OUT/cuda-build.log" | head -40; return 1; }
+    lib=$(find /tmp/ggml-cuda-build -name 'libggml-cuda.so' | head -1)
+    log "built $lib in $((SECONDS - t0)) s"; readelf -d "$lib" | grep NEEDED
+    export GGML_BACKEND_PATH=$lib
+    build-cuda/bin/voodoo doctor 2>&1 | grep -iE "cuda|gpu|device" | head -8
+    # stock Q4_0 of stories260K evaluated against it on the GPU and on the CPU: that libllama decodes there, and how
+    # close the two backends' numbers are.
+    M=$D/data/models/stories260K/stories260K.gguf; T=$D/data/text/tinystories/tinystories_val.txt
+    build-cuda/bin/voodoo baseline "$M" --recipes Q4_0 --out-dir /tmp/cuda-smoke > "$OUT/cuda-smoke-baseline.log" 2>&1
+    for where in gpu cpu; do
+        pre=(); [ $where = cpu ] && pre=(env -u GGML_BACKEND_PATH)
+        "${pre[@]}" build-cuda/bin/voodoo eval /tmp/cuda-smoke/*Q4_0*.gguf -m "$M" --text "$T" \
+            --ctx 128 --chunks 16 --speed-reps 2 --out-dir "$OUT/cuda-smoke-$where" > "$OUT/cuda-smoke-$where.log" 2>&1
+        echo "$where: $(grep -h "Q4_0" "$OUT/cuda-smoke-$where/eval.md") $(grep -ho "computed by libllama on .*" "$OUT/cuda-smoke-$where/eval.md")"
+    done
+}
+
 for stage in "$@"; do
 case "$stage" in
 build)
@@ -89,6 +122,9 @@ cuda-lib)
         export GGML_BACKEND_PATH=/tmp/ggml-cuda/libggml-cuda.so CUDA_CACHE_PATH=/tmp/cuda-cache CUDA_CACHE_MAXSIZE=4294967296
         echo "GGML_BACKEND_PATH=$GGML_BACKEND_PATH LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
     fi
+    ;;
+cuda-build)
+    cuda_build || log "cuda-build failed: the stages after it run with libllama on the CPU"
     ;;
 bg)
     # Runs the stages named in BG_STAGES in a process session of their own (setsid), which outlives this call, with
@@ -154,6 +190,19 @@ e2e-0.6b)
     ;;
 e2e-1.7b)
     e2e_17b "" --baselines Q4_K_M
+    ;;
+e2e-1.7b-gpueval)
+    # The job of e2e-1.7b with libllama's eval on the GPU (the stage cuda-build earlier in the same call sets
+    # GGML_BACKEND_PATH; --eval-ahead auto is then off), in a fresh work folder.
+    [ -n "${GGML_BACKEND_PATH:-}" ] || { log "e2e-1.7b-gpueval: no GGML_BACKEND_PATH (the stage cuda-build first), skipped"; continue; }
+    rm -rf /tmp/e2e-17b-gpueval
+    e2e_17b "-gpueval" --baselines Q4_K_M
+    ;;
+e2e-1.7b-cpueval)
+    # The same job with libllama on the CPU (GGML_BACKEND_PATH removed; the eval ahead at its auto, on), in a fresh
+    # work folder: the same machine's baseline for e2e-1.7b-gpueval.
+    rm -rf /tmp/e2e-17b-cpueval
+    (unset GGML_BACKEND_PATH; e2e_17b "-cpueval" --baselines Q4_K_M)
     ;;
 e2e-1.7b-noahead)
     # The job of e2e-1.7b with --eval-ahead off, said outright (the default since session 24; the eval stage does all

@@ -67,8 +67,11 @@ TEST(curve, each_voodoo_file_meets_the_best_stock_file_no_larger_and_its_greedy_
 }
 
 TEST(curve, an_eval_report_reads_back_from_its_json) {
-    const eval_result r = ladder_result();
+    eval_result r = ladder_result();
+    r.devices = {"CUDA0: NVIDIA H100 80GB HBM3"};
     const eval_result back = eval_from_json(eval_to_json(r), "r.json");
+    EXPECT_EQ(back.devices, r.devices);
+    EXPECT_NE(eval_to_markdown(back).find("; computed by libllama on CUDA0: NVIDIA H100 80GB HBM3."), std::string::npos);
     ASSERT_EQ(back.files.size(), r.files.size());
     EXPECT_EQ(back.files[3].name, "m-Q4_K_M.gguf");
     EXPECT_EQ(back.files[3].file_bytes, 605u);

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <atomic>
+#include <cstdlib>
 #include <chrono>
 #include <cmath>
 #include <thread>
@@ -217,6 +218,12 @@ TEST_F(eval_test, reports_are_a_markdown_table_json_and_a_png) {
     EXPECT_EQ(j["files"][1]["file_bytes"], 379168);
     EXPECT_EQ(j["files"][0]["kld_mean"], 0.0);
     EXPECT_EQ(j["n_scored"], 2 * 63);
+    // Where libllama computed: the pinned package has CPU backends only (a GPU one comes from GGML_BACKEND_PATH).
+    if (std::getenv("GGML_BACKEND_PATH") == nullptr) {
+        EXPECT_TRUE(r.devices.empty());
+        EXPECT_NE(md.find("; computed by libllama on the CPU."), std::string::npos) << md;
+        EXPECT_EQ(j["devices"], nlohmann::json::array());
+    }
     const std::string png = dir_->file("plot.png");
     voodoo::eval_plot(r, png);
     const std::string bytes = voodoo::test::read_file(png);

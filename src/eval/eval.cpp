@@ -698,6 +698,7 @@ eval_result eval_session::finish(const std::vector<std::string> & files) {
     }
     s.finished = true;
     eval_result result = s.base;
+    result.devices = llama_gpu_devices();
     finish_file(result.ref, s.ref_acc);
     for (const std::string & path : files) {
         eval_file_result r;

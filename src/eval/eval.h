@@ -62,6 +62,8 @@ struct eval_result {
     int64_t n_scored = 0;           // tokens scored per file: n_chunks · (n_ctx − 1 − n_ctx/2)
     int speed_reps = 0;             // repetitions behind each speed figure (0: none measured)
     int speed_threads = 0;          // libllama threads of the speed runs
+    std::vector<std::string> devices;   // the GPUs libllama computed on ("CUDA0: NVIDIA H100 …"; llama_gpu_devices);
+                                        // empty: its CPU backend
     eval_file_result ref;           // the reference's own PPL; its KLD columns are zero
     std::vector<eval_file_result> files;    // in the order given
 };

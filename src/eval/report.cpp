@@ -131,13 +131,25 @@ std::string eval_to_markdown(const eval_result & r) {
                            100.0 * f.same_top, 100.0 * f.same_top_err, speed_cols(f));
     }
     out += fmt::format("\n{} chunks of {} tokens of {} ({} tokens), {} tokens scored per file; KLD in nats per token "
-                       "against {}.\n",
-                       r.n_chunks, r.n_ctx, r.text, r.n_text_tokens, r.n_scored, r.ref.name);
+                       "against {}; computed by libllama on {}.\n",
+                       r.n_chunks, r.n_ctx, r.text, r.n_text_tokens, r.n_scored, r.ref.name,
+                       eval_devices_text(r.devices));
     if (speed) {
         out += fmt::format("Speed in libllama on this machine, llama-bench's method: pp512 = 512 prompt tokens in one "
                            "batch, tg128 = 128 tokens generated one by one; mean ± sd of {} run{} on {} thread{}{}.\n",
                            r.speed_reps, r.speed_reps == 1 ? "" : "s", r.speed_threads, r.speed_threads == 1 ? "" : "s",
                            r.speed_reps == 1 ? " (one run: no spread measured)" : "");
+    }
+    return out;
+}
+
+std::string eval_devices_text(const std::vector<std::string> & devices) {
+    if (devices.empty()) {
+        return "the CPU";
+    }
+    std::string out;
+    for (const std::string & d : devices) {
+        out += (out.empty() ? "" : ", ") + d;
     }
     return out;
 }
@@ -156,6 +168,7 @@ nlohmann::json eval_to_json(const eval_result & r) {
         {"n_scored", r.n_scored},
         {"speed_reps", r.speed_reps},
         {"speed_threads", r.speed_threads},
+        {"devices", r.devices},
         {"files", files},
     };
 }
@@ -205,6 +218,7 @@ eval_result eval_from_json(const nlohmann::json & j, const std::string & source)
         r.n_scored = j.at("n_scored").get<int64_t>();
         r.speed_reps = j.value("speed_reps", 0);
         r.speed_threads = j.value("speed_threads", 0);
+        r.devices = j.value("devices", std::vector<std::string>{});
         for (const auto & f : j.at("files")) {
             r.files.push_back(file_from_json(f));
         }

@@ -14,6 +14,10 @@ namespace voodoo {
 /// says which text, ctx and how many chunks and tokens were scored.
 std::string eval_to_markdown(const eval_result & r);
 
+/// Where libllama computed, for a report: "the CPU" when `devices` (eval_result::devices) is empty, else the devices
+/// joined by ", ".
+std::string eval_devices_text(const std::vector<std::string> & devices);
+
 /// Every number of the result as JSON (sizes in bytes, KLD in nats per token, same_top as a fraction).
 nlohmann::json eval_to_json(const eval_result & r);
 

@@ -56,4 +56,17 @@ std::vector<std::string> llama_backend_devices() {
     return out;
 }
 
+std::vector<std::string> llama_gpu_devices() {
+    llama_runtime_init();
+    std::vector<std::string> out;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
+        if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+            out.push_back(std::string(ggml_backend_dev_name(dev)) + ": " + ggml_backend_dev_description(dev));
+        }
+    }
+    return out;
+}
+
 }  // namespace voodoo

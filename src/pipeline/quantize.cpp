@@ -16,6 +16,7 @@
 #include "export/export.h"
 #include "export/model_card.h"
 #include "ggml/quant.h"
+#include "ggml/runtime.h"
 #include "ggml/types.h"
 #include "imatrix/collect.h"
 #include "imatrix/imatrix.h"
@@ -1175,8 +1176,10 @@ bool eval_ahead_runs(const quantize_options & o) {
     // (16 cores, the Qwen3-1.7B shape, docs/BENCHMARKS.md, session 27): 425.0 s off, 413.2 s on (train +8.0 s,
     // eval -20.9 s, the same file). On the CPU device it loses: on the 2-core machine an idle-class thread beside
     // in-process training slowed it 2-3x (Linux's idle class did not keep it off the cores the quantizers use).
+    // Off too when libllama has a GPU (a backend from GGML_BACKEND_PATH, e.g. llama.cpp's CUDA one): the eval stage
+    // then decodes there, and the ahead's decodes would share the GPU and its memory with training.
     if (o.eval_ahead == "auto") {
-        return o.train.device != "cpu" && resolve_threads(0) >= 8;
+        return o.train.device != "cpu" && resolve_threads(0) >= 8 && llama_gpu_devices().empty();
     }
     return o.eval_ahead == "on";
 }
@@ -1219,6 +1222,13 @@ quantize_result run_quantize(const quantize_options & opts) {
                                "(--eval-chunks and --speed-reps choose others)\n",
                        static_cast<double>(n) / 1e9, o.eval_chunks, o.eval_ctx, o.speed_reps, o.speed_reps == 1 ? "" : "s",
                        o.reference_speed ? "" : ", none of the source");
+        }
+        if (o.eval_chunks != 0) {
+            const std::vector<std::string> gpus = llama_gpu_devices();
+            if (!gpus.empty()) {
+                fmt::print(stderr, "eval: libllama evaluates on {} (a GPU backend from GGML_BACKEND_PATH){}\n",
+                           eval_devices_text(gpus), o.eval_ahead == "auto" ? ", so --eval-ahead auto is off" : "");
+            }
         }
         // LibTorch's threads on the CPU follow the same rule: below 8M weights its OpenMP threads spin more than
         // they compute. make demo (stories260K, 0.26M weights) on the 2-core machine: 27.4 s on both cores,
