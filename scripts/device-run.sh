@@ -53,24 +53,15 @@ fixture_8b() {
 }
 
 cuda_build() {
-    # llama.cpp's CUDA backend built there for the GPU (sm_90) from ggml's source in the same bundle as the libraries
-    # (.device/llama/ggml-src.tar.xz, scripts/device-pack.sh), with that machine's nvcc: the pinned package family's
-    # prebuilt one does not run on driver 580 (stage cuda-lib above). A loadable backend (GGML_BACKEND_DL) linked
-    # against the bundle's own libggml-base.so (its soname, not the build's libggml-base.so.0, so that one copy of ggml
-    # serves both); later stages of the same call, bg's included, get it through GGML_BACKEND_PATH, and libllama's eval
-    # then offloads every layer to the GPU. Its own build time is in the log.
+    # llama.cpp's CUDA backend built there for the GPU by scripts/llama-cuda.sh, from ggml's source in the same bundle as
+    # the libraries (.device/llama/ggml-src.tar.xz, scripts/device-pack.sh), with that machine's nvcc: the pinned
+    # package family's prebuilt one does not run on driver 580 (stage cuda-lib above). Later stages of the same call,
+    # bg's included, get it through GGML_BACKEND_PATH, and libllama's eval then offloads every layer to the GPU.
     log cuda-build
-    rm -rf /tmp/ggml-src && mkdir -p /tmp/ggml-src && tar xJf "$D/llama/ggml-src.tar.xz" -C /tmp/ggml-src && touch /tmp/ggml-src/ggml/ggml.pc.in
-    t0=$SECONDS
-    cmake -S /tmp/ggml-src/ggml -B /tmp/ggml-cuda-build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_BACKEND_DL=ON -DGGML_CPU=OFF \
-        -DGGML_NATIVE=OFF -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_BUILD_TESTS=OFF -DGGML_BUILD_EXAMPLES=OFF \
-        > "$OUT/cuda-build-configure.log" 2>&1 || { tail -30 "$OUT/cuda-build-configure.log"; return 1; }
-    cmake --build /tmp/ggml-cuda-build -j "$(nproc)" --target ggml-base > "$OUT/cuda-build.log" 2>&1 || { tail -30 "$OUT/cuda-build.log"; return 1; }
-    base=$(readlink -f /tmp/ggml-cuda-build/src/libggml-base.so)
-    cp "$D/llama/lib/libggml-base.so" "$base" && touch "$base"
-    cmake --build /tmp/ggml-cuda-build -j "$(nproc)" --target ggml-cuda >> "$OUT/cuda-build.log" 2>&1 || { grep -E "error" -A3 "$OUT/cuda-build.log" | head -40; return 1; }
-    lib=$(find /tmp/ggml-cuda-build -name 'libggml-cuda.so' | head -1)
-    log "built $lib in $((SECONDS - t0)) s"; readelf -d "$lib" | grep NEEDED
+    rm -rf /tmp/ggml-src && mkdir -p /tmp/ggml-src && tar xJf "$D/llama/ggml-src.tar.xz" -C /tmp/ggml-src
+    local lib
+    lib=$(CUDA_ARCH=90 scripts/llama-cuda.sh /tmp/ggml-src/ggml /tmp/ggml-cuda-build 2> "$OUT/cuda-build.log") || { tail -30 "$OUT/cuda-build.log"; return 1; }
+    cat "$OUT/cuda-build.log"; log "built $lib"; readelf -d "$lib" | grep NEEDED
     export GGML_BACKEND_PATH=$lib
     build-cuda/bin/voodoo doctor 2>&1 | grep -iE "cuda|gpu|device" | head -8
     # stock Q4_0 of stories260K evaluated against it on the GPU and on the CPU: that libllama decodes there, and how

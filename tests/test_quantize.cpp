@@ -636,14 +636,23 @@ TEST(quantize, the_eval_ahead_of_training_gives_the_evals_numbers_bit_for_bit) {
     auto ahead = plain;
     ahead.work = dir.file("b");
     ahead.eval_ahead = "on";
+    // --eval-ahead files (auto's choice when libllama evaluates on a GPU): the stock files only, made once the
+    // train stage says its candidates are built; everything is scored in the eval stage.
+    auto files = plain;
+    files.work = dir.file("c");
+    files.eval_ahead = "files";
     const quantize_result a = run_quantize(plain);
     const quantize_result b = run_quantize(ahead);
+    const quantize_result c = run_quantize(files);
     EXPECT_TRUE(a.eval_ahead.empty()) << a.eval_ahead;
     EXPECT_NE(b.eval_ahead.find("the reference"), std::string::npos) << b.eval_ahead;
     EXPECT_EQ(b.eval_ahead.find("nothing kept"), std::string::npos) << b.eval_ahead;
-    // Both stock files were made (Q5_0 for the size before training, Q4_0 ahead or at the eval stage) and compared.
+    EXPECT_NE(c.eval_ahead.find("2 stock files made once the train stage's candidates were built"), std::string::npos)
+        << c.eval_ahead;  // Q4_0 and Q5_0 (the target's, sized by llama.cpp's dry run, made for the eval)
+    // Both stock files were made (ahead or at the eval stage) and compared.
     ASSERT_EQ(a.eval.files.size(), 3u);
     ASSERT_EQ(b.eval.files.size(), a.eval.files.size());
+    ASSERT_EQ(c.eval.files.size(), a.eval.files.size());
     auto same = [](const eval_file_result & x, const eval_file_result & y) {
         EXPECT_EQ(x.name, y.name);
         EXPECT_EQ(x.file_bytes, y.file_bytes);
@@ -657,8 +666,10 @@ TEST(quantize, the_eval_ahead_of_training_gives_the_evals_numbers_bit_for_bit) {
         EXPECT_EQ(x.ln_ppl_ratio_err, y.ln_ppl_ratio_err) << x.name;
     };
     same(a.eval.ref, b.eval.ref);
+    same(a.eval.ref, c.eval.ref);
     for (size_t f = 0; f < a.eval.files.size(); ++f) {
         same(a.eval.files[f], b.eval.files[f]);
+        same(a.eval.files[f], c.eval.files[f]);
     }
     EXPECT_GT(b.eval.files.front().kld_mean, 0.0);
 }

@@ -70,9 +70,11 @@ command add_quantize(CLI::App & app) {
                     "fewer above 0.5 G weights, at least 1)")
         ->default_str("auto")->transform(count_or_auto());
     sub->add_option("--eval-ahead", o->q.eval_ahead,
-                    "Score the reference and the likely stock files on the eval text while training runs, on the cores "
-                    "it leaves idle (SCHED_IDLE); the same numbers (auto = on with a GPU device and at least 8 cores, where it was measured to gain; off on the CPU device, and when libllama itself has a GPU to evaluate on)")
-        ->check(CLI::IsMember({"auto", "on", "off"}))->capture_default_str();
+                    "on: score the reference and the likely stock files on the eval text while training runs, on the cores "
+                    "it leaves idle (SCHED_IDLE); the same numbers. files: only make the stock files, once the train "
+                    "stage's candidates are built. auto: with a GPU device and at least 8 cores, files when libllama "
+                    "has a GPU to evaluate on (GGML_BACKEND_PATH), else on; off on the CPU device")
+        ->check(CLI::IsMember({"auto", "on", "files", "off"}))->capture_default_str();
     sub->add_option("--max-slowdown", o->q.max_slowdown,
                     "Each file generates at most this much slower than the stock recipe of its size (0.1 = 10%), as "
                     "predicted by a per-type speed table measured once on this machine; needs --like")

@@ -522,15 +522,23 @@ class eval_ahead {
 public:
     /// `ev`: the eval's options; `make_files`: makes (or finds) the stock files and returns their paths, checking
     /// `stopping` between files; `keep_max`: eval_session's keep_reference_max_bytes.
+    /// `score` false: the stock files only, nothing scored (libllama evaluates on a GPU: the eval stage scores
+    /// everything there in seconds).
     eval_ahead(const eval_options & ev,
                std::function<std::vector<std::string>(const std::atomic<bool> &, bool & made_all)> make_files,
-               int64_t keep_max)
-        : start_(std::chrono::steady_clock::now()) {
+               int64_t keep_max, bool score = true)
+        : start_(std::chrono::steady_clock::now()), score_(score) {
         thread_ = std::thread([this, ev, make_files = std::move(make_files), keep_max] {
             sched_param sp{};
             sp.sched_priority = 0;
             idle_ = pthread_setschedparam(pthread_self(), SCHED_IDLE, &sp) == 0;
             try {
+                if (!score_) {
+                    std::vector<std::string> files = make_files(stop_, made_all_);
+                    const std::lock_guard lock(mutex_);
+                    files_ = files;
+                    return;
+                }
                 auto session = std::make_unique<eval_session>(ev, keep_max);
                 std::vector<std::string> files = make_files(stop_, made_all_);
                 {
@@ -563,6 +571,15 @@ public:
         thread_.join();
         const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         const double ran = std::chrono::duration<double>(t0 - start_).count();
+        if (!score_) {
+            note = error_.empty()
+                       ? fmt::format("in the {:.1f} s before the eval, {} stock file{} made once the train stage's candidates "
+                                     "were built ({}); waited {:.1f} s for the one in progress; the eval scores them all",
+                                     ran, files_.size(), files_.size() == 1 ? "" : "s",
+                                     idle_ ? "at idle priority" : "at normal priority: SCHED_IDLE was refused", waited)
+                       : "no stock file made ahead (it failed): the baselines stage makes them";
+            return nullptr;
+        }
         if (!session_) {
             // The eval meets the same error and reports it: said once, there.
             note = fmt::format("nothing kept ({}): the eval does it all", error_.empty() ? "stopped early" : "it failed");
@@ -590,6 +607,7 @@ private:
     bool done_ = false;
     bool idle_ = false;
     bool made_all_ = true;  // false when make_files found no room on the disk for the stock files
+    bool score_ = true;     // false: the stock files only
     std::thread thread_;
 };
 
@@ -1168,20 +1186,31 @@ int64_t memory_limit_bytes() {
     return limit;
 }
 
-bool eval_ahead_runs(const quantize_options & o) {
+// What the eval ahead does: nothing, the stock files only, or the stock files and the scoring.
+enum class ahead_mode { none, files, score };
+
+ahead_mode eval_ahead_mode(const quantize_options & o) {
     if (o.eval_chunks == 0 || o.eval_ahead == "off") {
-        return false;
+        return ahead_mode::none;
     }
     // auto: on when the train stage runs on a GPU and the host has at least 8 cores. The A/B on one H100 machine
     // (16 cores, the Qwen3-1.7B shape, docs/BENCHMARKS.md, session 27): 425.0 s off, 413.2 s on (train +8.0 s,
     // eval -20.9 s, the same file). On the CPU device it loses: on the 2-core machine an idle-class thread beside
     // in-process training slowed it 2-3x (Linux's idle class did not keep it off the cores the quantizers use).
-    // Off too when libllama has a GPU (a backend from GGML_BACKEND_PATH, e.g. llama.cpp's CUDA one): the eval stage
-    // then decodes there, and the ahead's decodes would share the GPU and its memory with training.
+    // When libllama has a GPU (a backend from GGML_BACKEND_PATH, e.g. llama.cpp's CUDA one) the eval stage scores
+    // there in seconds (7.6 s against 41.7 on 16 cores at the 1.7B shape, session 31), and the ahead only makes the
+    // stock files, once the train stage's candidates are built: its training steps leave the cores idle (≈ 40 s at
+    // 1.7B, ≈ 4.6 min at 8B), where its scoring on the CPU slowed the candidates (train +32 s, session 31).
     if (o.eval_ahead == "auto") {
-        return o.train.device != "cpu" && resolve_threads(0) >= 8 && llama_gpu_devices().empty();
+        if (o.train.device == "cpu" || resolve_threads(0) < 8) {
+            return ahead_mode::none;
+        }
+        if (!llama_gpu_devices().empty()) {
+            return o.baselines == "none" ? ahead_mode::none : ahead_mode::files;
+        }
+        return ahead_mode::score;
     }
-    return o.eval_ahead == "on";
+    return o.eval_ahead == "on" ? ahead_mode::score : o.eval_ahead == "files" ? ahead_mode::files : ahead_mode::none;
 }
 
 quantize_result run_quantize(const quantize_options & opts) {
@@ -1227,7 +1256,7 @@ quantize_result run_quantize(const quantize_options & opts) {
             const std::vector<std::string> gpus = llama_gpu_devices();
             if (!gpus.empty()) {
                 fmt::print(stderr, "eval: libllama evaluates on {} (a GPU backend from GGML_BACKEND_PATH){}\n",
-                           eval_devices_text(gpus), o.eval_ahead == "auto" ? ", so --eval-ahead auto is off" : "");
+                           eval_devices_text(gpus), o.eval_ahead == "auto" ? ": --eval-ahead auto makes the stock files only" : "");
             }
         }
         // LibTorch's threads on the CPU follow the same rule: below 8M weights its OpenMP threads spin more than
@@ -1407,12 +1436,14 @@ quantize_result run_quantize(const quantize_options & opts) {
     // The eval ahead, while the train stage runs (eval_ahead above).
     const eval_options ev = eval_options_of(o);
     std::unique_ptr<eval_ahead> ahead;
-    if (eval_ahead_runs(o)) {
+    const ahead_mode mode = eval_ahead_mode(o);
+    if (mode != ahead_mode::none) {
         const int64_t keep_max = memory_limit_bytes() / 8;
         // The first size's train stage builds every size's candidates, and says so with this file once they are built.
         const std::string built = (fs::path(work) / ("run-" + rungs.front().label) / k_candidates_built_file).string();
         fs::remove(built);  // a previous run's: this run's train stage writes it again when its candidates are built
-        auto make_files = [&o, bo, base_dir, budgets, every_candidate_bytes, built, model = o.model](const std::atomic<bool> & stopping, bool & made_all) {
+        const bool files_only = mode == ahead_mode::files;
+        auto make_files = [&o, bo, base_dir, budgets, every_candidate_bytes, built, files_only, model = o.model](const std::atomic<bool> & stopping, bool & made_all) {
             const progress::quiet_scope quiet;
             const std::vector<std::string> names = baseline_names(o, bo, budgets);
             const std::string stem = fs::path(model).stem().string();
@@ -1431,8 +1462,9 @@ quantize_result run_quantize(const quantize_options & opts) {
                     ++missing;
                 }
             }
-            bool make = need <= static_cast<double>(free_disk_bytes(base_dir));
+            bool make = !files_only && need <= static_cast<double>(free_disk_bytes(base_dir));
             if (!make && missing > 0) {
+                // files_only: made in the training steps' window, when the cores are idle.
                 // Not beside every candidate the menus hold (issue #16: at 8B they are 101.7 GiB, the probe keeps about
                 // half, and a disk without room for the rest builds them in memory): wait for the train stage's own
                 // candidates, which take every core meanwhile (this thread runs only on idle ones), then decide on
@@ -1459,10 +1491,16 @@ quantize_result run_quantize(const quantize_options & opts) {
             }
             return paths;
         };
-        ahead = std::make_unique<eval_ahead>(ev, make_files, keep_max);
-        note_line("eval", fmt::format("ahead (--eval-ahead {}): while the train stage runs, a thread at idle priority scores "
-                                      "the reference{}", o.eval_ahead,
-                                      o.baselines == "none" ? "" : fmt::format(" and makes and scores the stock files of --baselines {}", o.baselines)));
+        ahead = std::make_unique<eval_ahead>(ev, make_files, keep_max, !files_only);
+        if (files_only) {
+            note_line("eval", fmt::format("ahead (--eval-ahead {}): once the train stage's candidates are built, a thread at "
+                                          "idle priority makes the stock files of --baselines {} (libllama scores on the "
+                                          "GPU in the eval stage)", o.eval_ahead, o.baselines));
+        } else {
+            note_line("eval", fmt::format("ahead (--eval-ahead {}): while the train stage runs, a thread at idle priority scores "
+                                          "the reference{}", o.eval_ahead,
+                                          o.baselines == "none" ? "" : fmt::format(" and makes and scores the stock files of --baselines {}", o.baselines)));
+        }
     }
 
     quantize_result res;

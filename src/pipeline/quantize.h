@@ -39,9 +39,11 @@ struct quantize_options {
     int speed_reps = -1;                    // llama-bench pp512/tg128 runs per compared file (eval_options::speed_reps);
                                             // -1 = auto (apply_eval_defaults: 5, fewer above 0.5 G weights, at least 1)
     bool reference_speed = true;            // also the source's speed (auto: only up to 0.5 G weights)
-    /// "auto", "on" or "off": score the reference and the likely stock files on the eval text while the train stage
-    /// runs, at idle priority (quantize.cpp, eval_ahead; the numbers are the eval's own). auto: on when the train
-    /// stage runs on a GPU and the host has at least 8 cores (measured to gain there; eval_ahead_runs says how much).
+    /// "auto", "on", "files" or "off". on: score the reference and the likely stock files on the eval text while the
+    /// train stage runs, at idle priority (quantize.cpp, eval_ahead; the numbers are the eval's own). files: only make
+    /// the stock files, once the train stage's candidates are built (its training steps leave the cores idle). auto:
+    /// with a GPU device and at least 8 cores, files when libllama has a GPU to evaluate on, else on; off on the CPU
+    /// device (eval_ahead_mode says what was measured).
     std::string eval_ahead = "auto";
     int threads = 0;                        // LibTorch and quantization threads; 0 = every core (on the cpu device: by model size, ggml_threads_for)
     int ggml_threads = 0;                   // libllama threads (imatrix, eval); 0 = by model size (ggml_threads_for)
