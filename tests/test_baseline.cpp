@@ -242,6 +242,31 @@ TEST(baseline_cli, a_dry_run_makes_nothing_and_gives_each_files_bytes_and_types_
     EXPECT_FALSE(std::filesystem::exists(dir.file("x.gguf")));
 }
 
+TEST(baseline_cli, says_what_all_that_fit_leaves_out_makes_a_recipe_named_twice_once_and_names_a_missing_source) {
+    voodoo::test::temp_dir dir;
+    // Without an imatrix, all-that-fit leaves out the 8 recipes that need one, and says which.
+    const auto all = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipes all-that-fit --dry-run --threads 1");
+    ASSERT_EQ(all.exit_code, 0) << all.output;
+    const size_t note = all.output.find("--recipes all-that-fit without --imatrix leaves out the recipes that need one (");
+    ASSERT_NE(note, std::string::npos) << all.output;
+    const std::string left = all.output.substr(note, all.output.find('\n', note) - note);
+    for (const char * n : {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "Q2_K_S"}) {
+        EXPECT_NE(left.find(n), std::string::npos) << n << " in " << left;
+    }
+    // One recipe named twice (in two spellings): one file, and stderr says so.
+    const auto twice = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipes Q4_0,Q8_0,q4_0 --threads 1 --out-dir " +
+                                                dir.file("b"));
+    ASSERT_EQ(twice.exit_code, 0) << twice.output;
+    EXPECT_NE(twice.output.find("--recipes names Q4_0 twice: made once"), std::string::npos) << twice.output;
+    std::ifstream in(dir.file("b/baselines.json"));
+    EXPECT_EQ(nlohmann::json::parse(in).size(), 2u);
+    // A missing source is named, as missing, before anything runs.
+    const auto missing = voodoo::test::run_voodoo("baseline " + dir.file("nope.gguf") + " --recipe Q4_0 --out " + dir.file("x.gguf"));
+    EXPECT_EQ(missing.exit_code, 2) << missing.output;  // a usage error, as every flag CLI11 refuses
+    EXPECT_NE(missing.output.find("source: File does not exist: " + dir.file("nope.gguf")), std::string::npos) << missing.output;
+    EXPECT_NE(missing.output.find("does not exist"), std::string::npos) << missing.output;
+}
+
 }  // namespace
 
 TEST(baseline, a_folder_keyed_on_its_inputs_reuses_a_stock_file_already_made_and_describes_it_alike) {

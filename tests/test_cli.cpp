@@ -127,8 +127,9 @@ TEST(cli, version_and_command_line_errors_follow_one_convention) {
     EXPECT_NE(bad.output.find("--no-such-flag"), std::string::npos) << bad.output;
     EXPECT_NE(bad.output.find("voodoo quantize --help"), std::string::npos) << bad.output;
     // A text file that is not there is refused by its flag, before anything is made, in every command that reads one.
-    for (const std::string cmd : {"quantize x.gguf --like Q4_0 --text", "data --model x.gguf --out d --text",
-                                  "eval --reference x.gguf y.gguf --text", "check-parity x.gguf --text"}) {
+    const std::string model = voodoo::test::stories260k();  // eval checks its GGUFs exist too
+    for (const std::string & cmd : std::vector<std::string>{"quantize x.gguf --like Q4_0 --text", "data --model x.gguf --out d --text",
+                                  "eval --reference " + model + " " + model + " --text", "check-parity x.gguf --text"}) {
         const auto missing = run_voodoo(cmd + " /nonexistent/calib.txt");
         EXPECT_EQ(missing.exit_code, 2) << cmd;
         EXPECT_NE(missing.output.find("--text: File does not exist: /nonexistent/calib.txt"), std::string::npos)

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <memory>
 
@@ -15,16 +16,42 @@ namespace voodoo::cli {
 
 namespace {
 
-/// --recipes: "all-that-fit" (those that fit with or without an imatrix) or a comma list.
+/// --recipes: "all-that-fit" (those that fit with or without an imatrix; without one, the recipes that need it are
+/// left out and stderr says which) or a comma list (a recipe named twice, in any spelling recipe_by_name accepts, is
+/// made once, and stderr says so). Unknown names are left for make_baselines / plan_stock_file to refuse.
 std::vector<std::string> recipe_names(const std::string & recipes, bool has_imatrix) {
     if (recipes == "all-that-fit") {
-        return recipes_all_that_fit(has_imatrix);
+        std::vector<std::string> names = recipes_all_that_fit(has_imatrix);
+        if (!has_imatrix) {
+            std::string left;
+            for (const std::string & name : recipes_all_that_fit(true)) {
+                if (std::find(names.begin(), names.end(), name) == names.end()) {
+                    left += (left.empty() ? "" : ", ") + name;
+                }
+            }
+            if (!left.empty()) {
+                fmt::print(stderr, "--recipes all-that-fit without --imatrix leaves out the recipes that need one ({}); "
+                                   "give --imatrix imatrix.gguf to make them too\n", left);
+            }
+        }
+        return names;
     }
-    std::vector<std::string> names;
+    std::vector<std::string> names, canonical;
     for (size_t start = 0; start <= recipes.size();) {
         const size_t comma = std::min(recipes.find(',', start), recipes.size());
         if (comma > start) {
-            names.push_back(recipes.substr(start, comma - start));
+            const std::string name = recipes.substr(start, comma - start);
+            std::string key = name;
+            try {
+                key = recipe_by_name(name).name;
+            } catch (const std::exception &) {  // refused later, with the list of recipes
+            }
+            if (std::find(canonical.begin(), canonical.end(), key) != canonical.end()) {
+                fmt::print(stderr, "--recipes names {} twice: made once\n", key);
+            } else {
+                canonical.push_back(key);
+                names.push_back(name);
+            }
         }
         start = comma + 1;
     }
@@ -56,7 +83,7 @@ command add_baseline(CLI::App & app) {
         bool dry_run = false;
     };
     auto o = std::make_shared<options>();
-    sub->add_option("source", o->base.source, "Full-precision GGUF (F32/F16/BF16)")->required();
+    sub->add_option("source", o->base.source, "Full-precision GGUF (F32/F16/BF16)")->required()->check(CLI::ExistingFile);
     auto * one = sub->add_option("--recipe", o->recipe, "One llama-quantize recipe: Q4_K_M, Q8_0, IQ2_M, …");
     auto * many = sub->add_option("--recipes", o->recipes, "'all-that-fit' or a comma-separated list (with --out-dir, or --dry-run)");
     one->excludes(many);

@@ -28,8 +28,8 @@ command add_eval(CLI::App & app) {
         std::string out_dir;
     };
     auto o = std::make_shared<options>();
-    sub->add_option("files", o->files, "GGUF files to score (made from the reference model)")->required();
-    sub->add_option("-m,--model,--reference", o->eval.reference, "Full-precision GGUF whose logits are the truth")->required();
+    sub->add_option("files", o->files, "GGUF files to score (made from the reference model)")->required()->check(CLI::ExistingFile);
+    sub->add_option("-m,--model,--reference", o->eval.reference, "Full-precision GGUF whose logits are the truth")->required()->check(CLI::ExistingFile);
     sub->add_option("--text", o->eval.text, "UTF-8 text file to score")->required()->check(CLI::ExistingFile);
     sub->add_option("--ctx", o->eval.n_ctx, "Tokens per chunk; the second half of each is scored")
         ->capture_default_str();

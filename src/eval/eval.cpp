@@ -254,7 +254,11 @@ model_ptr load_model(const std::string & path, bool vocab_only = false) {
     model_ptr m(llama_model_load_from_file(path.c_str(), mp));
     if (!m) {
         const std::string why = capture.text();
-        fail("libllama cannot load {}'{}'{}{}", vocab_only ? "the vocabulary of " : "", path, why.empty() ? "" : ": ", why);
+        // With a GPU backend every model of the eval is loaded there at once (llama_model_default_params).
+        const std::vector<std::string> gpus = vocab_only ? std::vector<std::string>{} : llama_gpu_devices();
+        fail("libllama cannot load {}'{}'{}{}{}", vocab_only ? "the vocabulary of " : "", path, why.empty() ? "" : ": ", why,
+             gpus.empty() ? "" : fmt::format(" (libllama offloads every model of the eval to {} at once, from "
+                                             "GGML_BACKEND_PATH; without it the eval runs on the CPU)", gpus.front()));
     }
     return m;
 }
