@@ -1256,7 +1256,9 @@ quantize_result run_quantize(const quantize_options & opts) {
             const std::vector<std::string> gpus = llama_gpu_devices();
             if (!gpus.empty()) {
                 fmt::print(stderr, "eval: libllama evaluates on {} (a GPU backend from GGML_BACKEND_PATH){}\n",
-                           eval_devices_text(gpus), o.eval_ahead == "auto" ? ": --eval-ahead auto makes the stock files only" : "");
+                           eval_devices_text(gpus),
+                           o.eval_ahead == "auto" && eval_ahead_mode(o) == ahead_mode::files
+                               ? ": --eval-ahead auto makes the stock files only, once the candidates are built" : "");
             }
         }
         // LibTorch's threads on the CPU follow the same rule: below 8M weights its OpenMP threads spin more than
