@@ -9,15 +9,19 @@
 # carries Hopper code only as PTX from a newer toolkit than driver 580 accepts ("the provided PTX was compiled with an
 # unsupported toolchain", docs/BENCHMARKS.md, session 16), and linux-x64-cuda-ext needs CUDA 12's runtime libraries.
 #
-# Usage: scripts/llama-cuda.sh [GGML_SOURCE_DIR [BUILD_DIR]]   (defaults: .deps/llama.cpp/ggml, .deps/ggml-cuda)
-# CUDA_ARCH (default "native": the GPUs of this machine; e.g. 90 for H100/H200) picks the code built.
-# Prints the library's path last; `export GGML_BACKEND_PATH=<it>` before `voodoo quantize` / `voodoo eval`.
+# Usage: scripts/llama-cuda.sh [GGML_SOURCE_DIR [BUILD_DIR]]   (defaults: the repository's .deps/llama.cpp/ggml and
+# .deps/ggml-cuda; with your own llama.cpp, give its ggml folder). CUDA_ARCH (default "native": the GPUs of this
+# machine; e.g. 90 for H100/H200) picks the code built. Progress and errors go to stderr, the library's path to stdout:
+#   export GGML_BACKEND_PATH=$(scripts/llama-cuda.sh)
+# before `voodoo quantize` / `voodoo eval` (the CPU build of Voodoo is enough: this is libllama's backend).
 # Needs CMake ≥ 3.24 (for "native"), ninja, nvcc and cuBLAS (a CUDA toolkit). A loadable backend (GGML_BACKEND_DL),
 # built with an unversioned soname so that it uses the libggml-base.so Voodoo already loaded (one copy of ggml).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-SRC=${1:-.deps/llama.cpp/ggml}
-B=${2:-.deps/ggml-cuda}
+case "${1:-}" in -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0;; esac
+# Paths given are the caller's (relative to where it runs); the defaults are the repository's.
+abs() { case "$1" in /*) echo "$1";; *) echo "$PWD/$1";; esac; }
+SRC=$(abs "${1:-$(dirname "$0")/../.deps/llama.cpp/ggml}")
+B=$(abs "${2:-$(dirname "$0")/../.deps/ggml-cuda}")
 [ -f "$SRC/CMakeLists.txt" ] || { echo "llama-cuda.sh: no ggml source in '$SRC' (make bootstrap puts it in .deps/llama.cpp/ggml)" >&2; exit 1; }
 command -v nvcc > /dev/null || [ -x /usr/local/cuda/bin/nvcc ] || { echo "llama-cuda.sh: no nvcc on PATH or in /usr/local/cuda/bin: a CUDA toolkit is needed" >&2; exit 1; }
 # The bundle leaves out ggml's pkg-config template, which its CMakeLists configures.

@@ -254,12 +254,17 @@ TEST(baseline_cli, says_what_all_that_fit_leaves_out_makes_a_recipe_named_twice_
         EXPECT_NE(left.find(n), std::string::npos) << n << " in " << left;
     }
     // One recipe named twice (in two spellings): one file, and stderr says so.
-    const auto twice = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipes Q4_0,Q8_0,q4_0 --threads 1 --out-dir " +
+    const auto twice = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipes Q4_0,Q8_0,q4_0,Q4_K_M,Q4_K --threads 1 --out-dir " +
                                                 dir.file("b"));
     ASSERT_EQ(twice.exit_code, 0) << twice.output;
-    EXPECT_NE(twice.output.find("--recipes names Q4_0 twice: made once"), std::string::npos) << twice.output;
+    EXPECT_NE(twice.output.find("--recipes names Q4_0 twice (as q4_0): made once"), std::string::npos) << twice.output;
+    EXPECT_NE(twice.output.find("--recipes names Q4_K_M twice (as Q4_K): made once"), std::string::npos) << twice.output;
     std::ifstream in(dir.file("b/baselines.json"));
-    EXPECT_EQ(nlohmann::json::parse(in).size(), 2u);
+    EXPECT_EQ(nlohmann::json::parse(in).size(), 3u);
+    // An --out-dir that is a file is refused by its flag, nothing made.
+    const auto file_dir = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipes Q4_0 --out-dir " + stories260k() + "/sub");
+    EXPECT_EQ(file_dir.exit_code, 2) << file_dir.output;
+    EXPECT_NE(file_dir.output.find("--out-dir: '" + stories260k() + "' is a file, not a folder"), std::string::npos) << file_dir.output;
     // A missing source is named, as missing, before anything runs.
     const auto missing = voodoo::test::run_voodoo("baseline " + dir.file("nope.gguf") + " --recipe Q4_0 --out " + dir.file("x.gguf"));
     EXPECT_EQ(missing.exit_code, 2) << missing.output;  // a usage error, as every flag CLI11 refuses

@@ -113,6 +113,17 @@ TEST(cli, doctor_reports_the_llama_cpp_release_and_libtorch) {
     EXPECT_EQ(r.exit_code, all_ok ? 0 : 1);
 }
 
+TEST(cli, doctor_fails_when_ggml_backend_path_gives_libllama_no_gpu) {
+    // GGML_BACKEND_PATH asks for a GPU backend (scripts/llama-cuda.sh); ggml only logs one that did not load, so the
+    // doctor says so, with what would work, and exits 1.
+    const auto r = voodoo::test::run_shell("GGML_BACKEND_PATH=/nonexistent/libggml-cuda.so " + std::string(VOODOO_BIN) +
+                                           " doctor 2>&1; echo rc=$?");
+    EXPECT_NE(r.output.find("GGML_BACKEND_PATH='/nonexistent/libggml-cuda.so' gave libllama no GPU (no such file)"),
+              std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("scripts/llama-cuda.sh"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("rc=1"), std::string::npos) << r.output;
+}
+
 TEST(cli, version_and_command_line_errors_follow_one_convention) {
     // Issue #21: --version, and a command line CLI11 cannot parse gets the same "voodoo: error:" line as every
     // other error, with exit code 2 (1: the job failed; 3: an internal error; 130: stopped by Ctrl-C).

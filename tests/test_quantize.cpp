@@ -5,6 +5,7 @@
 #include "export/recipe.h"
 #include "ggml/gguf.h"
 #include "pipeline/quantize.h"
+#include "train/candidates.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -623,6 +625,31 @@ TEST(quantize, the_eval_defaults_shrink_with_the_model_above_half_a_billion_weig
     given.eval_chunks = -1;  // every chunk stays every chunk
     EXPECT_FALSE(apply_eval_defaults(given, 8'030'000'000));
     EXPECT_EQ(given.eval_chunks, -1);
+}
+
+TEST(quantize, an_output_folder_without_room_for_the_file_is_refused_before_training_naming_the_folder) {
+    // The exported file's disk is checked once the target's bytes are known, before the train stage: a disk that
+    // cannot hold it beside the 256 MiB reserve stops the job there, naming the folder and what would fit, instead of
+    // after training at the export.
+    const test::temp_dir dir;
+    const std::string tight = dir.file("tight");
+    std::filesystem::create_directories(tight);
+    // A tmpfs of the reserve and 64 KiB: stories260K's file at Q5_0's size (≈ 300 KB) does not fit there.
+    if (std::system(fmt::format("mount -t tmpfs -o size={} tmpfs '{}' 2>/dev/null", k_disk_reserve_bytes + (int64_t{64} << 10),
+                                tight).c_str()) != 0) {
+        GTEST_SKIP() << "mounting a tmpfs needs root (CI runs as root)";
+    }
+    struct unmount {
+        std::string d;
+        ~unmount() { (void)std::system(fmt::format("umount '{}'", d).c_str()); }
+    } const um{tight};
+    auto q = small_job(dir.file("work"));
+    q.out_dir = tight + "/out";
+    const std::string msg = test::error_of([&] { run_quantize(q); });
+    EXPECT_NE(msg.find("not enough disk for the exported file in '" + tight + "/out'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("an output folder (-o, --out-dir) on a disk with at least"), std::string::npos) << msg;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("work/run-Q5_0/recipe.json")));  // no training ran
+    EXPECT_TRUE(std::filesystem::is_empty(tight));
 }
 
 TEST(quantize, the_eval_ahead_of_training_gives_the_evals_numbers_bit_for_bit) {

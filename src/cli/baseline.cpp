@@ -17,8 +17,8 @@ namespace voodoo::cli {
 namespace {
 
 /// --recipes: "all-that-fit" (those that fit with or without an imatrix; without one, the recipes that need it are
-/// left out and stderr says which) or a comma list (a recipe named twice, in any spelling recipe_by_name accepts, is
-/// made once, and stderr says so). Unknown names are left for make_baselines / plan_stock_file to refuse.
+/// left out and stderr says which) or a comma list (a recipe named twice, in any spelling or alias recipe_by_name
+/// accepts — one llama_ftype —, is made once, and stderr says so). Unknown names are left for make_baselines / plan_stock_file to refuse.
 std::vector<std::string> recipe_names(const std::string & recipes, bool has_imatrix) {
     if (recipes == "all-that-fit") {
         std::vector<std::string> names = recipes_all_that_fit(has_imatrix);
@@ -36,20 +36,22 @@ std::vector<std::string> recipe_names(const std::string & recipes, bool has_imat
         }
         return names;
     }
-    std::vector<std::string> names, canonical;
+    std::vector<std::string> names, keys;
     for (size_t start = 0; start <= recipes.size();) {
         const size_t comma = std::min(recipes.find(',', start), recipes.size());
         if (comma > start) {
             const std::string name = recipes.substr(start, comma - start);
-            std::string key = name;
+            std::string key = name;  // one llama_ftype is one recipe, whatever it is called (Q4_K is Q4_K_M)
             try {
-                key = recipe_by_name(name).name;
+                key = std::to_string(static_cast<int>(recipe_by_name(name).ftype));
             } catch (const std::exception &) {  // refused later, with the list of recipes
             }
-            if (std::find(canonical.begin(), canonical.end(), key) != canonical.end()) {
-                fmt::print(stderr, "--recipes names {} twice: made once\n", key);
+            const auto seen = std::find(keys.begin(), keys.end(), key);
+            if (seen != keys.end()) {
+                fmt::print(stderr, "--recipes names {} twice{}: made once\n", names[static_cast<size_t>(seen - keys.begin())],
+                           name == names[static_cast<size_t>(seen - keys.begin())] ? "" : " (as " + name + ")");
             } else {
-                canonical.push_back(key);
+                keys.push_back(key);
                 names.push_back(name);
             }
         }
@@ -89,7 +91,7 @@ command add_baseline(CLI::App & app) {
     one->excludes(many);
     sub->add_option("--imatrix", o->base.imatrix, "llama.cpp GGUF imatrix (needed by IQ1/IQ2/IQ3_XXS and Q2_K_S)");
     sub->add_option("--out", o->out, "Output GGUF (with --recipe)");
-    sub->add_option("--out-dir", o->out_dir, "Output folder (with --recipes): SOURCE_STEM-RECIPE.gguf, baselines.json");
+    sub->add_option("--out-dir", o->out_dir, "Output folder (with --recipes): SOURCE_STEM-RECIPE.gguf, baselines.json")->check(folder_to_write());
     sub->add_option("-t,--threads", o->base.n_threads, "Quantization threads (default: VOODOO_THREADS if set, else every core)")->check(non_negative());
     add_json_option(sub, o->json, "Each file made (recipe, path, bytes, BPW, tensor types)");
     sub->add_flag("--allow-requantize", o->base.allow_requantize, "Accept an already quantized source (llama-quantize's flag)");

@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json_fwd.hpp>
 
+#include <filesystem>
 #include <functional>
 #include <vector>
 
@@ -43,6 +44,28 @@ inline CLI::Validator non_negative() {
             return "expected a whole number >= 0, got '" + v + "'";
         },
         "INT>=0");
+}
+
+/// A folder to write into, made if missing (--out-dir): refused when the path, or the nearest part of it that exists,
+/// is not a folder ("'x.gguf' is a file, not a folder"), instead of the filesystem error that creating it would throw.
+inline CLI::Validator folder_to_write() {
+    return CLI::Validator(
+        [](std::string & v) -> std::string {
+            std::error_code ec;
+            for (std::filesystem::path p(v); !p.empty(); p = p.parent_path()) {
+                if (std::filesystem::exists(p, ec)) {
+                    if (std::filesystem::is_directory(p, ec)) {
+                        return {};
+                    }
+                    return "'" + p.string() + "' is a file, not a folder: give a folder (made if missing)";
+                }
+                if (p == p.parent_path()) {
+                    break;
+                }
+            }
+            return {};
+        },
+        "FOLDER");
 }
 
 /// A count ≥ 0 or "auto", which it turns into -1 (--probe-anchors auto); anything else is refused as

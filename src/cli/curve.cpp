@@ -26,7 +26,7 @@ command add_curve(CLI::App & app) {
     };
     auto o = std::make_shared<options>();
     sub->add_option("eval_json", o->json, "eval.json of an evaluation")->required();
-    sub->add_option("--out-dir", o->out_dir, "Folder for curve.md, curve.json and curve.png")->required();
+    sub->add_option("--out-dir", o->out_dir, "Folder for curve.md, curve.json and curve.png")->required()->check(folder_to_write());
     return {sub, [o] {
         std::ifstream in(o->json);
         if (!std::filesystem::is_regular_file(o->json) || !in) {

@@ -29,7 +29,7 @@ command add_eval(CLI::App & app) {
     };
     auto o = std::make_shared<options>();
     sub->add_option("files", o->files, "GGUF files to score (made from the reference model)")->required()->check(CLI::ExistingFile);
-    sub->add_option("-m,--model,--reference", o->eval.reference, "Full-precision GGUF whose logits are the truth")->required()->check(CLI::ExistingFile);
+    sub->add_option("-m,--reference,--model", o->eval.reference, "Full-precision GGUF whose logits are the truth")->required()->check(CLI::ExistingFile);
     sub->add_option("--text", o->eval.text, "UTF-8 text file to score")->required()->check(CLI::ExistingFile);
     sub->add_option("--ctx", o->eval.n_ctx, "Tokens per chunk; the second half of each is scored")
         ->capture_default_str();
@@ -40,7 +40,7 @@ command add_eval(CLI::App & app) {
         ->capture_default_str()->check(non_negative());
     add_json_option(sub, o->json, "The results (default with --out-dir: DIR/eval.json)");
     sub->add_option("--plot", o->plot, "Draw mean KLD against file size as PNG here (default with --out-dir: DIR/eval.png)");
-    sub->add_option("--out-dir", o->out_dir, "Folder for eval.md, eval.json and eval.png");
+    sub->add_option("--out-dir", o->out_dir, "Folder for eval.md, eval.json and eval.png")->check(folder_to_write());
     return {sub, [o] {
         if (!o->out_dir.empty()) {
             std::filesystem::create_directories(o->out_dir);

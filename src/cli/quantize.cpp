@@ -49,7 +49,7 @@ command add_quantize(CLI::App & app) {
     ratio->excludes(like);
     auto * out = sub->add_option("-o,--output,--out", o->q.out, "Output GGUF (default: WORK/<model>.Voodoo<NN>.gguf)");
     sub->add_option("--out-dir", o->q.out_dir, "Folder for the output file(s), <model>.Voodoo<NN>[.<label>].gguf (default: WORK)")
-        ->excludes(out);
+        ->excludes(out)->check(folder_to_write());
     sub->add_option("--work", o->q.work, "Work folder (default: <model>.voodoo)");
     sub->add_option("--baselines", o->q.baselines, "Stock recipes to compare: nearest, all-that-fit, none, or Q4_K_M,Q5_0,…")
         ->capture_default_str();

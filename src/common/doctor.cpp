@@ -68,6 +68,19 @@ std::vector<doctor_check> run_doctor(const std::string & dir) {
     checks.push_back({"ggml backends", has_cpu, devices.empty() ? "none" : join(devices, "; "),
                       fmt::format("no CPU backend (libggml-cpu-*.so) loaded from {}: run `make bootstrap`", lib_dir)});
 
+    // A GPU backend for libllama's eval (scripts/llama-cuda.sh), when GGML_BACKEND_PATH asks for one: ggml only logs a
+    // library that did not load, and the eval would quietly run on the CPU.
+    if (const char * extra = std::getenv("GGML_BACKEND_PATH"); extra != nullptr && *extra != '\0') {
+        const auto gpus = llama_gpu_devices();
+        std::error_code ec;
+        checks.push_back({"libllama GPU", !gpus.empty(), gpus.empty() ? "none" : join(gpus, "; "),
+                          fmt::format("GGML_BACKEND_PATH='{}' gave libllama no GPU ({}): build the backend with "
+                                      "scripts/llama-cuda.sh and name the path it prints, or unset GGML_BACKEND_PATH to "
+                                      "evaluate on the CPU",
+                                      extra, std::filesystem::exists(extra, ec) ? "the library did not load or found no GPU"
+                                                                                : "no such file")});
+    }
+
     checks.push_back({"CPU features", true, llama_system_info(), ""});
 
     checks.push_back({"LibTorch", true, torch_version() + fmt::format(", {} threads", torch_threads()), ""});

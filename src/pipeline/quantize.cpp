@@ -8,6 +8,7 @@
 #include "common/error.h"
 #include "common/file.h"
 #include "common/progress.h"
+#include "common/units.h"
 #include "train/candidates.h"
 #include "data/dataset.h"
 #include "eval/baseline.h"
@@ -1433,6 +1434,25 @@ quantize_result run_quantize(const quantize_options & opts) {
                 }
             }
         }
+    }
+
+    // The exported files must fit where they go, beside the disk's reserve: found here, before training, rather than
+    // at the export after it (the train stage's cache already leaves the file's budget free: trainer.cpp).
+    {
+        int64_t out_bytes = 0;
+        for (size_t b : budgets) {
+            out_bytes += static_cast<int64_t>(b);
+        }
+        const fs::path dest = !o.out_dir.empty() ? fs::path(o.out_dir)
+                              : !o.out.empty()   ? (ladder ? fs::path(o.out) : fs::path(o.out).parent_path())
+                                                 : fs::path(work);
+        const std::string where = dest.empty() ? std::string(".") : dest.string();
+        check_disk_room(where, out_bytes,
+                        budgets.size() == 1 ? std::string("the exported file")
+                                            : fmt::format("the {} exported files", budgets.size()),
+                        fmt::format("an output folder (-o, --out-dir) on a disk with at least {} free would fit, or a "
+                                    "smaller target",
+                                    bytes_text(static_cast<double>(out_bytes + k_disk_reserve_bytes))));
     }
 
     // The eval ahead, while the train stage runs (eval_ahead above).
