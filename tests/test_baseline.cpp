@@ -261,6 +261,21 @@ TEST(baseline_cli, says_what_all_that_fit_leaves_out_makes_a_recipe_named_twice_
     EXPECT_NE(twice.output.find("--recipes names Q4_K_M twice (as Q4_K): made once"), std::string::npos) << twice.output;
     std::ifstream in(dir.file("b/baselines.json"));
     EXPECT_EQ(nlohmann::json::parse(in).size(), 3u);
+    // Names are checked by their flag, with what else the flag takes; spaces after commas are dropped.
+    const auto unknown = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipes Q4_0,all --dry-run");
+    EXPECT_EQ(unknown.exit_code, 1) << unknown.output;
+    EXPECT_NE(unknown.output.find("--recipes: unknown recipe 'all'"), std::string::npos) << unknown.output;
+    EXPECT_NE(unknown.output.find("; or --recipes all-that-fit"), std::string::npos) << unknown.output;
+    const auto several = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipe Q4_0,Q8_0 --out " + dir.file("x.gguf"));
+    EXPECT_NE(several.output.find("--recipe: unknown recipe 'Q4_0,Q8_0'"), std::string::npos) << several.output;
+    EXPECT_NE(several.output.find("several recipes: --recipes A,B with --out-dir DIR"), std::string::npos) << several.output;
+    const auto spaced = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipes 'Q4_0, Q8_0' --dry-run");
+    EXPECT_EQ(spaced.exit_code, 0) << spaced.output;
+    EXPECT_NE(spaced.output.find("| Q8_0 |"), std::string::npos) << spaced.output;
+    const auto no_im = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipe Q4_0 --imatrix " + dir.file("im.gguf") +
+                                                " --out " + dir.file("x.gguf"));
+    EXPECT_EQ(no_im.exit_code, 2) << no_im.output;
+    EXPECT_NE(no_im.output.find("--imatrix: File does not exist: " + dir.file("im.gguf")), std::string::npos) << no_im.output;
     // An --out-dir that is a file is refused by its flag, nothing made.
     const auto file_dir = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipes Q4_0 --out-dir " + stories260k() + "/sub");
     EXPECT_EQ(file_dir.exit_code, 2) << file_dir.output;

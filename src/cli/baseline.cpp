@@ -16,9 +16,22 @@ namespace voodoo::cli {
 
 namespace {
 
+/// recipe_by_name, its error naming `flag` and what else it takes.
+const stock_recipe & checked_recipe(const std::string & flag, const std::string & name) {
+    try {
+        return recipe_by_name(name);
+    } catch (const error & e) {
+        fail("{}: {}{}", flag, e.what(),
+             flag == "--recipes" ? "; or --recipes all-that-fit"
+             : name.find(',') != std::string::npos ? "; several recipes: --recipes A,B with --out-dir DIR"
+                                                    : "");
+    }
+}
+
 /// --recipes: "all-that-fit" (those that fit with or without an imatrix; without one, the recipes that need it are
 /// left out and stderr says which) or a comma list (a recipe named twice, in any spelling or alias recipe_by_name
-/// accepts — one llama_ftype —, is made once, and stderr says so). Unknown names are left for make_baselines / plan_stock_file to refuse.
+/// accepts — one llama_ftype —, is made once, and stderr says so; spaces around a name are dropped). An unknown name
+/// is refused here, naming --recipes (checked_recipe).
 std::vector<std::string> recipe_names(const std::string & recipes, bool has_imatrix) {
     if (recipes == "all-that-fit") {
         std::vector<std::string> names = recipes_all_that_fit(has_imatrix);
@@ -39,13 +52,12 @@ std::vector<std::string> recipe_names(const std::string & recipes, bool has_imat
     std::vector<std::string> names, keys;
     for (size_t start = 0; start <= recipes.size();) {
         const size_t comma = std::min(recipes.find(',', start), recipes.size());
-        if (comma > start) {
-            const std::string name = recipes.substr(start, comma - start);
-            std::string key = name;  // one llama_ftype is one recipe, whatever it is called (Q4_K is Q4_K_M)
-            try {
-                key = std::to_string(static_cast<int>(recipe_by_name(name).ftype));
-            } catch (const std::exception &) {  // refused later, with the list of recipes
-            }
+        std::string name = recipes.substr(start, comma - start);
+        name.erase(0, name.find_first_not_of(" \t"));  // "Q4_0, Q8_0"
+        name.erase(name.find_last_not_of(" \t") + 1);
+        if (!name.empty()) {
+            // one llama_ftype is one recipe, whatever it is called (Q4_K is Q4_K_M)
+            const std::string key = std::to_string(static_cast<int>(checked_recipe("--recipes", name).ftype));
             const auto seen = std::find(keys.begin(), keys.end(), key);
             if (seen != keys.end()) {
                 fmt::print(stderr, "--recipes names {} twice{}: made once\n", names[static_cast<size_t>(seen - keys.begin())],
@@ -89,7 +101,7 @@ command add_baseline(CLI::App & app) {
     auto * one = sub->add_option("--recipe", o->recipe, "One llama-quantize recipe: Q4_K_M, Q8_0, IQ2_M, …");
     auto * many = sub->add_option("--recipes", o->recipes, "'all-that-fit' or a comma-separated list (with --out-dir, or --dry-run)");
     one->excludes(many);
-    sub->add_option("--imatrix", o->base.imatrix, "llama.cpp GGUF imatrix (needed by IQ1/IQ2/IQ3_XXS and Q2_K_S)");
+    sub->add_option("--imatrix", o->base.imatrix, "llama.cpp GGUF imatrix (needed by IQ1/IQ2/IQ3_XXS and Q2_K_S)")->check(CLI::ExistingFile);
     sub->add_option("--out", o->out, "Output GGUF (with --recipe)");
     sub->add_option("--out-dir", o->out_dir, "Output folder (with --recipes): SOURCE_STEM-RECIPE.gguf, baselines.json")->check(folder_to_write());
     sub->add_option("-t,--threads", o->base.n_threads, "Quantization threads (default: VOODOO_THREADS if set, else every core)")->check(non_negative());
@@ -105,6 +117,9 @@ command add_baseline(CLI::App & app) {
             }
             if (!o->out.empty() || !o->out_dir.empty()) {
                 fail("--dry-run makes no file: drop --out/--out-dir, or drop --dry-run to make the files");
+            }
+            if (!o->recipe.empty()) {
+                checked_recipe("--recipe", o->recipe);
             }
             const std::vector<std::string> names = !o->recipe.empty() ? std::vector<std::string>{o->recipe}
                                                                         : recipe_names(o->recipes, !o->base.imatrix.empty());
@@ -141,6 +156,7 @@ command add_baseline(CLI::App & app) {
             return 0;
         }
         if (!o->recipe.empty()) {
+            checked_recipe("--recipe", o->recipe);
             if (o->out.empty()) {
                 fail("--recipe {} needs --out F.gguf", o->recipe);
             }

@@ -27,7 +27,7 @@ command add_export(CLI::App & app) {
     sub->add_option("--recipe", o->recipe, "recipe.json from `voodoo train`")->required();
     sub->add_option("--out", o->out, "Output GGUF, or a folder (an existing one, or any path ending in /)")->required();
     sub->add_option("--cache", o->cache, "Candidate cache folder to take bytes from (optional)");
-    sub->add_option("--imatrix", o->imatrix, "Importance matrix (default: the one the recipe was trained with)");
+    sub->add_option("--imatrix", o->imatrix, "Importance matrix (default: the one the recipe was trained with)")->check(CLI::ExistingFile);
     sub->add_option("-t,--threads", o->threads, "Threads (0 = VOODOO_THREADS if set, else every core)")->capture_default_str()->check(non_negative());
     add_json_option(sub, o->json, "What was written (path, bytes on disk, tensor bytes, BPW)");
     return {sub, [o] {

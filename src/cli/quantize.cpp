@@ -35,7 +35,8 @@ command add_quantize(CLI::App & app) {
     auto * model_opt = sub->add_option("-m,--model", o->model_flag, "Source GGUF (as llama.cpp's tools take it)");
     model_pos->excludes(model_opt);
     sub->add_option("--imatrix", o->q.imatrix,
-                    "An imatrix you have (llama-imatrix's GGUF or legacy .dat), checked against the model: no imatrix stage");
+                    "An imatrix you have (llama-imatrix's GGUF or legacy .dat), checked against the model: no imatrix stage")
+        ->check(CLI::ExistingFile);
     sub->add_option("--text", o->q.texts, "Calibration text file(s)")->required()->check(CLI::ExistingFile);
     sub->add_option("--eval-text", o->q.eval_text, "Held-out text for the comparison (default: the first --text)")
         ->check(CLI::ExistingFile);

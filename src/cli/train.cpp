@@ -48,7 +48,7 @@ command add_train(CLI::App & app) {
     auto * ratio = sub->add_option("--ratio", o->ratio, "Budget as a fraction of the all-Q8_0 file (0.45 → Voodoo45)");
     bpw->excludes(size)->excludes(ratio);
     size->excludes(ratio);
-    sub->add_option("--imatrix", o->imatrix, "Importance matrix (GGUF or legacy .dat) from `voodoo imatrix` or llama-imatrix");
+    sub->add_option("--imatrix", o->imatrix, "Importance matrix (GGUF or legacy .dat) from `voodoo imatrix` or llama-imatrix")->check(CLI::ExistingFile);
     sub->add_option("--teacher", o->teacher, "Teacher GGUF (default: the model itself)");
     sub->add_option("--menu", o->menu, "Candidate types, comma-separated (default: IQ1_S … Q8_0, F16, BF16)");
     sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES', e.g. 'attn_.*=Q4_K,Q5_K,Q6_K' (repeatable)");
