@@ -276,6 +276,19 @@ TEST(baseline_cli, says_what_all_that_fit_leaves_out_makes_a_recipe_named_twice_
                                                 " --out " + dir.file("x.gguf"));
     EXPECT_EQ(no_im.exit_code, 2) << no_im.output;
     EXPECT_NE(no_im.output.find("--imatrix: File does not exist: " + dir.file("im.gguf")), std::string::npos) << no_im.output;
+    // --out and --out-dir each go with their own flag; --out naming a folder is refused before any work.
+    const auto both = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipe Q4_0 --out " + dir.file("y.gguf") +
+                                               " --out-dir " + dir.file("d"));
+    EXPECT_EQ(both.exit_code, 1) << both.output;
+    EXPECT_NE(both.output.find("--out-dir goes with --recipes (several files)"), std::string::npos) << both.output;
+    const auto both2 = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipes Q4_0 --out " + dir.file("y.gguf") +
+                                                " --out-dir " + dir.file("d"));
+    EXPECT_NE(both2.output.find("--out goes with --recipe (one file)"), std::string::npos) << both2.output;
+    const auto folder = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipe Q4_0 --out " + dir.path.string());
+    EXPECT_EQ(folder.exit_code, 1) << folder.output;
+    EXPECT_NE(folder.output.find("' is a folder: give the file's path"), std::string::npos) << folder.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("y.gguf")));
+    EXPECT_FALSE(std::filesystem::exists(dir.file("d")));
     // An --out-dir that is a file is refused by its flag, nothing made.
     const auto file_dir = voodoo::test::run_voodoo("baseline " + stories260k() + " --recipes Q4_0 --out-dir " + stories260k() + "/sub");
     EXPECT_EQ(file_dir.exit_code, 2) << file_dir.output;

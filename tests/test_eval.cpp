@@ -315,6 +315,9 @@ TEST(eval_cli, writes_the_table_json_and_plot_and_fails_in_one_line) {
     EXPECT_EQ(j["files"][0]["same_top"], 1.0);
     EXPECT_EQ(voodoo::test::read_file(out + "/eval.png").substr(1, 3), "PNG");
     EXPECT_EQ(voodoo::test::read_file(out + "/eval.md").rfind("| file |", 0), 0u);
+    for (const char * name : {"table: ", "json: ", "plot: "}) {  // each file written is named on stdout
+        EXPECT_NE(r.output.find(name + out + "/eval."), std::string::npos) << name << r.output;
+    }
 
     const auto bad = voodoo::test::run_voodoo("eval --reference " + stories260k() + " --text " + text +
                                               " --ctx 100000 " + stories260k());

@@ -160,6 +160,13 @@ command add_baseline(CLI::App & app) {
             if (o->out.empty()) {
                 fail("--recipe {} needs --out F.gguf", o->recipe);
             }
+            if (!o->out_dir.empty()) {
+                fail("--out-dir goes with --recipes (several files); --recipe {} writes the one file --out names", o->recipe);
+            }
+            if (std::filesystem::is_directory(o->out)) {
+                fail("--out '{}' is a folder: give the file's path (--out {}/NAME.gguf), or --recipes {} --out-dir {}",
+                     o->out, o->out, o->recipe, o->out);
+            }
             const baseline_result r = make_baseline(o->base, o->recipe, o->out);
             if (o->json != "-") {
                 fmt::print("{}", baselines_to_markdown({r}));
@@ -172,6 +179,9 @@ command add_baseline(CLI::App & app) {
         }
         if (o->out_dir.empty()) {
             fail("--recipes needs --out-dir DIR");
+        }
+        if (!o->out.empty()) {
+            fail("--out goes with --recipe (one file); --recipes writes its files into --out-dir {}", o->out_dir);
         }
         const std::vector<baseline_result> results =
             make_baselines(o->base, recipe_names(o->recipes, !o->base.imatrix.empty()), o->out_dir);

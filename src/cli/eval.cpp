@@ -59,7 +59,11 @@ command add_eval(CLI::App & app) {
             fmt::print("{}", table);
         }
         if (!o->out_dir.empty()) {
-            write_file_atomic((std::filesystem::path(o->out_dir) / "eval.md").string(), table);
+            const std::string md = (std::filesystem::path(o->out_dir) / "eval.md").string();
+            write_file_atomic(md, table);
+            if (text) {
+                fmt::print("table: {}\n", md);
+            }
         }
         write_json_to(o->json, eval_to_json(r));
         if (text && !o->json.empty()) {
