@@ -49,21 +49,21 @@ std::vector<std::string> recipe_names(const std::string & recipes, bool has_imat
         }
         return names;
     }
-    std::vector<std::string> names, keys;
+    std::vector<std::string> names;
+    std::vector<llama_ftype> ftypes;  // names[i]'s: one llama_ftype is one recipe, whatever it is called (Q4_K is Q4_K_M)
     for (size_t start = 0; start <= recipes.size();) {
         const size_t comma = std::min(recipes.find(',', start), recipes.size());
         std::string name = recipes.substr(start, comma - start);
         name.erase(0, name.find_first_not_of(" \t"));  // "Q4_0, Q8_0"
         name.erase(name.find_last_not_of(" \t") + 1);
         if (!name.empty()) {
-            // one llama_ftype is one recipe, whatever it is called (Q4_K is Q4_K_M)
-            const std::string key = std::to_string(static_cast<int>(checked_recipe("--recipes", name).ftype));
-            const auto seen = std::find(keys.begin(), keys.end(), key);
-            if (seen != keys.end()) {
-                fmt::print(stderr, "--recipes names {} twice{}: made once\n", names[static_cast<size_t>(seen - keys.begin())],
-                           name == names[static_cast<size_t>(seen - keys.begin())] ? "" : " (as " + name + ")");
+            const llama_ftype ftype = checked_recipe("--recipes", name).ftype;
+            const auto seen = std::find(ftypes.begin(), ftypes.end(), ftype);
+            if (seen != ftypes.end()) {
+                const std::string & first = names[static_cast<size_t>(seen - ftypes.begin())];
+                fmt::print(stderr, "--recipes names {} twice{}: made once\n", first, name == first ? "" : " (as " + name + ")");
             } else {
-                keys.push_back(key);
+                ftypes.push_back(ftype);
                 names.push_back(name);
             }
         }

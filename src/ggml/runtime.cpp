@@ -46,27 +46,30 @@ std::string llama_system_info() {
     return llama_print_system_info();
 }
 
-std::vector<std::string> llama_backend_devices() {
-    llama_runtime_init();
-    std::vector<std::string> out;
-    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
-        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
-        out.push_back(std::string(ggml_backend_dev_name(dev)) + ": " + ggml_backend_dev_description(dev));
-    }
-    return out;
-}
+namespace {
 
-std::vector<std::string> llama_gpu_devices() {
+// "name: description" of every ggml backend device, or (gpus_only) of the GPU and integrated-GPU ones.
+std::vector<std::string> devices_of(bool gpus_only) {
     llama_runtime_init();
     std::vector<std::string> out;
     for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
         ggml_backend_dev_t dev = ggml_backend_dev_get(i);
         const enum ggml_backend_dev_type type = ggml_backend_dev_type(dev);
-        if (type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
+        if (!gpus_only || type == GGML_BACKEND_DEVICE_TYPE_GPU || type == GGML_BACKEND_DEVICE_TYPE_IGPU) {
             out.push_back(std::string(ggml_backend_dev_name(dev)) + ": " + ggml_backend_dev_description(dev));
         }
     }
     return out;
+}
+
+}  // namespace
+
+std::vector<std::string> llama_backend_devices() {
+    return devices_of(false);
+}
+
+std::vector<std::string> llama_gpu_devices() {
+    return devices_of(true);
 }
 
 }  // namespace voodoo
