@@ -674,8 +674,10 @@ TEST(quantize, the_eval_ahead_of_training_gives_the_evals_numbers_bit_for_bit) {
     EXPECT_TRUE(a.eval_ahead.empty()) << a.eval_ahead;
     EXPECT_NE(b.eval_ahead.find("the reference"), std::string::npos) << b.eval_ahead;
     EXPECT_EQ(b.eval_ahead.find("nothing kept"), std::string::npos) << b.eval_ahead;
-    EXPECT_NE(c.eval_ahead.find("2 stock files made once the train stage's candidates were built"), std::string::npos)
-        << c.eval_ahead;  // Q4_0 and Q5_0 (the target's, sized by llama.cpp's dry run, made for the eval)
+    // How many of the two (Q4_0, Q5_0) it made before the eval stage stopped it depends on timing (training after
+    // the candidates is short here); the eval stage makes the rest, and the numbers below are the same either way.
+    EXPECT_NE(c.eval_ahead.find(" made once the train stage's candidates were built"), std::string::npos) << c.eval_ahead;
+    EXPECT_EQ(c.eval_ahead.find("it failed"), std::string::npos) << c.eval_ahead;
     // Both stock files were made (ahead or at the eval stage) and compared.
     ASSERT_EQ(a.eval.files.size(), 3u);
     ASSERT_EQ(b.eval.files.size(), a.eval.files.size());
