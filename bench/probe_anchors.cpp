@@ -77,6 +77,15 @@ int main(int argc, char ** argv) {
     app.add_option("--against", against_path, "A second full probe of the same candidates to compare with --probe");
     std::vector<double> margins = {0.5};
     app.add_option("--margins", margins, "Candidate pruning: bands to try (prune_options::margin)")->delimiter(',')->capture_default_str();
+    std::vector<int> stage_widths;
+    bool anchored_eager = false;
+    double stage_margin = voodoo::prune_options{}.stage_margin;
+    app.add_option("--stage-margin", stage_margin, "With --staged: the second plan's band (prune_options::stage_margin)")->capture_default_str();
+    app.add_flag("--stage-eager-anchors", anchored_eager, "With --staged: the second plan predicts from the eager types "
+                 "alone (the train stage's way), not from every measured type");
+    app.add_option("--staged", stage_widths, "Candidate pruning in two stages (prune.h stage_types): the neighbours each "
+                   "side of the knapsack's choice measured before the second plan, widths to try beside the one-stage plan")
+        ->delimiter(',');
     CLI11_PARSE(app, argc, argv);
     try {
         using namespace voodoo;
@@ -252,16 +261,34 @@ int main(int argc, char ** argv) {
                                                        {"p99", quantile(alone, 0.99)}, {"max", quantile(alone, 1.0)}}},
                                     {"pair_abs_log_error", {{"median", quantile(pair, 0.5)}, {"p90", quantile(pair, 0.9)},
                                                             {"p99", quantile(pair, 0.99)}, {"max", quantile(pair, 1.0)}}}});
-            fmt::print("{:>5} {:>6} {:>14} {:>12} {:>11} {:>10} {:>11}\n", "eager", "margin", "kept", "kept bytes", "kept work",
-                       "pruned best", "max regret");
-            for (double m : margins) {
+            fmt::print("{:>5} {:>6} {:>14} {:>12} {:>11} {:>10} {:>11} {:>12}\n", "eager", "margin", "kept", "kept bytes", "kept work",
+                       "pruned best", "max regret", "mean regret");
+            std::vector<int> variants = {-1};  // -1: one plan, as the train stage without --prune-stages 2
+            variants.insert(variants.end(), stage_widths.begin(), stage_widths.end());
+            for (double m : margins) for (int width : variants) {
                 po.margin = m;
                 int64_t kept = 0, total = 0, missed = 0;
-                double kept_bytes = 0, total_bytes = 0, worst = 0, kept_cost = 0;
+                double kept_bytes = 0, total_bytes = 0, worst = 0, kept_cost = 0, mean_regret = 0;
                 for (int j = 0; j < budgets; ++j) {
                     const budget b = budget_at(j);
                     const std::vector<int> best = allocate_exact(b, full);
-                    const prune_plan p = plan_pruning(menus, hat, measured, eager, {b}, {}, po);
+                    prune_plan p = plan_pruning(menus, hat, measured, eager, {b}, {}, po);
+                    if (width >= 0) {
+                        // The second stage: the knapsack's choice and its neighbours measured (from the full probe),
+                        // then planned again; what was built in either stage counts (and stays in the menus).
+                        const auto staged = stage_types(menus, p, measured, {b}, width);
+                        std::vector<std::vector<double>> m2 = measured;
+                        for (size_t i = 0; i < menus.size(); ++i) {
+                            for (size_t k = 0; k < menus[i].types.size(); ++k) {
+                                m2[i][k] = staged[i][k] ? full[i][k] : m2[i][k];
+                            }
+                        }
+                        prune_options po2 = po;
+                        po2.margin = stage_margin;
+                        prune_plan p2 = plan_pruning(menus, hat, m2, eager, {b}, {}, po2, anchored_eager ? &measured : nullptr);
+                        keep_also(menus, p2, staged);
+                        p = std::move(p2);
+                    }
                     kept += p.kept;
                     total += p.total;
                     kept_bytes += p.kept_bytes;
@@ -303,12 +330,15 @@ int main(int argc, char ** argv) {
                     }
                     const double got = estimated_loss(kt, allocate_exact(bp, kt)), want = estimated_loss(full, best);
                     worst = std::max(worst, want > 0 ? got / want - 1.0 : 0.0);
+                    mean_regret += (want > 0 ? got / want - 1.0 : 0.0) / budgets;
                 }
-                fmt::print("{:>5} {:>6.2f} {:>6}/{:<7} {:>11.1f}% {:>10.1f}% {:>10} {:>10.3f}%\n", n_eager, m, kept, total,
-                           100 * kept_bytes / total_bytes, 100 * kept_cost, missed, 100 * worst);
-                report["pruning"].push_back({{"eager", n_eager}, {"margin", m}, {"kept", kept}, {"candidates", total},
+                fmt::print("{:>5} {:>6.2f} {:>6}/{:<7} {:>11.1f}% {:>10.1f}% {:>10} {:>10.3f}% {:>11.4f}%{}\n", n_eager, m, kept, total,
+                           100 * kept_bytes / total_bytes, 100 * kept_cost, missed, 100 * worst, 100 * mean_regret,
+                           width < 0 ? std::string() : fmt::format("  (two stages, width {})", width));
+                report["pruning"].push_back({{"eager", n_eager}, {"margin", m}, {"stages", width < 0 ? 1 : 2},
+                                             {"stage_width", width < 0 ? 0 : width}, {"kept", kept}, {"candidates", total},
                                              {"kept_bytes_fraction", kept_bytes / total_bytes}, {"kept_work_fraction", kept_cost},
-                                             {"best_choices_pruned", missed}, {"max_regret", worst}});
+                                             {"best_choices_pruned", missed}, {"max_regret", worst}, {"mean_regret", mean_regret}});
             }
         }
         if (!out_path.empty()) {

@@ -2,7 +2,7 @@
 # What the project runs on the GPU machine (the workplace's device tool): a CUDA build against that
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
-# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, bench-small, bench-large,
+# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, e2e-1.7b-stages2, e2e-1.7b-stages1, bench-small, bench-large,
 # kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, probe-tf32, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, cuda-build, dry-8b, e2e-8b-defaults, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
@@ -37,7 +37,7 @@ e2e_17b() {
         "$@" --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" \
         --device cuda --work $W ${MENU:+--menu "$MENU"} ${E2E_ARGS:-} > "$OUT/e2e/qwen3-1.7b$tag.log" 2>&1
     kill $SMI
-    grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built|built ahead|--probe-anchors auto|eval defaults|after the candidates|ahead: " "$OUT/e2e/qwen3-1.7b$tag.log" | cut -c1-220 | tail -40
+    grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built|built ahead|second stage|--probe-anchors auto|eval defaults|after the candidates|ahead: " "$OUT/e2e/qwen3-1.7b$tag.log" | cut -c1-220 | tail -40
     du -sh $W/* > "$OUT/e2e/disk-1.7b$tag.txt" 2>&1; cat "$OUT/e2e/disk-1.7b$tag.txt"
     cp $W/times.json "$OUT/e2e/times-1.7b$tag.json" 2>/dev/null
     cp $W/eval.md "$OUT/e2e/qwen3-1.7b$tag-eval.md" 2>/dev/null
@@ -188,6 +188,17 @@ e2e-1.7b-gpueval)
     [ -n "${GGML_BACKEND_PATH:-}" ] || { log "e2e-1.7b-gpueval: no GGML_BACKEND_PATH (the stage cuda-build first), skipped"; continue; }
     rm -rf /tmp/e2e-17b-gpueval
     e2e_17b "-gpueval" --baselines Q4_K_M
+    ;;
+e2e-1.7b-stages2|e2e-1.7b-stages1)
+    # The job of e2e-1.7b-gpueval with candidate pruning in two stages (--prune-stages 2: the knapsack's choices and
+    # their neighbours measured, the plan made again) or in one (the default before session 32), in a fresh work
+    # folder; run both in one call for an A/B on one machine.
+    [ -n "${GGML_BACKEND_PATH:-}" ] || { log "$stage: no GGML_BACKEND_PATH (the stage cuda-build first), skipped"; continue; }
+    n=${stage#e2e-1.7b-stages}
+    rm -rf /tmp/e2e-17b-stages$n
+    e2e_17b "-stages$n" --baselines Q4_K_M --prune-stages $n
+    cp /tmp/e2e-17b-stages$n/run-Q4_K_M/candidates.built.json "$OUT/e2e/candidates-1.7b-stages$n.json" 2>/dev/null
+    rm -rf /tmp/e2e-17b-stages$n
     ;;
 e2e-1.7b-cpueval)
     # The same job with libllama on the CPU (GGML_BACKEND_PATH removed; the eval ahead at its auto, on), in a fresh

@@ -197,12 +197,40 @@ TEST(prune, on_mix30m_the_exact_knapsack_of_the_kept_types_is_the_full_menus_at_
     budget b = make_budget(f, menus, {target_kind::size, 1e12}, eo, /*check_range =*/false);
     const double lo = b.min_total, hi = b.max_total;
     int64_t kept = 0, total = 0;
-    for (int j = 0; j <= 40; ++j) {
-        b.limit = lo + (hi - lo) * j / 40.0;
+    double work_one = 0, work_two = 0;  // the quantizers' work of what each way builds
+    const auto work = [&](const prune_plan & p) {
+        double w = 0;
+        for (size_t i = 0; i < menus.size(); ++i) {
+            for (size_t k = 0; k < menus[i].types.size(); ++k) {
+                w += p.keep[i][k] ? quantize_cost_per_weight(menus[i].types[k]) * static_cast<double>(menus[i].tensor->n_elements()) : 0.0;
+            }
+        }
+        return w;
+    };
+    for (int j = 0; j <= 80; ++j) {
+        b.limit = lo + (hi - lo) * (j % 41) / 40.0;
         const std::vector<int> full = allocate_exact(b, truth);
-        const prune_plan p = plan_pruning(menus, hat, measured, eager, {b}, {}, po);
-        kept += p.kept;
-        total += p.total;
+        prune_plan p = plan_pruning(menus, hat, measured, eager, {b}, {}, po);
+        if (j > 40) {
+            // The second stage (--prune-stages 2): the knapsack's choices and their neighbours measured, the plan made
+            // again with them known (predicted from the eager types alone, in the second band), as the train stage does.
+            work_one += work(p);
+            const auto staged = stage_types(menus, p, measured, {b}, po.neighbours);
+            std::vector<std::vector<double>> more = measured;
+            for (size_t i = 0; i < menus.size(); ++i) {
+                for (size_t k = 0; k < menus[i].types.size(); ++k) {
+                    more[i][k] = staged[i][k] ? truth[i][k] : more[i][k];
+                }
+            }
+            prune_options po2 = po;
+            po2.margin = po.stage_margin;
+            p = plan_pruning(menus, hat, more, eager, {b}, {}, po2, &measured);
+            keep_also(menus, p, staged);
+            work_two += work(p);
+        } else {
+            kept += p.kept;
+            total += p.total;
+        }
         for (size_t i = 0; i < menus.size(); ++i) {
             EXPECT_TRUE(p.keep[i][static_cast<size_t>(full[i])])
                 << "budget " << j << "/40: " << menus[i].tensor->name << " as " << type_name(menus[i].types[static_cast<size_t>(full[i])])
@@ -230,6 +258,8 @@ TEST(prune, on_mix30m_the_exact_knapsack_of_the_kept_types_is_the_full_menus_at_
     // It prunes: over these budgets a third of the candidates is kept (32% when written; the lattice types only at low
     // budgets, the float types only at the highest).
     EXPECT_LT(kept, total / 2) << kept << " of " << total;
+    // And the second stage builds less than the first plan keeps, for the same recipe.
+    EXPECT_LT(work_two, work_one);
 }
 
 TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_every_candidate_on_stories260k) {
@@ -239,9 +269,12 @@ TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_
     ASSERT_EQ(test::run_voodoo(fmt::format("data --model {} --text {} --ctx 128 --out {}/data", test::stories260k(), text, dir)).exit_code, 0);
     std::map<std::string, nlohmann::json> recipes;
     // "ahead": pruned, with the likely kept types built while the probe runs (on the CPU only when asked).
-    for (const std::string mode : {"targets", "all", "ahead"}) {
+    // "staged": pruned in two stages (--prune-stages 2), with the builds ahead of both probes.
+    for (const std::string mode : {"targets", "all", "ahead", "staged"}) {
         const std::string out = fmt::format("{}/run-{}", dir, mode);
-        const std::string how = mode == "ahead" ? "targets --build-ahead on" : mode + " --build-ahead off";
+        const std::string how = mode == "ahead"    ? "targets --build-ahead on --prune-stages 1"
+                                : mode == "staged" ? "targets --build-ahead on --prune-stages 2"
+                                                   : mode + " --build-ahead off --prune-stages 1";
         const auto r = test::run_voodoo(fmt::format("train --model {} --data {}/data --target-bpw 7.5 --menu "
                                                     "Q4_0,IQ4_NL,Q4_1,Q5_0,Q5_1,Q8_0,F16,F32 --steps 8 --batch 2 "
                                                     "--probe-sequences 2 --select-sequences 2 --candidates {} --out {} -t 2",
@@ -250,7 +283,8 @@ TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_
         if (mode != "all") {
             EXPECT_NE(r.output.find("candidates built for the targets"), std::string::npos) << r.output;
         }
-        EXPECT_EQ(r.output.find("built ahead while the probe ran") != std::string::npos, mode == "ahead") << r.output;
+        EXPECT_EQ(r.output.find("built ahead while the probe ran") != std::string::npos, mode == "ahead" || mode == "staged") << r.output;
+        EXPECT_EQ(r.output.find("pruning, second stage") != std::string::npos, mode == "staged") << r.output;
         nlohmann::json types;
         for (const auto & t : nlohmann::json::parse(test::read_file(out + "/recipe.json"))["tensors"]) {
             types[t["name"].get<std::string>()] = t["type"];
@@ -259,6 +293,7 @@ TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_
     }
     EXPECT_EQ(recipes["targets"], recipes["all"]);
     EXPECT_EQ(recipes["ahead"], recipes["all"]);
+    EXPECT_EQ(recipes["staged"], recipes["all"]);
     // The guesses built ahead that the probe did not keep leave the cache: it then holds what the run without
     // building ahead holds, entry for entry.
     auto entries = [&](const std::string & mode) {
@@ -273,6 +308,7 @@ TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_
     EXPECT_FALSE(entries("targets").empty());
     EXPECT_EQ(entries("ahead"), entries("targets"));
     EXPECT_LT(entries("targets").size(), entries("all").size());
+    EXPECT_LE(entries("staged").size(), entries("all").size());
 }
 
 TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_the_likeliest_first) {

@@ -384,6 +384,7 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     args.insert(args.end(), {"--recompute", t.recompute});
     args.insert(args.end(), {"--candidates", t.candidates});
     args.insert(args.end(), {"--build-ahead", t.build_ahead});
+    args.insert(args.end(), {"--prune-stages", t.prune_stages});
     for (const target & g : t.prune_goals) {
         args.insert(args.end(), {"--prune-for", g.str()});
     }

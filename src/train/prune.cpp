@@ -263,7 +263,7 @@ double budget_multiplier(const budget & b, const std::vector<std::vector<double>
 prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vector<std::vector<double>> & err_hat,
                         const std::vector<std::vector<double>> & measured, const std::vector<std::vector<bool>> & eager,
                         const std::vector<budget> & budgets, const std::vector<std::vector<bool>> & also,
-                        const prune_options & o) {
+                        const prune_options & o, const std::vector<std::vector<double>> * anchors) {
     if (!(o.margin > 0 && o.margin <= 1)) {
         fail("candidate pruning: the margin must be in (0, 1] (got {})", o.margin);
     }
@@ -273,8 +273,13 @@ prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vecto
         light[i].types = menus[i].types;
     }
     prune_plan p;
-    p.predicted = measured;
+    p.predicted = anchors != nullptr ? *anchors : measured;
     predict_from_anchors(light, err_hat, p.predicted);
+    for (size_t i = 0; i < menus.size(); ++i) {
+        for (size_t k = 0; k < measured[i].size(); ++k) {
+            p.predicted[i][k] = std::isnan(measured[i][k]) ? p.predicted[i][k] : measured[i][k];
+        }
+    }
     // Each unbuilt type's ΔKL lies in [margin · prediction, prediction / margin]; a measured one's, and the source's
     // own type's (0: its bytes are copied), are known.
     std::vector<std::vector<double>> lower = p.predicted, upper = p.predicted;
@@ -356,6 +361,53 @@ prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vecto
     return p;
 }
 
+void keep_also(const std::vector<tensor_menu> & menus, prune_plan & p, const std::vector<std::vector<bool>> & also) {
+    p.kept = 0;
+    p.kept_bytes = 0;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            p.keep[i][k] = p.keep[i][k] || also[i][k];
+            if (p.keep[i][k]) {
+                p.kept += 1;
+                p.kept_bytes += static_cast<double>(tensor_bytes(menus[i].types[k], menus[i].tensor->shape(), menus[i].tensor->name));
+            }
+        }
+    }
+}
+
+void order_likeliest_first(const std::vector<tensor_menu> & menus, const std::vector<std::vector<double>> & predicted,
+                           const std::vector<budget> & budgets, std::vector<std::pair<size_t, size_t>> & jobs) {
+    // The likeliest keeps first: a kept candidate built ahead saves its whole cost whatever its type, so the order
+    // that saves most is by the chance of being kept, and the nearer a type is in its menu (ordered by size) to the
+    // exact knapsack's choice on the guess at some budget, the likelier the probe keeps it. Among equals, the lattice
+    // types (the slow ones), then the larger tensors. (Session 16 ordered lattice types first: on the Qwen3-1.7B
+    // shape, 66 of the 135 built ahead were kept; docs/BENCHMARKS.md.)
+    std::vector<std::vector<int>> distance(menus.size());
+    for (size_t i = 0; i < menus.size(); ++i) {
+        distance[i].assign(menus[i].types.size(), std::numeric_limits<int>::max());
+    }
+    for (const budget & b : budgets) {
+        const std::vector<int> choice = allocate_exact(b, predicted);
+        for (size_t i = 0; i < menus.size(); ++i) {
+            for (size_t k = 0; k < menus[i].types.size(); ++k) {
+                distance[i][k] = std::min(distance[i][k], std::abs(static_cast<int>(k) - choice[i]));
+            }
+        }
+    }
+    std::stable_sort(jobs.begin(), jobs.end(), [&](const auto & a, const auto & b) {
+        const int da = distance[a.first][a.second], db = distance[b.first][b.second];
+        if (da != db) {
+            return da < db;
+        }
+        const bool la = lattice_quantizer(menus[a.first].types[a.second]);
+        const bool lb = lattice_quantizer(menus[b.first].types[b.second]);
+        if (la != lb) {
+            return la;
+        }
+        return menus[a.first].tensor->n_elements() > menus[b.first].tensor->n_elements();
+    });
+}
+
 std::vector<std::pair<size_t, size_t>> build_ahead_jobs(const std::vector<tensor_menu> & menus,
                                                         const std::vector<std::vector<double>> & err_hat,
                                                         const std::vector<std::vector<bool>> & eager,
@@ -380,36 +432,28 @@ std::vector<std::pair<size_t, size_t>> build_ahead_jobs(const std::vector<tensor
             }
         }
     }
-    // The likeliest keeps first: a kept candidate built ahead saves its whole cost whatever its type, so the order
-    // that saves most is by the chance of being kept, and the nearer a type is in its menu (ordered by size) to the
-    // exact knapsack's choice on the guess at some budget, the likelier the probe keeps it. Among equals, the lattice
-    // types (the slow ones), then the larger tensors. (Session 16 ordered lattice types first: on the Qwen3-1.7B
-    // shape, 66 of the 135 built ahead were kept; docs/BENCHMARKS.md.)
-    std::vector<std::vector<int>> distance(menus.size());
+    order_likeliest_first(menus, p.predicted, budgets, jobs);
+    return jobs;
+}
+
+std::vector<std::vector<bool>> stage_types(const std::vector<tensor_menu> & menus, const prune_plan & p,
+                                           const std::vector<std::vector<double>> & measured,
+                                           const std::vector<budget> & budgets, int width) {
+    std::vector<std::vector<bool>> out(menus.size());
     for (size_t i = 0; i < menus.size(); ++i) {
-        distance[i].assign(menus[i].types.size(), std::numeric_limits<int>::max());
+        out[i].assign(menus[i].types.size(), false);
     }
     for (const budget & b : budgets) {
         const std::vector<int> choice = allocate_exact(b, p.predicted);
         for (size_t i = 0; i < menus.size(); ++i) {
-            for (size_t k = 0; k < menus[i].types.size(); ++k) {
-                distance[i][k] = std::min(distance[i][k], std::abs(static_cast<int>(k) - choice[i]));
+            const int n = static_cast<int>(menus[i].types.size());
+            for (int k = std::max(0, choice[i] - width); k <= std::min(n - 1, choice[i] + width); ++k) {
+                const auto u = static_cast<size_t>(k);
+                out[i][u] = out[i][u] || (p.keep[i][u] && std::isnan(measured[i][u]) && menus[i].types[u] != menus[i].tensor->type);
             }
         }
     }
-    std::stable_sort(jobs.begin(), jobs.end(), [&](const auto & a, const auto & b) {
-        const int da = distance[a.first][a.second], db = distance[b.first][b.second];
-        if (da != db) {
-            return da < db;
-        }
-        const bool la = lattice_quantizer(menus[a.first].types[a.second]);
-        const bool lb = lattice_quantizer(menus[b.first].types[b.second]);
-        if (la != lb) {
-            return la;
-        }
-        return menus[a.first].tensor->n_elements() > menus[b.first].tensor->n_elements();
-    });
-    return jobs;
+    return out;
 }
 
 std::vector<tensor_menu> pruned_menus(const std::vector<tensor_menu> & menus, const std::vector<std::vector<bool>> & keep) {

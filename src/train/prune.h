@@ -17,6 +17,12 @@
 //      with its `neighbours` on either side in the menu; the eager types are kept too (plan_pruning).
 //   While the probe of step 2 runs on a GPU, the idle cores build a guess at step 3's types (build_ahead_jobs, with
 //   trainer.h's build_ahead), so that the build after the probe finds them in the cache.
+//   4. (--prune-stages 2, the default on a GPU) The knapsack's choice of every tensor on the predictions and its
+//      neighbours (stage_types) are built and probed (the cores meanwhile building the rest of step 3's keeps,
+//      likeliest first), and the plan is made again with them known, the others predicted from the eager types as
+//      before, in the band of stage_margin. A known competitor leaves the band on one side of each comparison instead
+//      of both, so the second plan keeps fewer: on stories260K the quantizers' work of what is built falls from 86% to
+//      66% of the menus' with the same pruned best choices, on mix30M see docs/BENCHMARKS.md (session 32).
 // What pruning may change, and what it may not: a pruned type is never the best at any multiplier the budget can
 // have unless its true ΔKL lies outside its band, and the pruned run's exact knapsack uses the full menus' byte grid
 // (budget.h share_grid), so it is the full menus' knapsack whenever that one's choice is kept. tests/test_prune.cpp
@@ -43,6 +49,8 @@ namespace voodoo {
 struct prune_options {
     int eager = 2;                  // types per tensor built before the probe (spread in log Ê; ≥ 1)
     double margin = 0.5;            // an unbuilt type's ΔKL lies in [margin, 1/margin] × its prediction (0 < margin ≤ 1)
+    double stage_margin = 0.4;      // the same in the second stage's plan (stage_types), whose known values leave the
+                                    // band on one side of each comparison instead of both (docs/BENCHMARKS.md)
     int neighbours = 1;             // menu types kept on each side of every knapsack choice
     double widen = 1.0;             // the budget's multiplier range (plan_pruning) is widened by this factor each way
     int64_t min_sample_rows = 32;   // Ê samples max(min_sample_rows, rows / sample_divisor) rows of each tensor
@@ -104,12 +112,15 @@ struct prune_plan {
 /// `budgets` are the targets' budgets over the same menus (a ladder's every size), `also` types that must stay (a
 /// prior recipe's; same shape, may be empty). Keeps every type of a menu shorter than o.min_menu, the eager types, every type that is its tensor's Lagrangian
 /// choice for some ΔKL in the bands at some multiplier of a budget (widened by o.widen), and the exact knapsack's
-/// choice on the predictions with its o.neighbours on each side. Throws voodoo::error naming the tensor when one of
-/// its types cannot be predicted (no eager type measured).
+/// choice on the predictions with its o.neighbours on each side. `anchors` (optional, same shape as `measured`): the
+/// measured ΔKL the predictions are made from, when only some of `measured` should be (the second stage predicts from
+/// the eager types alone, as the first, and takes its own measurements as known: with them as anchors too the
+/// predictions between them were measured worse on stories260K, docs/BENCHMARKS.md). Throws voodoo::error naming the
+/// tensor when one of its types cannot be predicted (no eager type measured).
 prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vector<std::vector<double>> & err_hat,
                         const std::vector<std::vector<double>> & measured, const std::vector<std::vector<bool>> & eager,
                         const std::vector<budget> & budgets, const std::vector<std::vector<bool>> & also,
-                        const prune_options & o);
+                        const prune_options & o, const std::vector<std::vector<double>> * anchors = nullptr);
 
 /// What to build while the probe of the eager types runs (issue #16; candidate_prefetch): the types plan_pruning
 /// keeps when every tensor's ratio ΔKL/Ê is the same (the eager types' "measured" ΔKL taken as their Ê), so the
@@ -123,6 +134,28 @@ std::vector<std::pair<size_t, size_t>> build_ahead_jobs(const std::vector<tensor
                                                         const std::vector<budget> & budgets,
                                                         const std::vector<std::vector<bool>> & also,
                                                         const prune_options & o);
+
+/// The second stage of a staged plan (issue #16; `--prune-stages 2`): which kept candidates to build and measure
+/// before planning again. At every budget, the exact knapsack's choice on `p.predicted` and its `width` neighbours on
+/// each side in the menu (ordered by size), where `p` keeps them, less those already measured (`measured` not NaN)
+/// and the source's own type. Measured, they are known exactly in the second plan_pruning (no band), and they become
+/// anchors of the predictions of the types between them, so the second plan keeps only the types that can still beat
+/// known values: the band of the first plan is [margin, 1/margin] on both sides of a comparison, that of the second
+/// on one. [tensor][menu type].
+std::vector<std::vector<bool>> stage_types(const std::vector<tensor_menu> & menus, const prune_plan & p,
+                                           const std::vector<std::vector<double>> & measured,
+                                           const std::vector<budget> & budgets, int width);
+
+/// Adds `also` ([tensor][menu type]) to `p.keep` and counts p.kept and p.kept_bytes again (the second stage's
+/// measured candidates stay in the menus whatever the second plan keeps: they are built).
+void keep_also(const std::vector<tensor_menu> & menus, prune_plan & p, const std::vector<std::vector<bool>> & also);
+
+/// Orders `jobs` ([tensor index, menu type index] pairs) the likeliest keeps first: by their distance in the menu
+/// (ordered by size) from the exact knapsack's choice on `predicted` ([tensor][menu type], nats/token) at the nearest
+/// of `budgets`, then the lattice types (the slow ones), then the larger tensors; stable. build_ahead_jobs' order, and
+/// the second stage's build ahead (--prune-stages 2).
+void order_likeliest_first(const std::vector<tensor_menu> & menus, const std::vector<std::vector<double>> & predicted,
+                           const std::vector<budget> & budgets, std::vector<std::pair<size_t, size_t>> & jobs);
 
 /// The menus with only the kept types (order kept).
 std::vector<tensor_menu> pruned_menus(const std::vector<tensor_menu> & menus, const std::vector<std::vector<bool>> & keep);

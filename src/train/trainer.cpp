@@ -1070,15 +1070,129 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             }
         }
         const auto t4 = std::chrono::steady_clock::now();
-        const prune_plan pp = plan_pruning(all_menus, err_hat, measured, eager, budgets, also, po);
-        menus = pruned_menus(all_menus, pp.keep);
+        prune_plan pp = plan_pruning(all_menus, err_hat, measured, eager, budgets, also, po);
         fmt::print(stderr, "pruning: the plan in {:.1f} s\n", seconds_since(t4));
+        // Built ahead and not necessarily kept: [tensor, menu type] pairs, removed from the cache below when the
+        // final plan does not keep them.
+        std::vector<std::pair<size_t, size_t>> built_ahead(ahead_jobs.begin(), ahead_jobs.begin() + ahead_built);
+        if (resolved_prune_stages(o.prune_stages, o.device) == 2) {
+            // The second stage (prune.h stage_types): the knapsack's choices and their neighbours built and measured,
+            // then planned again with them known. While the GPU measures them, the idle cores build the rest of the
+            // first plan's keeps, likeliest first.
+            const auto t_stage = std::chrono::steady_clock::now();
+            const std::vector<std::vector<bool>> staged = stage_types(all_menus, pp, measured, budgets, po.neighbours);
+            int64_t n_staged = 0;
+            std::vector<std::vector<bool>> stage_menu(all_menus.size()), stage_plan;
+            for (size_t i = 0; i < all_menus.size(); ++i) {
+                std::vector<bool> row;
+                for (size_t k = 0; k < all_menus[i].types.size(); ++k) {
+                    n_staged += staged[i][k];
+                    stage_menu[i].push_back(staged[i][k] || eager[i][k]);
+                    if (stage_menu[i].back()) {
+                        row.push_back(staged[i][k]);
+                    }
+                }
+                if (row.empty()) {  // no eager type (a menu of the source's type alone): its first type, not measured
+                    stage_menu[i][0] = true;
+                    row.push_back(false);
+                }
+                stage_plan.push_back(std::move(row));
+            }
+            if (n_staged > 0) {
+                const int64_t kept_before = pp.kept;
+                std::vector<gated_tensor> sg = build_over_ranks(pruned_menus(all_menus, stage_menu));
+                const double stage_build_seconds = seconds_since(t_stage);
+                const std::string stage_path = (fs::path(probe_path).parent_path() /
+                                                (fs::path(probe_path).stem().string() + ".stage.json")).string();
+                const std::string stage_id = probe_identity(sg, probe_tokens, probe_dtype, po.eager, probe_tf32);
+                std::vector<std::vector<double>> ss = load_probe(stage_path, stage_id, sg);
+                if (!every_rank_has(!ss.empty())) {
+                    ss.clear();
+                }
+                int64_t stage_ahead_built = 0;
+                std::vector<std::pair<size_t, size_t>> stage_jobs;
+                double stage_probe_seconds = 0;
+                if (ss.empty()) {
+                    std::unique_ptr<candidate_prefetch> ahead;
+                    if (o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda())) {
+                        for (size_t i = 0; i < all_menus.size(); ++i) {
+                            for (size_t k = 0; k < all_menus[i].types.size(); ++k) {
+                                if (pp.keep[i][k] && !stage_menu[i][k] && all_menus[i].types[k] != all_menus[i].tensor->type &&
+                                    std::find(built_ahead.begin(), built_ahead.end(), std::make_pair(i, k)) == built_ahead.end()) {
+                                    stage_jobs.emplace_back(i, k);
+                                }
+                            }
+                        }
+                        order_likeliest_first(all_menus, pp.predicted, budgets, stage_jobs);
+                        if (ranks > 1) {  // each rank builds its share, as above
+                            std::vector<std::pair<size_t, size_t>> mine;
+                            for (size_t j = 0; j < stage_jobs.size(); ++j) {
+                                if (layer_sharding ? pipe.owner_of(all_menus[stage_jobs[j].first].tensor->name) == rank
+                                                   : static_cast<int>(j % static_cast<size_t>(ranks)) == rank) {
+                                    mine.push_back(stage_jobs[j]);
+                                }
+                            }
+                            stage_jobs = std::move(mine);
+                        }
+                        std::vector<candidate_prefetch::job> jobs;
+                        for (const auto & [i, k] : stage_jobs) {
+                            jobs.push_back({all_menus[i].tensor, all_menus[i].types[k]});
+                        }
+                        ahead = std::make_unique<candidate_prefetch>(src, std::move(jobs), importance, cache,
+                                                                     device.is_cuda() ? std::max(1, n_threads - 1) : n_threads);
+                    }
+                    const auto t_probe = std::chrono::steady_clock::now();
+                    ss = probe_over_ranks(sg, stage_plan);
+                    stage_probe_seconds = seconds_since(t_probe);
+                    if (ahead) {
+                        stage_ahead_built = ahead->stop();
+                    }
+                    check_finite(sg, ss, stage_plan);
+                    for (size_t i = 0; i < sg.size(); ++i) {
+                        for (size_t k = 0; k < sg[i].types.size(); ++k) {
+                            ss[i][k] = stage_plan[i][k] ? ss[i][k] : 0.0;  // eager ones: not measured again here
+                        }
+                    }
+                    if (writer) {
+                        save_probe(stage_path, stage_id, sg, ss);
+                    }
+                } else {
+                    fmt::print(stderr, "probe of the second stage's candidates: {} (reused)\n", stage_path);
+                }
+                built_ahead.insert(built_ahead.end(), stage_jobs.begin(), stage_jobs.begin() + stage_ahead_built);
+                const std::vector<std::vector<double>> eager_measured = measured;  // the predictions' anchors, as before
+                for (size_t i = 0; i < all_menus.size(); ++i) {
+                    for (size_t k = 0, e = 0; k < all_menus[i].types.size(); ++k) {
+                        if (!stage_menu[i][k]) {
+                            continue;
+                        }
+                        if (stage_plan[i][e]) {
+                            measured[i][k] = ss[i][e];
+                            eager_kl[{all_menus[i].tensor->name, all_menus[i].types[k]}] = measured[i][k];
+                        }
+                        ++e;
+                    }
+                }
+                sg.clear();
+                const auto t5 = std::chrono::steady_clock::now();
+                prune_options po2 = po;
+                po2.margin = po.stage_margin;
+                pp = plan_pruning(all_menus, err_hat, measured, eager, budgets, also, po2, &eager_measured);
+                keep_also(all_menus, pp, staged);  // built and measured: they stay
+                fmt::print(stderr, "pruning, second stage: {} candidates (the knapsack's choices and their neighbours) built "
+                                   "in {:.1f} s and measured in {:.1f} s ({} more built ahead meanwhile); the plan again in "
+                                   "{:.1f} s: {} of the first plan's {} kept\n",
+                           n_staged, stage_build_seconds, stage_probe_seconds, stage_ahead_built, seconds_since(t5),
+                           pp.kept, kept_before);
+            }
+        }
+        menus = pruned_menus(all_menus, pp.keep);
         if (o.probe_anchors < 0) {
             // The kept types the full probe would still measure: not eager, not the source's own bytes.
             int64_t rest = 0;
             for (size_t i = 0; i < all_menus.size(); ++i) {
                 for (size_t k = 0; k < all_menus[i].types.size(); ++k) {
-                    rest += pp.keep[i][k] && !eager[i][k] && all_menus[i].types[k] != all_menus[i].tensor->type;
+                    rest += pp.keep[i][k] && !eager[i][k] && std::isnan(measured[i][k]) && all_menus[i].types[k] != all_menus[i].tensor->type;
                 }
             }
             const std::string auto_path = (fs::path(probe_path).parent_path() /
@@ -1098,13 +1212,13 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                                     : fmt::format("the {} eager types of each tensor are its anchors, the others predicted", po.eager),
                        why);
         }
-        if (ahead_built > 0) {
-            const int64_t used = std::count_if(ahead_jobs.begin(), ahead_jobs.begin() + ahead_built,
+        if (!built_ahead.empty()) {
+            const int64_t used = std::count_if(built_ahead.begin(), built_ahead.end(),
                                                [&](const auto & j) { return pp.keep[j.first][j.second]; });
             // The others are a guess the probe did not keep: no recipe under these targets can use them, so their
             // disk goes back before the kept ones are built (issue #16: at 8B the cache is what fills the disk).
             int64_t freed = 0;
-            for (auto j = ahead_jobs.begin(); j != ahead_jobs.begin() + ahead_built; ++j) {
+            for (auto j = built_ahead.begin(); j != built_ahead.end(); ++j) {
                 if (!pp.keep[j->first][j->second]) {
                     const gguf_tensor & t = *all_menus[j->first].tensor;
                     freed += cache.remove(candidate_cache::key(src, t, all_menus[j->first].types[j->second],
@@ -1112,7 +1226,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 }
             }
             fmt::print(stderr, "of the {} candidates built ahead, {} are kept; the other {} removed from the cache ({})\n",
-                       ahead_built, used, ahead_built - used, bytes_text(static_cast<double>(freed)));
+                       built_ahead.size(), used, static_cast<int64_t>(built_ahead.size()) - used, bytes_text(static_cast<double>(freed)));
         }
         fmt::print(stderr, "candidates for {} target{}: {} of {} ({:.1f} of {:.1f} MiB; the others cannot be chosen unless "
                            "their ΔKL is outside {} to {} times its prediction) in {:.1f} s\n",
@@ -1713,6 +1827,16 @@ std::string resolved_probe_compute(const std::string & probe_compute, const std:
         return probe_compute;
     }
     return device == "cuda" || device.rfind("cuda:", 0) == 0 ? "tf32" : "f32";
+}
+
+int resolved_prune_stages(const std::string & mode, const std::string & device) {
+    if (mode == "1" || mode == "2") {
+        return mode == "1" ? 1 : 2;
+    }
+    if (mode != "auto") {
+        fail("--prune-stages: '{}' is not 1, 2 or auto", mode);
+    }
+    return device == "cuda" || device.rfind("cuda:", 0) == 0 ? 2 : 1;
 }
 
 torch::Device parse_train_device(const std::string & s) {

@@ -81,6 +81,9 @@ struct train_options {
     std::string build_ahead = "auto";   // "on": while the eager probe runs, build the candidates it will likely keep
                                         // (prune.h build_ahead_jobs) on the otherwise idle cores; "off"; "auto": on
                                         // when training on a GPU (on the CPU the probe itself takes the cores)
+    std::string prune_stages = "auto";  // with candidates "targets": "1" (one plan after the eager probe), "2" (then the
+                                        // knapsack's choices and their neighbours built, measured, and planned again:
+                                        // prune.h stage_types), or "auto" (resolved_prune_stages)
     std::string candidates_on = "auto"; // fused path: "gpu", "host" (pinned, streamed ahead of use) or "auto" (the GPU
                                         // while they fit beside the teacher; gated.h candidate_residency)
     int64_t loss_chunk = 0;             // positions per chunk of the CE/KL over the vocabulary (0 = ~512 MB of logits)
@@ -166,6 +169,12 @@ std::vector<std::string> apply_cpu_defaults(train_options & o, const std::functi
 /// rounding), and the exact knapsack on the TF32 values within 0.0014% of the f32 one's Σ ΔKL at 40 budgets; the same
 /// three files as the f32 probe; the probe's forwards 2.7× as fast on an H100 (docs/BENCHMARKS.md, session 29).
 std::string resolved_probe_compute(const std::string & probe_compute, const std::string & device);
+
+/// The stages of candidate pruning for --prune-stages `mode` ("1", "2" or "auto") on --device `device`: "auto" is 2 on
+/// a CUDA device, whose probe measures a candidate in a fraction of its build's time while the cores build others,
+/// and 1 on the CPU, where the probe and the build share the cores. Throws voodoo::error naming the flag for another
+/// value.
+int resolved_prune_stages(const std::string & mode, const std::string & device);
 
 /// The torch device of a --device value: "cpu", "cuda" or "cuda:N". Throws voodoo::error naming the flag
 /// when the value is malformed, or when CUDA is asked of a build or machine without it.
