@@ -192,8 +192,8 @@ e2e-1.7b-gpueval)
 e2e-1.7b-stages2|e2e-1.7b-stages1)
     # The job of e2e-1.7b-gpueval with candidate pruning in two stages (--prune-stages 2: the knapsack's choices and
     # their neighbours measured, the plan made again) or in one (the default before session 32), in a fresh work
-    # folder; run both in one call for an A/B on one machine.
-    [ -n "${GGML_BACKEND_PATH:-}" ] || { log "$stage: no GGML_BACKEND_PATH (the stage cuda-build first), skipped"; continue; }
+    # folder; run both in one call for an A/B on one machine (libllama's eval on the GPU after the stage cuda-build,
+    # else on the CPU; E2E_ARGS="--eval-ahead off" keeps the CPU eval out of the train stage).
     n=${stage#e2e-1.7b-stages}
     rm -rf /tmp/e2e-17b-stages$n
     e2e_17b "-stages$n" --baselines Q4_K_M --prune-stages $n
