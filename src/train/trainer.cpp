@@ -1075,6 +1075,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         // Built ahead and not necessarily kept: [tensor, menu type] pairs, removed from the cache below when the
         // final plan does not keep them.
         std::vector<std::pair<size_t, size_t>> built_ahead(ahead_jobs.begin(), ahead_jobs.begin() + ahead_built);
+        int64_t stage_forwards = 0;  // the second stage's probe, counted in --probe-auto-seconds' budget below
         if (resolved_prune_stages(o.prune_stages, o.device) == 2) {
             // The second stage (prune.h stage_types): the knapsack's choices and their neighbours built and measured,
             // then planned again with them known. While the GPU measures them, the idle cores build the rest of the
@@ -1099,6 +1100,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 stage_plan.push_back(std::move(row));
             }
             if (n_staged > 0) {
+                stage_forwards = n_staged;
                 const int64_t kept_before = pp.kept;
                 std::vector<gated_tensor> sg = build_over_ranks(pruned_menus(all_menus, stage_menu));
                 const double stage_build_seconds = seconds_since(t_stage);
@@ -1188,8 +1190,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         menus = pruned_menus(all_menus, pp.keep);
         if (o.probe_anchors < 0) {
-            // The kept types the full probe would still measure: not eager, not the source's own bytes.
-            int64_t rest = 0;
+            // The kept types the full probe would still measure: not eager, not the source's own bytes; with the
+            // second stage's forwards, which came out of the same budget of seconds (--probe-auto-seconds).
+            int64_t rest = stage_forwards;
             for (size_t i = 0; i < all_menus.size(); ++i) {
                 for (size_t k = 0; k < all_menus[i].types.size(); ++k) {
                     rest += pp.keep[i][k] && !eager[i][k] && std::isnan(measured[i][k]) && all_menus[i].types[k] != all_menus[i].tensor->type;
@@ -1202,8 +1205,10 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             // Every rank takes the same decision: the full probe only where every rank would.
             anchors = every_rank_has(c.anchors == 0) ? 0 : po.eager;
             const std::string why = std::isfinite(c.seconds_per_forward)
-                ? fmt::format("the other {} kept candidates would take ≈ {:.0f} s at the eager probe's {:.3f} s a forward, "
-                              "{} --probe-auto-seconds {:g}", rest, c.seconds_per_forward * static_cast<double>(rest),
+                ? fmt::format("the other {} kept candidates{} would take ≈ {:.0f} s at the eager probe's {:.3f} s a forward, "
+                              "{} --probe-auto-seconds {:g}", rest,
+                              stage_forwards > 0 ? fmt::format(" (with the {} of the second stage)", stage_forwards) : "",
+                              c.seconds_per_forward * static_cast<double>(rest),
                               c.seconds_per_forward, c.seconds_per_forward * static_cast<double>(rest) <= o.probe_auto_seconds
                                   ? "within" : "over", o.probe_auto_seconds)
                 : fmt::format("the eager probe was reused without its rate ({})", auto_path);
