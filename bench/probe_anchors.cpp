@@ -12,6 +12,8 @@
 // predictions (alone, and as the ratio of two types of one tensor), and at every budget what plan_pruning keeps
 // (candidates, bytes, and the quantizers' work by quantize_cost_per_weight), how often it prunes the exact knapsack's
 // choice on the measured ΔKL, and the regret of the knapsack of the kept types; --per-budget lists the kept types.
+// --staged W,… adds the two-stage plan (--prune-stages 2: stage_types' W neighbours each side of the knapsack's choice
+// measured, the plan made again in the band of --stage-margin), counting everything either stage builds.
 //
 //   probe_anchors MODEL.gguf --imatrix IM.gguf --probe WORK/run-X/probe.json --cache WORK/candidates --out R.json
 //
@@ -78,11 +80,11 @@ int main(int argc, char ** argv) {
     std::vector<double> margins = {0.5};
     app.add_option("--margins", margins, "Candidate pruning: bands to try (prune_options::margin)")->delimiter(',')->capture_default_str();
     std::vector<int> stage_widths;
-    bool anchored_eager = false;
+    bool all_anchors = false;
     double stage_margin = voodoo::prune_options{}.stage_margin;
     app.add_option("--stage-margin", stage_margin, "With --staged: the second plan's band (prune_options::stage_margin)")->capture_default_str();
-    app.add_flag("--stage-eager-anchors", anchored_eager, "With --staged: the second plan predicts from the eager types "
-                 "alone (the train stage's way), not from every measured type");
+    app.add_flag("--stage-all-anchors", all_anchors, "With --staged: the second plan predicts from every measured type, "
+                 "not from the eager types alone (the train stage's way)");
     app.add_option("--staged", stage_widths, "Candidate pruning in two stages (prune.h stage_types): the neighbours each "
                    "side of the knapsack's choice measured before the second plan, widths to try beside the one-stage plan")
         ->delimiter(',');
@@ -285,7 +287,7 @@ int main(int argc, char ** argv) {
                         }
                         prune_options po2 = po;
                         po2.margin = stage_margin;
-                        prune_plan p2 = plan_pruning(menus, hat, m2, eager, {b}, {}, po2, anchored_eager ? &measured : nullptr);
+                        prune_plan p2 = plan_pruning(menus, hat, m2, eager, {b}, {}, po2, all_anchors ? nullptr : &measured);
                         keep_also(menus, p2, staged);
                         p = std::move(p2);
                     }

@@ -215,7 +215,7 @@ TEST(prune, on_mix30m_the_exact_knapsack_of_the_kept_types_is_the_full_menus_at_
             // The second stage (--prune-stages 2): the knapsack's choices and their neighbours measured, the plan made
             // again with them known (predicted from the eager types alone, in the second band), as the train stage does.
             work_one += work(p);
-            const auto staged = stage_types(menus, p, measured, {b}, po.neighbours);
+            const auto staged = stage_types(menus, p, measured, {b}, po.stage_width);
             std::vector<std::vector<double>> more = measured;
             for (size_t i = 0; i < menus.size(); ++i) {
                 for (size_t k = 0; k < menus[i].types.size(); ++k) {

@@ -21,8 +21,10 @@
 //      neighbours (stage_types) are built and probed (the cores meanwhile building the rest of step 3's keeps,
 //      likeliest first), and the plan is made again with them known, the others predicted from the eager types as
 //      before, in the band of stage_margin. A known competitor leaves the band on one side of each comparison instead
-//      of both, so the second plan keeps fewer: on stories260K the quantizers' work of what is built falls from 86% to
-//      66% of the menus' with the same pruned best choices, on mix30M see docs/BENCHMARKS.md (session 32).
+//      of both, so the second plan keeps fewer: against a full probe at 40 budgets, the quantizers' work of what is
+//      built falls from 42.1% to 35.9% of the menus' on mix30M and from 86.3% to 75.9% on stories260K, and the
+//      exact knapsack's best choice is never pruned on either (the one-stage plan prunes it at 2 budgets of
+//      stories260K; docs/BENCHMARKS.md, session 32).
 // What pruning may change, and what it may not: a pruned type is never the best at any multiplier the budget can
 // have unless its true ΔKL lies outside its band, and the pruned run's exact knapsack uses the full menus' byte grid
 // (budget.h share_grid), so it is the full menus' knapsack whenever that one's choice is kept. tests/test_prune.cpp
@@ -49,8 +51,13 @@ namespace voodoo {
 struct prune_options {
     int eager = 2;                  // types per tensor built before the probe (spread in log Ê; ≥ 1)
     double margin = 0.5;            // an unbuilt type's ΔKL lies in [margin, 1/margin] × its prediction (0 < margin ≤ 1)
-    double stage_margin = 0.4;      // the same in the second stage's plan (stage_types), whose known values leave the
-                                    // band on one side of each comparison instead of both (docs/BENCHMARKS.md)
+    // The second stage (stage_types; docs/BENCHMARKS.md, session 32): the knapsack's choice and `stage_width` menu
+    // types on each side of it measured, then the plan made again with every unmeasured type's ΔKL in [stage_margin,
+    // 1/stage_margin] × its prediction: a band of 3 on each side covers the worst prediction measured on either model
+    // with learned weights (|ln| 1.08 on stories260K, 0.56 on mix30M), and a width of 2 keeps the exact knapsack's
+    // choices that are not its tensor's Lagrangian choice at any multiplier (width 1 pruned two on mix30M).
+    int stage_width = 2;
+    double stage_margin = 1.0 / 3.0;
     int neighbours = 1;             // menu types kept on each side of every knapsack choice
     double widen = 1.0;             // the budget's multiplier range (plan_pruning) is widened by this factor each way
     int64_t min_sample_rows = 32;   // Ê samples max(min_sample_rows, rows / sample_divisor) rows of each tensor

@@ -1081,7 +1081,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             // then planned again with them known. While the GPU measures them, the idle cores build the rest of the
             // first plan's keeps, likeliest first.
             const auto t_stage = std::chrono::steady_clock::now();
-            const std::vector<std::vector<bool>> staged = stage_types(all_menus, pp, measured, budgets, po.neighbours);
+            const std::vector<std::vector<bool>> staged = stage_types(all_menus, pp, measured, budgets, po.stage_width);
             int64_t n_staged = 0;
             std::vector<std::vector<bool>> stage_menu(all_menus.size()), stage_plan;
             for (size_t i = 0; i < all_menus.size(); ++i) {
