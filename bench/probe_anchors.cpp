@@ -338,7 +338,7 @@ int main(int argc, char ** argv) {
                            100 * kept_bytes / total_bytes, 100 * kept_cost, missed, 100 * worst, 100 * mean_regret,
                            width < 0 ? std::string() : fmt::format("  (two stages, width {})", width));
                 report["pruning"].push_back({{"eager", n_eager}, {"margin", m}, {"stages", width < 0 ? 1 : 2},
-                                             {"stage_width", width < 0 ? 0 : width}, {"kept", kept}, {"candidates", total},
+                                             {"stage_width", width < 0 ? 0 : width}, {"stage_margin", width < 0 ? 0.0 : stage_margin}, {"kept", kept}, {"candidates", total},
                                              {"kept_bytes_fraction", kept_bytes / total_bytes}, {"kept_work_fraction", kept_cost},
                                              {"best_choices_pruned", missed}, {"max_regret", worst}, {"mean_regret", mean_regret}});
             }
