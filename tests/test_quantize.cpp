@@ -159,6 +159,13 @@ TEST(quantize, a_rerun_with_other_options_makes_again_what_they_change_and_says_
     EXPECT_TRUE(has_line(log, "== imatrix:", "(done)")) << log;
     EXPECT_TRUE(has_line(log, "== train:", "made again (steps 3 → 2)")) << log;
 
+    q.train.prune_stages = "2";  // the candidates' pruning (auto is 1 on the CPU): the training, and back
+    log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== train:", "made again (candidates ")) << log;
+    q.train.prune_stages = "auto";
+    log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== train:", "made again (candidates ")) << log;
+
     q.texts = {test::shared_data() + "/text/tinyshakespeare/input.txt"};  // other texts
     log = stages_of(q);
     EXPECT_TRUE(has_line(log, "== data:", "made again (texts ")) << log;

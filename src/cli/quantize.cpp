@@ -111,8 +111,8 @@ command add_quantize(CLI::App & app) {
         ->capture_default_str()->check(CLI::IsMember({"targets", "all"}));
     sub->add_option("--prune-stages", o->q.train.prune_stages,
                     "With --candidates targets: 1 (one plan after the first probe), 2 (then the knapsack's choices and their "
-                    "neighbours built and measured, and the plan made again with them known: fewer candidates to build), "
-                    "or auto (2 on a GPU, 1 on the CPU)")
+                    "neighbours built and probed, and the plan made again with them known: fewer candidates to build for more "
+                    "probe forwards, a gain on a GPU and a loss on the CPU), or auto (2 on a GPU, 1 on the CPU)")
         ->capture_default_str()->check(CLI::IsMember({"auto", "1", "2"}));
     sub->add_option("--build-ahead", o->q.train.build_ahead,
                     "With --candidates targets: build the candidates the probe will likely keep while it measures the "

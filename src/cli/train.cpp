@@ -113,8 +113,8 @@ command add_train(CLI::App & app) {
                     "ladder's other sizes, so that its sizes share their candidates and probe")->delimiter(',');
     sub->add_option("--prune-stages", o->t.prune_stages,
                     "With --candidates targets: 1 (one plan after the first probe), 2 (then the knapsack's choices and their "
-                    "neighbours built and measured, and the plan made again with them known: fewer candidates to build), "
-                    "or auto (2 on a GPU, 1 on the CPU)")
+                    "neighbours built and probed, and the plan made again with them known: fewer candidates to build for more "
+                    "probe forwards, a gain on a GPU and a loss on the CPU), or auto (2 on a GPU, 1 on the CPU)")
         ->capture_default_str()->check(CLI::IsMember({"auto", "1", "2"}));
     sub->add_option("--build-ahead", o->t.build_ahead,
                     "With --candidates targets: build the candidates the probe will likely keep while it measures the "

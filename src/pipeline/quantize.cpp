@@ -762,6 +762,9 @@ nlohmann::json run_inputs(const train_options & t, const std::string & model, co
             goals.push_back(g.str());
         }
         in["candidates"] = {{"for", goals}};
+        if (resolved_prune_stages(t.prune_stages, t.device) == 2) {
+            in["candidates"]["stages"] = 2;  // only then: earlier work folders (one stage) stay valid
+        }
     }
     if (t.max_token_seconds > 0) {
         in["max_token_seconds"] = t.max_token_seconds;  // only when set: earlier work folders stay valid

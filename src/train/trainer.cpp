@@ -973,6 +973,20 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             es.clear();  // a rank without the file (another host's folder): every rank measures, or the probe's
                          // all-reduce would wait for ranks that skipped it
         }
+        // A rank's share of jobs built ahead, as build_over_ranks splits the rest (every job with one process).
+        const auto my_share = [&](std::vector<std::pair<size_t, size_t>> jobs) {
+            if (ranks <= 1) {
+                return jobs;
+            }
+            std::vector<std::pair<size_t, size_t>> mine;
+            for (size_t j = 0; j < jobs.size(); ++j) {
+                if (layer_sharding ? pipe.owner_of(all_menus[jobs[j].first].tensor->name) == rank
+                                   : static_cast<int>(j % static_cast<size_t>(ranks)) == rank) {
+                    mine.push_back(jobs[j]);
+                }
+            }
+            return mine;
+        };
         std::vector<std::pair<size_t, size_t>> ahead_jobs;  // built ahead while the probe ran (the first ahead_built)
         int64_t ahead_built = 0;
         if (es.empty()) {
@@ -990,17 +1004,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             const std::vector<std::pair<size_t, size_t>> guess = build_ahead_jobs(all_menus, err_hat, eager, budgets, also, po);
             const double guess_seconds = seconds_since(t3);
             if (o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda())) {
-                ahead_jobs = guess;
-                if (ranks > 1) {  // each rank builds its share ahead, as build_over_ranks splits the rest
-                    std::vector<std::pair<size_t, size_t>> mine;
-                    for (size_t j = 0; j < ahead_jobs.size(); ++j) {
-                        if (layer_sharding ? pipe.owner_of(all_menus[ahead_jobs[j].first].tensor->name) == rank
-                                           : static_cast<int>(j % static_cast<size_t>(ranks)) == rank) {
-                            mine.push_back(ahead_jobs[j]);
-                        }
-                    }
-                    ahead_jobs = std::move(mine);
-                }
+                ahead_jobs = my_share(guess);
                 fmt::print(stderr, "pruning: the build-ahead plan in {:.1f} s\n", guess_seconds);
                 std::vector<candidate_prefetch::job> jobs;
                 for (const auto & [i, k] : ahead_jobs) {
@@ -1126,16 +1130,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                             }
                         }
                         order_likeliest_first(all_menus, pp.predicted, budgets, stage_jobs);
-                        if (ranks > 1) {  // each rank builds its share, as above
-                            std::vector<std::pair<size_t, size_t>> mine;
-                            for (size_t j = 0; j < stage_jobs.size(); ++j) {
-                                if (layer_sharding ? pipe.owner_of(all_menus[stage_jobs[j].first].tensor->name) == rank
-                                                   : static_cast<int>(j % static_cast<size_t>(ranks)) == rank) {
-                                    mine.push_back(stage_jobs[j]);
-                                }
-                            }
-                            stage_jobs = std::move(mine);
-                        }
+                        stage_jobs = my_share(std::move(stage_jobs));
                         std::vector<candidate_prefetch::job> jobs;
                         for (const auto & [i, k] : stage_jobs) {
                             jobs.push_back({all_menus[i].tensor, all_menus[i].types[k]});
@@ -1156,7 +1151,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                         }
                     }
                     if (writer) {
-                        save_probe(stage_path, stage_id, sg, ss);
+                        save_probe(stage_path, stage_id, sg, ss, &stage_plan);  // the eager types: not measured here
                     }
                 } else {
                     fmt::print(stderr, "probe of the second stage's candidates: {} (reused)\n", stage_path);
@@ -1233,10 +1228,11 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             fmt::print(stderr, "of the {} candidates built ahead, {} are kept; the other {} removed from the cache ({})\n",
                        built_ahead.size(), used, static_cast<int64_t>(built_ahead.size()) - used, bytes_text(static_cast<double>(freed)));
         }
+        const double band = stage_forwards > 0 ? po.stage_margin : po.margin;
         fmt::print(stderr, "candidates for {} target{}: {} of {} ({:.1f} of {:.1f} MiB; the others cannot be chosen unless "
-                           "their ΔKL is outside {} to {} times its prediction) in {:.1f} s\n",
+                           "their ΔKL is outside {:.3g} to {:.3g} times its prediction) in {:.1f} s\n",
                    budgets.size(), budgets.size() == 1 ? "" : "s", pp.kept, pp.total, pp.kept_bytes / k_mib,
-                   pp.total_bytes / k_mib, po.margin, 1.0 / po.margin,
+                   pp.total_bytes / k_mib, band, 1.0 / band,
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
     budget b = make_budget(src, menus, o.goal, eopts);

@@ -171,9 +171,11 @@ std::vector<std::string> apply_cpu_defaults(train_options & o, const std::functi
 std::string resolved_probe_compute(const std::string & probe_compute, const std::string & device);
 
 /// The stages of candidate pruning for --prune-stages `mode` ("1", "2" or "auto") on --device `device`: "auto" is 2 on
-/// a CUDA device, whose probe measures a candidate in a fraction of its build's time while the cores build others,
-/// and 1 on the CPU, where the probe and the build share the cores. Throws voodoo::error naming the flag for another
-/// value.
+/// a CUDA device, whose probe measures a candidate in a fraction of its build's time while the cores build others
+/// (Qwen3-1.7B shape, one H100 host: 0.11 s a forward, the train stage 414.0 → 352.5 s), and 1 on the CPU, where the
+/// probe and the build share the cores and a forward costs far more than the build it saves (mix30M on 2 cores: 1.8 s
+/// a forward against 0.14 s a candidate; docs/BENCHMARKS.md, session 32). Throws voodoo::error naming the flag for
+/// another value.
 int resolved_prune_stages(const std::string & mode, const std::string & device);
 
 /// The torch device of a --device value: "cpu", "cuda" or "cuda:N". Throws voodoo::error naming the flag
