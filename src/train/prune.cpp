@@ -260,6 +260,27 @@ double budget_multiplier(const budget & b, const std::vector<std::vector<double>
 
 }  // namespace
 
+namespace {
+
+// p.kept, p.total and their bytes, from p.keep.
+void count_kept(const std::vector<tensor_menu> & menus, prune_plan & p) {
+    p.kept = p.total = 0;
+    p.kept_bytes = p.total_bytes = 0;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            const double bytes = static_cast<double>(tensor_bytes(menus[i].types[k], menus[i].tensor->shape(), menus[i].tensor->name));
+            p.total += 1;
+            p.total_bytes += bytes;
+            if (p.keep[i][k]) {
+                p.kept += 1;
+                p.kept_bytes += bytes;
+            }
+        }
+    }
+}
+
+}  // namespace
+
 prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vector<std::vector<double>> & err_hat,
                         const std::vector<std::vector<double>> & measured, const std::vector<std::vector<bool>> & eager,
                         const std::vector<budget> & budgets, const std::vector<std::vector<bool>> & also,
@@ -347,32 +368,17 @@ prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vecto
             }
         }
     }
-    for (size_t i = 0; i < menus.size(); ++i) {
-        for (size_t k = 0; k < menus[i].types.size(); ++k) {
-            const double bytes = static_cast<double>(tensor_bytes(menus[i].types[k], menus[i].tensor->shape(), menus[i].tensor->name));
-            p.total += 1;
-            p.total_bytes += bytes;
-            if (p.keep[i][k]) {
-                p.kept += 1;
-                p.kept_bytes += bytes;
-            }
-        }
-    }
+    count_kept(menus, p);
     return p;
 }
 
 void keep_also(const std::vector<tensor_menu> & menus, prune_plan & p, const std::vector<std::vector<bool>> & also) {
-    p.kept = 0;
-    p.kept_bytes = 0;
     for (size_t i = 0; i < menus.size(); ++i) {
         for (size_t k = 0; k < menus[i].types.size(); ++k) {
             p.keep[i][k] = p.keep[i][k] || also[i][k];
-            if (p.keep[i][k]) {
-                p.kept += 1;
-                p.kept_bytes += static_cast<double>(tensor_bytes(menus[i].types[k], menus[i].tensor->shape(), menus[i].tensor->name));
-            }
         }
     }
+    count_kept(menus, p);
 }
 
 void order_likeliest_first(const std::vector<tensor_menu> & menus, const std::vector<std::vector<double>> & predicted,

@@ -987,6 +987,15 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             }
             return mine;
         };
+        // Builds `pairs` ([tensor, menu type]) in order on the cores a probe leaves (all but one beside a GPU's).
+        const auto start_prefetch = [&](const std::vector<std::pair<size_t, size_t>> & pairs) {
+            std::vector<candidate_prefetch::job> jobs;
+            for (const auto & [i, k] : pairs) {
+                jobs.push_back({all_menus[i].tensor, all_menus[i].types[k]});
+            }
+            return std::make_unique<candidate_prefetch>(src, std::move(jobs), importance, cache,
+                                                        device.is_cuda() ? std::max(1, n_threads - 1) : n_threads);
+        };
         std::vector<std::pair<size_t, size_t>> ahead_jobs;  // built ahead while the probe ran (the first ahead_built)
         int64_t ahead_built = 0;
         if (es.empty()) {
@@ -1006,12 +1015,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             if (o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda())) {
                 ahead_jobs = my_share(guess);
                 fmt::print(stderr, "pruning: the build-ahead plan in {:.1f} s\n", guess_seconds);
-                std::vector<candidate_prefetch::job> jobs;
-                for (const auto & [i, k] : ahead_jobs) {
-                    jobs.push_back({all_menus[i].tensor, all_menus[i].types[k]});
-                }
-                ahead = std::make_unique<candidate_prefetch>(src, std::move(jobs), importance, cache,
-                                                             device.is_cuda() ? std::max(1, n_threads - 1) : n_threads);
+                ahead = start_prefetch(ahead_jobs);
             }
             // The disk, before the probe (issue #16: at 8B the probe alone is many minutes): when the candidates it
             // will likely keep (build-ahead's guess) cannot fit beside the reserve, say so now; the check before the
@@ -1131,12 +1135,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                         }
                         order_likeliest_first(all_menus, pp.predicted, budgets, stage_jobs);
                         stage_jobs = my_share(std::move(stage_jobs));
-                        std::vector<candidate_prefetch::job> jobs;
-                        for (const auto & [i, k] : stage_jobs) {
-                            jobs.push_back({all_menus[i].tensor, all_menus[i].types[k]});
-                        }
-                        ahead = std::make_unique<candidate_prefetch>(src, std::move(jobs), importance, cache,
-                                                                     device.is_cuda() ? std::max(1, n_threads - 1) : n_threads);
+                        ahead = start_prefetch(stage_jobs);
                     }
                     const auto t_probe = std::chrono::steady_clock::now();
                     ss = probe_over_ranks(sg, stage_plan);
