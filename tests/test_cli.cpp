@@ -178,6 +178,16 @@ TEST(cli, quantize_takes_the_model_as_llama_cpp_does_and_refuses_a_bad_target_be
     EXPECT_EQ(out_and_dir.exit_code, 2) << out_and_dir.output;
     EXPECT_NE(out_and_dir.output.find("excludes"), std::string::npos) << out_and_dir.output;
     EXPECT_NE(bad_threads.output.find("-2"), std::string::npos) << bad_threads.output;
+    // --prune-stages takes 1, 2 or auto, in quantize and train alike; anything else names the flag, before any work.
+    for (const std::string cmd : {"quantize -m " + voodoo::test::stories260k() + " --text " + text + " --like Q4_0 --work " + dir.file("s"),
+                                  "train --model " + voodoo::test::stories260k() + " --data " + dir.file("d") +
+                                      " --target-bpw 7 --out " + dir.file("r")}) {
+        const auto stages = run_voodoo(cmd + " --prune-stages 3");
+        EXPECT_EQ(stages.exit_code, 2) << cmd << "\n" << stages.output;
+        EXPECT_NE(stages.output.find("--prune-stages: 3 not in {auto,1,2}"), std::string::npos) << stages.output;
+        EXPECT_FALSE(std::filesystem::exists(dir.file("s")));
+        EXPECT_FALSE(std::filesystem::exists(dir.file("r")));
+    }
 }
 
 TEST(cli, json_goes_to_the_file_named_or_to_stdout_for_a_dash_and_threads_are_dash_t_everywhere) {
