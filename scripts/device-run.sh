@@ -477,7 +477,7 @@ probe-tf32)
             --like Q4_K_M --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --device cuda \
             --work /tmp/e2e-17b-$p --probe-compute $p > "$L" 2>&1 &
         PID=$!
-        while kill -0 $PID 2>/dev/null && ! grep -q "the eager probe in" "$L"; do sleep 1; done
+        while kill -0 $PID 2>/dev/null && ! grep -qE "the eager probe in|eager candidates probed as" "$L"; do sleep 1; done
         kill -INT $PID 2>/dev/null; wait $PID
         grep -E "^== |eager|built ahead" "$L" | cut -c1-200
         rm -rf /tmp/e2e-17b-$p

@@ -283,7 +283,10 @@ TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_
         if (mode != "all") {
             EXPECT_NE(r.output.find("candidates built for the targets"), std::string::npos) << r.output;
         }
-        EXPECT_EQ(r.output.find("built ahead while the probe ran") != std::string::npos, mode == "ahead" || mode == "staged") << r.output;
+        // Building ahead, the probe measures each tensor's candidates as soon as they are built.
+        EXPECT_EQ(r.output.find("eager candidates probed as they were built") != std::string::npos, mode == "ahead" || mode == "staged") << r.output;
+        EXPECT_EQ(r.output.find("likely candidates built ahead while the probe ended") != std::string::npos, mode == "ahead" || mode == "staged") << r.output;
+        EXPECT_EQ(r.output.find("measured as they were built") != std::string::npos, mode == "staged") << r.output;
         EXPECT_EQ(r.output.find("pruning, second stage") != std::string::npos, mode == "staged") << r.output;
         nlohmann::json types;
         for (const auto & t : nlohmann::json::parse(test::read_file(out + "/recipe.json"))["tensors"]) {
@@ -293,6 +296,12 @@ TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_
     }
     EXPECT_EQ(recipes["targets"], recipes["all"]);
     EXPECT_EQ(recipes["ahead"], recipes["all"]);
+    // The probe as built measures what the probe after the build measures, bit for bit (the same bytes).
+    const auto eager_probe = [&](const std::string & mode) {
+        return nlohmann::json::parse(test::read_file(fmt::format("{}/run-{}/probe.eager.json", dir, mode)));
+    };
+    EXPECT_EQ(eager_probe("ahead"), eager_probe("targets"));
+    EXPECT_EQ(eager_probe("staged"), eager_probe("targets"));
     EXPECT_EQ(recipes["staged"], recipes["all"]);
     // The guesses built ahead that the probe did not keep leave the cache: it then holds what the run without
     // building ahead holds, entry for entry.

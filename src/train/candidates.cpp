@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <cstring>
 #include <fstream>
 
@@ -195,8 +196,9 @@ std::vector<uint8_t> candidate_bytes(const gguf_file & file, const gguf_tensor &
 }
 
 candidate_prefetch::candidate_prefetch(const gguf_file & file, std::vector<job> jobs, const importance_map * importance,
-                                       const candidate_cache & cache, int n_threads)
-    : file_(file), jobs_(std::move(jobs)), importance_(importance), cache_(cache), n_threads_(n_threads) {
+                                       const candidate_cache & cache, int n_threads, std::function<std::vector<job>()> then)
+    : file_(file), jobs_(std::move(jobs)), then_(std::move(then)), importance_(importance), cache_(cache),
+      n_threads_(n_threads) {
     thread_ = std::thread([this] {
         run();
         finished_ = true;
@@ -261,10 +263,25 @@ void check_disk_room(const std::string & dir, int64_t need, const std::string & 
 }
 
 void candidate_prefetch::run() {
-    for (const job & j : jobs_) {
+    for (size_t n = 0;; ++n) {
+        if (n == jobs_.size()) {
+            if (!then_ || stop_) {
+                return;
+            }
+            try {
+                std::vector<job> more = std::exchange(then_, nullptr)();
+                jobs_.insert(jobs_.end(), more.begin(), more.end());
+            } catch (...) {
+                return;
+            }
+            if (n == jobs_.size()) {
+                return;
+            }
+        }
         if (stop_) {
             return;
         }
+        const job j = jobs_[n];
         try {
             const int64_t free = free_disk_bytes(cache_.dir());
             if (free >= 0 && static_cast<int64_t>(tensor_bytes(j.type, j.tensor->shape(), j.tensor->name)) + k_disk_reserve_bytes > free) {
@@ -290,6 +307,16 @@ int64_t candidate_prefetch::wait() {
         thread_.join();
     }
     return built_;
+}
+
+bool candidate_prefetch::wait_for(int64_t n, const std::function<bool()> & stop) {
+    while (built_ < n && !finished_) {
+        if (stop && stop()) {
+            return false;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return true;
 }
 
 bool candidate_prefetch::wait(const std::function<bool()> & stop) {

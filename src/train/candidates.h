@@ -116,9 +116,13 @@ public:
         const gguf_tensor * tensor;
         ggml_type type;
     };
-    /// Starts building `jobs` in order. `file`, `importance` and `cache` must outlive the prefetch.
+    /// Starts building `jobs` in order. `file`, `importance` and `cache` must outlive the prefetch. `then`
+    /// (optional): once every job is built, called on the prefetch's thread, and the jobs it returns are built next
+    /// (work whose list is not known yet when the first jobs start: the guesses of what the probe will keep, made once
+    /// the lattice types' errors exist); not called after stop() or a job that ended the prefetch, nor when it throws
+    /// (the prefetch then ends quietly: the caller meets the same error).
     candidate_prefetch(const gguf_file & file, std::vector<job> jobs, const importance_map * importance,
-                       const candidate_cache & cache, int n_threads);
+                       const candidate_cache & cache, int n_threads, std::function<std::vector<job>()> then = {});
     /// Stops after the job in progress (stop()).
     ~candidate_prefetch();
     candidate_prefetch(const candidate_prefetch &) = delete;
@@ -130,6 +134,11 @@ public:
     int64_t wait();
     /// wait(), asking `stop` every 100 ms (Ctrl-C): once it is true, stop() and false; true when every job ran.
     bool wait(const std::function<bool()> & stop);
+    /// Waits until the first `n` jobs are built or the prefetch has ended (its jobs done, stop(), or a job that threw
+    /// or would fill the disk: the caller then builds what is missing itself), asking `stop` every 5 ms (Ctrl-C);
+    /// false when `stop` said true (the prefetch goes on until stop() or its destructor), else true. What lets the
+    /// probe measure each tensor's candidates as soon as they exist (trainer.cpp, issue #16).
+    bool wait_for(int64_t n, const std::function<bool()> & stop = {});
     /// How many jobs were built (or found in the cache) so far.
     int64_t built() const { return built_; }
     /// Bytes of the candidates built so far.
@@ -139,6 +148,7 @@ private:
     void run();
     const gguf_file & file_;
     std::vector<job> jobs_;
+    std::function<std::vector<job>()> then_;
     const importance_map * importance_;
     const candidate_cache & cache_;
     int n_threads_;

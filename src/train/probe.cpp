@@ -363,7 +363,8 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
                                                    const torch::Tensor & tokens, torch::Device device, int64_t chunk,
                                                    torch::ScalarType dtype,
                                                    const std::vector<std::vector<bool>> * measure, int64_t stream_bytes,
-                                                   const dist::layer_pipeline * pipe, const std::function<bool()> & stop) {
+                                                   const dist::layer_pipeline * pipe, const std::function<bool()> & stop,
+                                                   const std::function<void(size_t)> & ready) {
     if (measure && measure->size() != gated.size()) {
         fail("probe_sensitivity: a plan of {} tensors for {} gated tensors", measure->size(), gated.size());
     }
@@ -390,6 +391,10 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
         ++measured;
     };
     if (pipe && pipe->size() > 1) {
+        if (ready) {
+            fail("probe_sensitivity: candidates made ready during the probe need one process, not a pipeline of {} ranks",
+                 pipe->size());
+        }
         return probe_pipelined(model, dense, teacher, gated, tokens, device, chunk, wanted, std::move(out), stream_bytes,
                                *pipe, check_stop);
     }
@@ -404,9 +409,14 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
     replaced_weight swap(dense);  // the source model with one tensor as one candidate
     for (size_t i = 0; i < gated.size(); ++i) {
         const gated_tensor & g = gated[i];
+        bool asked = false;
         for (size_t k = 0; k < g.types.size(); ++k) {
             if (wanted(i, k)) {
                 check_stop();
+                if (ready && !asked) {
+                    ready(i);
+                    asked = true;
+                }
                 swap.set(g.tensor->name, candidate_weights(g, k, device).view(torch_shape(g)));
                 out[i][k] = kl(streams.hidden(model, tokens, g.tensor->name, swap), swap) - base;
                 bar.add(1);

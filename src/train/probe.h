@@ -43,6 +43,10 @@ struct layer_pipeline;
 /// `stop` (optional; Ctrl-C): asked before each candidate's forward; once true, voodoo::stopped is thrown (the
 /// eager probe of an 8B model takes minutes: docs/BENCHMARKS.md). With `pipe`, a rank that stops leaves the others
 /// to the launcher, which stops them (quantize --gpus).
+/// `ready` (optional, one process only): called with i before tensor i's first measured forward, and never before
+/// the streams are computed; the caller may fill gated[i]'s bytes and hashes then (a tensor's candidates built while
+/// the earlier tensors are measured: issue #16), and the probe reads gated[i]'s bytes only after it. Throws
+/// voodoo::error when given with a pipeline of several ranks.
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
                                                    const torch::Tensor & tokens, torch::Device device, int64_t chunk,
@@ -50,7 +54,8 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
                                                    const std::vector<std::vector<bool>> * measure = nullptr,
                                                    int64_t stream_bytes = int64_t(2) << 30,
                                                    const dist::layer_pipeline * pipe = nullptr,
-                                                   const std::function<bool()> & stop = {});
+                                                   const std::function<bool()> & stop = {},
+                                                   const std::function<void(size_t)> & ready = {});
 
 /// The share of a whole forward's matrix weights that probe_sensitivity runs for a candidate of `tensor` in `file`:
 /// its layer and every later one, and the head (output.weight, or token_embd.weight when the head is tied), over all

@@ -907,6 +907,76 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         return out;
     };
 
+    // The probe of the candidates `plan` marks ([tensor][type of m]; m: one menu per tensor of all_menus) while the
+    // cores build them (issue #16: the GPU measured nothing while the eager and the second stage's candidates were
+    // built, 36 s and 68 s at the Qwen3-1.7B shape): one prefetch builds them in tensor order, then the jobs `then`
+    // returns (called on the prefetch's thread once they are built), and the probe takes tensor i once its candidates
+    // are in the cache (probe_sensitivity's `ready`). The same bytes from the same cache, so the same ΔKL as building
+    // first. One process (the ranks split the build and the probe otherwise). Returns every candidate of m (built or
+    // read from the cache, as build_over_ranks would), the probe, how many of then's jobs were built when the probe
+    // ended, and the seconds the probe waited for the builds.
+    struct as_built_probe {
+        std::vector<gated_tensor> gated;
+        std::vector<std::vector<double>> sens;
+        int64_t then_built = 0;
+        double waited_seconds = 0;
+    };
+    auto probe_as_built = [&](const std::vector<tensor_menu> & m, const std::vector<std::vector<bool>> & plan,
+                              const std::function<std::vector<std::pair<size_t, size_t>>()> & then) {
+        std::vector<candidate_prefetch::job> jobs;
+        std::vector<int64_t> through;  // the jobs of tensors 0 … i
+        as_built_probe r;
+        for (size_t i = 0; i < m.size(); ++i) {
+            for (size_t k = 0; k < m[i].types.size(); ++k) {
+                if (plan[i][k]) {
+                    jobs.push_back({m[i].tensor, m[i].types[k]});
+                }
+            }
+            through.push_back(static_cast<int64_t>(jobs.size()));
+            gated_tensor g;
+            g.tensor = m[i].tensor;
+            g.types = m[i].types;
+            r.gated.push_back(std::move(g));
+        }
+        const int64_t n_first = static_cast<int64_t>(jobs.size());
+        std::vector<bool> filled(m.size(), false);
+        const auto fill = [&](size_t i) {  // from the cache (what is not there, built here)
+            progress::quiet_scope quiet;
+            r.gated[i] = std::move(build_candidates(src, {m[i]}, importance, cache, n_threads, keep_bytes, stop_now).front());
+            filled[i] = true;
+        };
+        candidate_prefetch ahead(src, std::move(jobs), importance, cache,
+                                 device.is_cuda() ? std::max(1, n_threads - 1) : n_threads, [&] {
+                                     std::vector<candidate_prefetch::job> more;
+                                     for (const auto & [i, k] : then ? then() : std::vector<std::pair<size_t, size_t>>{}) {
+                                         more.push_back({all_menus[i].tensor, all_menus[i].types[k]});
+                                     }
+                                     return more;
+                                 });
+        {
+            const tf32_matmul_scope tf32(probe_tf32);
+            std::vector<std::vector<bool>> p = plan;
+            r.sens = probe_sensitivity(*model, dense, teacher_weights, r.gated, probe_tokens, device, loss_chunk, probe_dtype,
+                                       &p, int64_t(2) << 30, nullptr, stop_now, [&](size_t i) {
+                                           const auto t = std::chrono::steady_clock::now();
+                                           if (!ahead.wait_for(through[i], stop_now)) {
+                                               throw stopped(fmt::format("stopped during the probe, while its candidates were "
+                                                                         "built ({} of {}, kept in '{}'); run the same command "
+                                                                         "again to resume", ahead.built(), n_first, cache.dir()));
+                                           }
+                                           fill(i);
+                                           r.waited_seconds += seconds_since(t);
+                                       });
+        }
+        r.then_built = std::max<int64_t>(0, ahead.stop() - n_first);
+        for (size_t i = 0; i < m.size(); ++i) {
+            if (!filled[i]) {
+                fill(i);  // nothing of it measured (its types are the source's, or built before)
+            }
+        }
+        return r;
+    };
+
     // The candidates: every type of every menu (--candidates all), or only those some recipe under the targets could
     // use (train/prune.h): the eager types built and probed first, the others predicted, the exact knapsack solved
     // at every target with the unbuilt types optimistic.
@@ -961,18 +1031,15 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             progress::quiet_scope quiet;
             return sampled_weighted_errors(src, all_menus, importance, po, n_threads, &split.later);
         });
-        std::vector<gated_tensor> eg = build_over_ranks(eager_menus);
-        fmt::print(stderr, "pruning: eager candidates in {:.1f} s\n", seconds_since(t2));
-        add_errors(lattice_errors.get(), split.later);
-        fmt::print(stderr, "pruning: sampled errors of the lattice types (beside them) in {:.1f} s\n", seconds_since(t2));
+        bool lattice_added = false;
+        const auto add_lattice_errors = [&] {
+            add_errors(lattice_errors.get(), split.later);
+            lattice_added = true;
+            fmt::print(stderr, "pruning: sampled errors of the lattice types (beside the eager candidates) in {:.1f} s\n",
+                       seconds_since(t2));
+        };
         const std::string eager_path = (fs::path(probe_path).parent_path() /
                                         (fs::path(probe_path).stem().string() + ".eager.json")).string();
-        const std::string eager_id = probe_identity(eg, probe_tokens, probe_dtype, po.eager, probe_tf32);
-        std::vector<std::vector<double>> es = load_probe(eager_path, eager_id, eg);
-        if (!every_rank_has(!es.empty())) {
-            es.clear();  // a rank without the file (another host's folder): every rank measures, or the probe's
-                         // all-reduce would wait for ranks that skipped it
-        }
         // A rank's share of jobs built ahead, as build_over_ranks splits the rest (every job with one process).
         const auto my_share = [&](std::vector<std::pair<size_t, size_t>> jobs) {
             if (ranks <= 1) {
@@ -996,64 +1063,53 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             return std::make_unique<candidate_prefetch>(src, std::move(jobs), importance, cache,
                                                         device.is_cuda() ? std::max(1, n_threads - 1) : n_threads);
         };
+        const bool ahead_on = o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda());
         std::vector<std::pair<size_t, size_t>> ahead_jobs;  // built ahead while the probe ran (the first ahead_built)
         int64_t ahead_built = 0;
-        if (es.empty()) {
-            std::vector<std::vector<bool>> plan(eg.size());
-            for (size_t i = 0; i < eg.size(); ++i) {
-                for (size_t k = 0; k < eg[i].types.size(); ++k) {
-                    plan[i].push_back(eg[i].types[k] != eg[i].tensor->type);
-                }
-            }
-            // While the GPU measures the eager types, the idle cores build the types the probe will most likely keep.
-            std::unique_ptr<candidate_prefetch> ahead;
-            const auto t_ahead = std::chrono::steady_clock::now();
-            // The likely keeps: built ahead when asked, and sized for the disk warning below.
+        // The likely keeps (once the lattice types' Ê is in): built ahead when asked, and sized for the disk warning.
+        const auto plan_ahead = [&] {
             const auto t3 = std::chrono::steady_clock::now();
             const std::vector<std::pair<size_t, size_t>> guess = build_ahead_jobs(all_menus, err_hat, eager, budgets, also, po);
-            const double guess_seconds = seconds_since(t3);
-            if (o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda())) {
+            if (ahead_on) {
                 ahead_jobs = my_share(guess);
-                fmt::print(stderr, "pruning: the build-ahead plan in {:.1f} s\n", guess_seconds);
-                ahead = start_prefetch(ahead_jobs);
+                fmt::print(stderr, "pruning: the build-ahead plan in {:.1f} s\n", seconds_since(t3));
             }
-            // The disk, before the probe (issue #16: at 8B the probe alone is many minutes): when the candidates it
+            // The disk, before the probe ends (issue #16: at 8B the probe alone is many minutes): when the candidates it
             // will likely keep (build-ahead's guess) cannot fit beside the reserve, say so now; the check before the
             // build (check_disk_room) then decides on what the probe keeps.
-            {
-                std::vector<std::pair<const gguf_tensor *, ggml_type>> pairs;
-                int64_t raw = 0;
-                for (const auto & [i, k] : guess) {
-                    const gguf_tensor & t = *all_menus[i].tensor;
-                    raw += static_cast<int64_t>(tensor_bytes(all_menus[i].types[k], t.shape(), t.name) + sizeof(uint64_t));
-                    pairs.emplace_back(&t, all_menus[i].types[k]);
-                }
-                const int64_t free = free_disk_bytes(cache.dir());
-                if (free >= 0 && raw + k_disk_reserve_bytes > free) {  // only then are the keys worth hashing
-                    const int64_t need = candidate_bytes_to_build(src, pairs, importance, cache.dir(), n_threads);
-                    if (need + k_disk_reserve_bytes > free) {
-                        fmt::print(stderr, "voodoo: warning: the {} candidates the probe will likely keep need {} more in '{}', "
-                                           "which has {} free, of which {} is kept free: those that do not fit will be built in "
-                                           "memory only, and a later run builds them again. A work folder (quantize --work; "
-                                           "train --cache) on a disk with {} free keeps them all\n",
-                                   guess.size(), bytes_text(static_cast<double>(need)), cache.dir(),
-                                   bytes_text(static_cast<double>(free)), bytes_text(static_cast<double>(k_disk_reserve_bytes)),
-                                   bytes_text(static_cast<double>(need + k_disk_reserve_bytes)));
-                    }
+            std::vector<std::pair<const gguf_tensor *, ggml_type>> pairs;
+            int64_t raw = 0;
+            for (const auto & [i, k] : guess) {
+                const gguf_tensor & t = *all_menus[i].tensor;
+                raw += static_cast<int64_t>(tensor_bytes(all_menus[i].types[k], t.shape(), t.name) + sizeof(uint64_t));
+                pairs.emplace_back(&t, all_menus[i].types[k]);
+            }
+            const int64_t free = free_disk_bytes(cache.dir());
+            if (free >= 0 && raw + k_disk_reserve_bytes > free) {  // only then are the keys worth hashing
+                const int64_t need = candidate_bytes_to_build(src, pairs, importance, cache.dir(), n_threads);
+                if (need + k_disk_reserve_bytes > free) {
+                    fmt::print(stderr, "voodoo: warning: the {} candidates the probe will likely keep need {} more in '{}', "
+                                       "which has {} free, of which {} is kept free: those that do not fit will be built in "
+                                       "memory only, and a later run builds them again. A work folder (quantize --work; "
+                                       "train --cache) on a disk with {} free keeps them all\n",
+                               guess.size(), bytes_text(static_cast<double>(need)), cache.dir(),
+                               bytes_text(static_cast<double>(free)), bytes_text(static_cast<double>(k_disk_reserve_bytes)),
+                               bytes_text(static_cast<double>(need + k_disk_reserve_bytes)));
                 }
             }
-            const auto t_probe = std::chrono::steady_clock::now();
-            es = probe_over_ranks(eg, plan);
-            eager_seconds = seconds_since(t_probe);
-            fmt::print(stderr, "pruning: the eager probe in {:.1f} s\n", eager_seconds);
+        };
+        std::vector<std::vector<bool>> plan(eager_menus.size());  // every eager type but the source's own bytes
+        for (size_t i = 0; i < eager_menus.size(); ++i) {
+            for (size_t k = 0; k < eager_menus[i].types.size(); ++k) {
+                plan[i].push_back(eager_menus[i].types[k] != eager_menus[i].tensor->type);
+            }
+        }
+        std::vector<gated_tensor> eg;
+        std::string eager_id;
+        std::vector<std::vector<double>> es;
+        const auto finish_eager_probe = [&] {
             for (const auto & row : plan) {
                 eager_forwards += std::count(row.begin(), row.end(), true);
-            }
-            if (ahead) {
-                ahead_built = ahead->stop();
-                fmt::print(stderr, "built ahead while the probe ran: {} of {} likely candidates ({:.1f} MiB) in {:.1f} s\n", ahead_built,
-                           ahead_jobs.size(), ahead->bytes() / k_mib,
-                           std::chrono::duration<double>(std::chrono::steady_clock::now() - t_ahead).count());
             }
             check_finite(eg, es, plan);
             for (size_t i = 0; i < eg.size(); ++i) {
@@ -1064,8 +1120,67 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             if (writer) {
                 save_probe(eager_path, eager_id, eg, es);
             }
+        };
+        if (ranks == 1 && ahead_on && !fs::exists(eager_path)) {
+            // The GPU measures each tensor's eager candidates once they are built (probe_as_built); once all are, the
+            // cores build the types the probe will most likely keep.
+            std::exception_ptr plan_failed;
+            as_built_probe r = probe_as_built(eager_menus, plan, [&] {
+                try {
+                    add_lattice_errors();
+                    plan_ahead();
+                } catch (...) {
+                    plan_failed = std::current_exception();
+                    ahead_jobs.clear();
+                }
+                return ahead_jobs;
+            });
+            if (plan_failed) {
+                std::rethrow_exception(plan_failed);
+            }
+            if (!lattice_added) {  // the prefetch ended before its last job (a full disk): nothing was built ahead
+                add_lattice_errors();
+            }
+            eg = std::move(r.gated);
+            es = std::move(r.sens);
+            ahead_built = r.then_built;
+            eager_seconds = seconds_since(t2) - r.waited_seconds;  // the forwards' own time: --probe-anchors auto's rate
+            eager_id = probe_identity(eg, probe_tokens, probe_dtype, po.eager, probe_tf32);
+            fmt::print(stderr, "pruning: the eager candidates probed as they were built, in {:.1f} s (the probe waited {:.1f} s "
+                               "for them); then {} of {} likely candidates built ahead while the probe ended\n",
+                       seconds_since(t2), r.waited_seconds, ahead_built, ahead_jobs.size());
+            finish_eager_probe();
         } else {
-            fmt::print(stderr, "probe of the eager candidates: {} (reused)\n", eager_path);
+            eg = build_over_ranks(eager_menus);
+            fmt::print(stderr, "pruning: eager candidates in {:.1f} s\n", seconds_since(t2));
+            add_lattice_errors();
+            eager_id = probe_identity(eg, probe_tokens, probe_dtype, po.eager, probe_tf32);
+            es = load_probe(eager_path, eager_id, eg);
+            if (!every_rank_has(!es.empty())) {
+                es.clear();  // a rank without the file (another host's folder): every rank measures, or the probe's
+                             // all-reduce would wait for ranks that skipped it
+            }
+            if (es.empty()) {
+                // While the GPU measures the eager types, the idle cores build the types the probe will most likely keep.
+                std::unique_ptr<candidate_prefetch> ahead;
+                const auto t_ahead = std::chrono::steady_clock::now();
+                plan_ahead();
+                if (ahead_on) {
+                    ahead = start_prefetch(ahead_jobs);
+                }
+                const auto t_probe = std::chrono::steady_clock::now();
+                es = probe_over_ranks(eg, plan);
+                eager_seconds = seconds_since(t_probe);
+                fmt::print(stderr, "pruning: the eager probe in {:.1f} s\n", eager_seconds);
+                if (ahead) {
+                    ahead_built = ahead->stop();
+                    fmt::print(stderr, "built ahead while the probe ran: {} of {} likely candidates ({:.1f} MiB) in {:.1f} s\n",
+                               ahead_built, ahead_jobs.size(), ahead->bytes() / k_mib, seconds_since(t_ahead));
+                }
+                finish_eager_probe();
+            } else {
+                fmt::print(stderr, "probe of the eager candidates: {} (reused)\n", eager_path);
+            }
         }
         std::vector<std::vector<double>> measured(all_menus.size());
         for (size_t i = 0; i < all_menus.size(); ++i) {
@@ -1110,39 +1225,29 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             if (n_staged > 0) {
                 stage_forwards = n_staged;
                 const int64_t kept_before = pp.kept;
-                std::vector<gated_tensor> sg = build_over_ranks(pruned_menus(all_menus, stage_menu));
-                const double stage_build_seconds = seconds_since(t_stage);
+                const std::vector<tensor_menu> stage_menus = pruned_menus(all_menus, stage_menu);
                 const std::string stage_path = (fs::path(probe_path).parent_path() /
                                                 (fs::path(probe_path).stem().string() + ".stage.json")).string();
-                const std::string stage_id = probe_identity(sg, probe_tokens, probe_dtype, po.eager, probe_tf32);
-                std::vector<std::vector<double>> ss = load_probe(stage_path, stage_id, sg);
-                if (!every_rank_has(!ss.empty())) {
-                    ss.clear();
-                }
-                int64_t stage_ahead_built = 0;
+                // While the GPU measures them, the cores build the rest of the first plan's keeps, likeliest first.
                 std::vector<std::pair<size_t, size_t>> stage_jobs;
-                double stage_probe_seconds = 0;
-                if (ss.empty()) {
-                    std::unique_ptr<candidate_prefetch> ahead;
-                    if (o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda())) {
-                        for (size_t i = 0; i < all_menus.size(); ++i) {
-                            for (size_t k = 0; k < all_menus[i].types.size(); ++k) {
-                                if (pp.keep[i][k] && !stage_menu[i][k] && all_menus[i].types[k] != all_menus[i].tensor->type &&
-                                    std::find(built_ahead.begin(), built_ahead.end(), std::make_pair(i, k)) == built_ahead.end()) {
-                                    stage_jobs.emplace_back(i, k);
-                                }
+                if (ahead_on) {
+                    for (size_t i = 0; i < all_menus.size(); ++i) {
+                        for (size_t k = 0; k < all_menus[i].types.size(); ++k) {
+                            if (pp.keep[i][k] && !stage_menu[i][k] && all_menus[i].types[k] != all_menus[i].tensor->type &&
+                                std::find(built_ahead.begin(), built_ahead.end(), std::make_pair(i, k)) == built_ahead.end()) {
+                                stage_jobs.emplace_back(i, k);
                             }
                         }
-                        order_likeliest_first(all_menus, pp.predicted, budgets, stage_jobs);
-                        stage_jobs = my_share(std::move(stage_jobs));
-                        ahead = start_prefetch(stage_jobs);
                     }
-                    const auto t_probe = std::chrono::steady_clock::now();
-                    ss = probe_over_ranks(sg, stage_plan);
-                    stage_probe_seconds = seconds_since(t_probe);
-                    if (ahead) {
-                        stage_ahead_built = ahead->stop();
-                    }
+                    order_likeliest_first(all_menus, pp.predicted, budgets, stage_jobs);
+                    stage_jobs = my_share(std::move(stage_jobs));
+                }
+                std::vector<gated_tensor> sg;
+                std::vector<std::vector<double>> ss;
+                std::string stage_id;
+                int64_t stage_ahead_built = 0;
+                double stage_build_seconds = 0, stage_probe_seconds = 0, stage_waited_seconds = -1;
+                const auto finish_stage_probe = [&] {
                     check_finite(sg, ss, stage_plan);
                     for (size_t i = 0; i < sg.size(); ++i) {
                         for (size_t k = 0; k < sg[i].types.size(); ++k) {
@@ -1152,8 +1257,39 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                     if (writer) {
                         save_probe(stage_path, stage_id, sg, ss, &stage_plan);  // the eager types: not measured here
                     }
+                };
+                if (ranks == 1 && ahead_on && !fs::exists(stage_path)) {
+                    as_built_probe r = probe_as_built(stage_menus, stage_plan, [&] { return stage_jobs; });
+                    sg = std::move(r.gated);
+                    ss = std::move(r.sens);
+                    stage_ahead_built = r.then_built;
+                    stage_waited_seconds = r.waited_seconds;
+                    stage_probe_seconds = seconds_since(t_stage);
+                    stage_id = probe_identity(sg, probe_tokens, probe_dtype, po.eager, probe_tf32);
+                    finish_stage_probe();
                 } else {
-                    fmt::print(stderr, "probe of the second stage's candidates: {} (reused)\n", stage_path);
+                    sg = build_over_ranks(stage_menus);
+                    stage_build_seconds = seconds_since(t_stage);
+                    stage_id = probe_identity(sg, probe_tokens, probe_dtype, po.eager, probe_tf32);
+                    ss = load_probe(stage_path, stage_id, sg);
+                    if (!every_rank_has(!ss.empty())) {
+                        ss.clear();
+                    }
+                    if (ss.empty()) {
+                        std::unique_ptr<candidate_prefetch> ahead;
+                        if (ahead_on) {
+                            ahead = start_prefetch(stage_jobs);
+                        }
+                        const auto t_probe = std::chrono::steady_clock::now();
+                        ss = probe_over_ranks(sg, stage_plan);
+                        stage_probe_seconds = seconds_since(t_probe);
+                        if (ahead) {
+                            stage_ahead_built = ahead->stop();
+                        }
+                        finish_stage_probe();
+                    } else {
+                        fmt::print(stderr, "probe of the second stage's candidates: {} (reused)\n", stage_path);
+                    }
                 }
                 built_ahead.insert(built_ahead.end(), stage_jobs.begin(), stage_jobs.begin() + stage_ahead_built);
                 const std::vector<std::vector<double>> eager_measured = measured;  // the predictions' anchors, as before
@@ -1175,11 +1311,14 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 po2.margin = po.stage_margin;
                 pp = plan_pruning(all_menus, err_hat, measured, eager, budgets, also, po2, &eager_measured);
                 keep_also(all_menus, pp, staged);  // built and measured: they stay
-                fmt::print(stderr, "pruning, second stage: {} candidates (the knapsack's choices and their neighbours) built "
-                                   "in {:.1f} s and measured in {:.1f} s ({} more built ahead meanwhile); the plan again in "
-                                   "{:.1f} s: {} of the first plan's {} kept\n",
-                           n_staged, stage_build_seconds, stage_probe_seconds, stage_ahead_built, seconds_since(t5),
-                           pp.kept, kept_before);
+                const std::string how = stage_waited_seconds >= 0
+                    ? fmt::format("measured as they were built, in {:.1f} s (the probe waited {:.1f} s for them; then {} more "
+                                  "built ahead)", stage_probe_seconds, stage_waited_seconds, stage_ahead_built)
+                    : fmt::format("built in {:.1f} s and measured in {:.1f} s ({} more built ahead meanwhile)",
+                                  stage_build_seconds, stage_probe_seconds, stage_ahead_built);
+                fmt::print(stderr, "pruning, second stage: {} candidates (the knapsack's choices and their neighbours) {}; "
+                                   "the plan again in {:.1f} s: {} of the first plan's {} kept\n",
+                           n_staged, how, seconds_since(t5), pp.kept, kept_before);
             }
         }
         menus = pruned_menus(all_menus, pp.keep);
