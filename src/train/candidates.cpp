@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <exception>
@@ -263,35 +264,67 @@ void check_disk_room(const std::string & dir, int64_t need, const std::string & 
 }
 
 void candidate_prefetch::run() {
-    for (size_t n = 0;; ++n) {
-        if (n == jobs_.size()) {
-            if (!then_ || stop_) {
+    // A few workers, each building whole jobs on its share of the threads: one chain of jobs each on every thread left
+    // the threads idle through every job's serial parts (the source's f32 and its key's hash, the entry's write and
+    // fsync), while jobs side by side overlap them; the jobs still start in order, so the first ones are done first.
+    const int workers = std::clamp(n_threads_ / 4, 1, 4);
+    std::vector<std::thread> pool;
+    for (int w = 0; w < workers; ++w) {
+        pool.emplace_back([this, w, workers] { work(n_threads_ / workers + (w < n_threads_ % workers ? 1 : 0)); });
+    }
+    for (std::thread & t : pool) {
+        t.join();
+    }
+}
+
+void candidate_prefetch::work(int threads) {
+    for (;;) {
+        job j;
+        size_t n = 0;
+        {
+            std::lock_guard<std::mutex> lock(take_mutex_);
+            if (stop_ || ended_) {
                 return;
             }
-            try {
-                std::vector<job> more = std::exchange(then_, nullptr)();
-                jobs_.insert(jobs_.end(), more.begin(), more.end());
-            } catch (...) {
-                return;
+            if (next_ == jobs_.size()) {
+                if (!then_) {
+                    return;
+                }
+                try {
+                    std::vector<job> more = std::exchange(then_, nullptr)();
+                    jobs_.insert(jobs_.end(), more.begin(), more.end());
+                } catch (...) {
+                    ended_ = true;
+                    return;
+                }
+                if (next_ == jobs_.size() || stop_) {
+                    return;
+                }
             }
-            if (n == jobs_.size()) {
-                return;
-            }
+            n = next_++;
+            j = jobs_[n];
         }
-        if (stop_) {
-            return;
-        }
-        const job j = jobs_[n];
         try {
             const int64_t free = free_disk_bytes(cache_.dir());
             if (free >= 0 && static_cast<int64_t>(tensor_bytes(j.type, j.tensor->shape(), j.tensor->name)) + k_disk_reserve_bytes > free) {
-                return;  // a guess never fills the disk: the build after the probe says what would fit
+                ended_ = true;  // a guess never fills the disk: the build after the probe says what would fit
+                return;
             }
             const auto bytes = candidate_bytes(file_, *j.tensor, j.type, importance_for(importance_, *j.tensor), &cache_, {},
-                                               n_threads_);
+                                               threads);
+            std::lock_guard<std::mutex> lock(done_mutex_);
+            if (done_.size() <= n) {
+                done_.resize(n + 1, false);
+            }
+            done_[n] = true;
+            int64_t prefix = built_;
+            while (prefix < static_cast<int64_t>(done_.size()) && done_[static_cast<size_t>(prefix)]) {
+                ++prefix;
+            }
+            built_ = prefix;
             bytes_ += bytes.size();
-            ++built_;
         } catch (...) {
+            ended_ = true;
             return;
         }
     }

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -103,9 +104,11 @@ inline constexpr int64_t k_disk_reserve_bytes = int64_t{256} << 20;
 void check_disk_room(const std::string & dir, int64_t need, const std::string & what, const std::string & would_fit);
 
 /// Builds candidates into a cache on a thread of its own while the caller does other work (issue #16: the GPU's
-/// eager probe leaves the CPU idle, and the candidates kept after it are the longest stage). Each job is one whole
-/// candidate quantized on `n_threads` cores (rows split, as quantize_into splits them), so that stop() waits for at
-/// most one job's share of the cores. The bytes go to the cache and are dropped; a later candidate_bytes of the same
+/// eager probe leaves the CPU idle, and the candidates kept after it are the longest stage). Up to 4 workers (one per
+/// 4 of `n_threads`) take the jobs in order, each job one whole candidate quantized on its worker's share of the
+/// threads (rows split, as quantize_into splits them), so that the jobs' serial parts (the source's conversion, the
+/// key's hash, the entry's write and fsync) overlap and stop() waits for at most one job per worker. built() counts
+/// the jobs done from the first on without a gap. The bytes go to the cache and are dropped; a later candidate_bytes of the same
 /// (tensor, type, importance) loads them, so what is built ahead is exactly what would have been built after.
 /// A job that throws ends the prefetch quietly: the later build meets the same error and reports it. So does a job
 /// that would leave the cache's disk with less than k_disk_reserve_bytes free: what is built ahead is a guess, and
@@ -128,7 +131,7 @@ public:
     candidate_prefetch(const candidate_prefetch &) = delete;
     candidate_prefetch & operator=(const candidate_prefetch &) = delete;
 
-    /// Stops taking jobs, waits for the one in progress, returns how many jobs were built (or found in the cache).
+    /// Stops taking jobs, waits for those in progress, returns how many jobs were built (or found in the cache).
     int64_t stop();
     /// Waits until every job is built (or the prefetch ended on an error); returns how many were built.
     int64_t wait();
@@ -146,6 +149,7 @@ public:
 
 private:
     void run();
+    void work(int threads);
     const gguf_file & file_;
     std::vector<job> jobs_;
     std::function<std::vector<job>()> then_;
@@ -154,8 +158,13 @@ private:
     int n_threads_;
     std::atomic<bool> stop_{false};
     std::atomic<bool> finished_{false};
-    std::atomic<int64_t> built_{0};
+    std::atomic<bool> ended_{false};    // a job threw or would have filled the disk: no more are taken
+    std::atomic<int64_t> built_{0};     // the jobs 0 … built_ − 1 are all built
     std::atomic<size_t> bytes_{0};
+    std::mutex take_mutex_;             // next_, jobs_ (then_'s jobs are appended), then_
+    size_t next_ = 0;
+    std::mutex done_mutex_;
+    std::vector<bool> done_;
     std::thread thread_;
 };
 
