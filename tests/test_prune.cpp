@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -373,6 +374,67 @@ TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_the_likeliest_f
         }
     }
     EXPECT_EQ(jobs.size(), kept_not_eager);
+}
+
+TEST(prune, a_prefetch_with_several_workers_builds_its_jobs_then_thens_and_counts_them_from_the_first_without_a_gap) {
+    // 8 threads: two workers of 4 (on 2 cores here; what counts is the order and the bytes, not the speed). The jobs
+    // that `then` returns, once the first are built, are built after them; wait_for(n) returns once the first n are.
+    const gguf_file f(test::stories260k());
+    std::vector<candidate_prefetch::job> first, later;
+    for (const gguf_tensor & t : f.tensors()) {
+        if (t.n_dims == 2 && t.name.rfind("blk.", 0) == 0 && t.ne[0] % 32 == 0) {  // the blocks fit (not ffn_down's 172)
+            first.push_back({&t, GGML_TYPE_Q4_0});
+            later.push_back({&t, GGML_TYPE_Q5_1});
+        }
+    }
+    ASSERT_GT(first.size(), 8u);
+    const test::temp_dir tmp;
+    const candidate_cache cache((tmp.path / "cache").string());
+    std::atomic<int> thens{0};
+    candidate_prefetch ahead(f, first, nullptr, cache, 8, [&] {
+        ++thens;
+        return later;
+    });
+    ASSERT_TRUE(ahead.wait_for(3));
+    EXPECT_GE(ahead.built(), 3);
+    const int64_t all = static_cast<int64_t>(first.size() + later.size());
+    ASSERT_EQ(ahead.wait(), all);
+    EXPECT_EQ(thens.load(), 1);
+    size_t bytes = 0;
+    for (const std::vector<candidate_prefetch::job> * jobs : {&first, &later}) {
+        for (const auto & j : *jobs) {
+            const std::vector<uint8_t> want = quantize_tensor(f, *j.tensor, j.type, {});
+            const auto got = cache.load(candidate_cache::key(f, *j.tensor, j.type, {}), want.size());
+            ASSERT_TRUE(got.has_value()) << j.tensor->name << " " << type_name(j.type);
+            EXPECT_EQ(*got, want) << j.tensor->name << " " << type_name(j.type);
+            bytes += want.size();
+        }
+    }
+    EXPECT_EQ(ahead.bytes(), bytes);
+    // Stopped before its first jobs are done, `then` is never asked, and what was counted is whole in the cache.
+    const gguf_file big(mix30m());
+    std::vector<candidate_prefetch::job> many;
+    for (const gguf_tensor & t : big.tensors()) {
+        if (t.n_dims == 2 && t.name.rfind("blk.", 0) == 0) {
+            many.push_back({&t, GGML_TYPE_IQ3_S});
+        }
+    }
+    const test::temp_dir tmp2;
+    const candidate_cache cache2((tmp2.path / "cache").string());
+    std::atomic<int> asked{0};
+    candidate_prefetch stopped(big, many, nullptr, cache2, 8, [&] {
+        ++asked;
+        return std::vector<candidate_prefetch::job>{};
+    });
+    const int64_t n = stopped.stop();
+    EXPECT_LT(n, static_cast<int64_t>(many.size()));
+    EXPECT_EQ(asked.load(), 0);
+    for (int64_t j = 0; j < n; ++j) {
+        const auto & job = many[static_cast<size_t>(j)];
+        EXPECT_TRUE(candidate_cache::holds(cache2.dir(), candidate_cache::key(big, *job.tensor, job.type, {}),
+                                           tensor_bytes(job.type, job.tensor->shape(), job.tensor->name)))
+            << job.tensor->name;
+    }
 }
 
 TEST(prune, candidates_built_ahead_hold_llamas_bytes_in_the_cache_and_stop_waits_for_the_job_in_progress) {
