@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -221,7 +222,9 @@ TEST(probe, cpu_defaults_set_only_the_flags_not_given_and_never_a_sequence_longe
     EXPECT_EQ(o.batch, 2);
     EXPECT_EQ(o.seq, 64) << "at most the calibration chunk length";
     EXPECT_EQ(o.select_sequences, 8);
-    EXPECT_EQ(set.size(), 5u);
+    EXPECT_EQ(o.prune_stages, "1");
+    EXPECT_EQ(set.size(), 6u);
+    EXPECT_NE(std::find(set.begin(), set.end(), "--prune-stages 1"), set.end());
     train_options all;
     EXPECT_TRUE(apply_cpu_defaults(all, [](const std::string &) { return true; }, 512).empty());
     EXPECT_EQ(all.steps, train_options{}.steps);

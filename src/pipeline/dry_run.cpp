@@ -15,6 +15,7 @@
 #include "train/candidates.h"
 #include "train/gated.h"
 #include "train/probe.h"
+#include "train/prune.h"
 #include "train/trainer.h"
 
 #include <fmt/format.h>
@@ -372,9 +373,14 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
     // The probe and the selection run whole --ctx chunks. A candidate's forward runs from its own layer on
     // (probe_forward_share: about half a whole forward; the first, the source's, is whole).
     {
-        int64_t forwards = 1, full = 1, anchored = 1;
-        double work = 1, work_full = 1, work_anchored = 1;  // in whole forwards
+        int64_t forwards = 1, full = 1, anchored = 1, staged = 0;
+        double work = 1, work_full = 1, work_anchored = 1, work_staged = 0;  // in whole forwards
         const int a = in.train.probe_anchors;
+        // The second stage of pruning (--prune-stages 2, train/prune.h stage_types) measures each tensor's knapsack
+        // choice and its stage_width neighbours on each side, beyond the eager types: at most 2 · width + 1 more.
+        const bool two_stages = in.train.candidates == "targets" &&
+                                resolved_prune_stages(in.train.prune_stages, in.train.device) == 2;
+        const int64_t stage_span = 2 * prune_options{}.stage_width + 1;
         for (const tensor_menu & m : menus) {
             const int64_t k = static_cast<int64_t>(m.types.size());
             const double share = probe_forward_share(src, m.tensor->name);
@@ -385,6 +391,9 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
             work += share * static_cast<double>(n);
             work_full += share * static_cast<double>(k);
             work_anchored += share * static_cast<double>(std::min<int64_t>(2, k));
+            const int64_t s = two_stages ? std::min(k - std::min<int64_t>(n, k), stage_span) : 0;
+            staged += s;
+            work_staged += share * static_cast<double>(s);
         }
         const bool tf32 = gpu && resolved_probe_compute(in.train.probe_compute, in.train.device) == "tf32";
         const double per_forward = static_cast<double>(in.train.probe_sequences * in.ctx) * fwd_flops_per_token /
@@ -395,6 +404,12 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
             forwards = all ? full : anchored;
             work = all ? work_full : work_anchored;
             how = all ? " (--probe-anchors auto: every type)" : " (--probe-anchors auto: 2 anchors per tensor)";
+        }
+        if (forwards < full && staged > 0) {  // anchored: the second stage's forwards come on top (at most)
+            const int64_t more = std::min(staged, full - forwards);
+            work += work_staged * static_cast<double>(more) / static_cast<double>(staged);
+            forwards += more;
+            how += fmt::format(" (with at most {} of the second stage of pruning, --prune-stages 2)", more);
         }
         add("probe", fmt::format("{} forwards of {} × {} tokens{}, {:.0f}% of a whole forward each on average", forwards,
                                  in.train.probe_sequences, in.ctx, how, 100.0 * work / static_cast<double>(forwards)),

@@ -103,6 +103,9 @@ std::vector<std::string> apply_cpu_defaults(train_options & o, const std::functi
     def("--batch", o.batch, 2);
     def("--seq", o.seq, static_cast<int>(std::min<int64_t>(128, ctx)));
     def("--select-sequences", o.select_sequences, 8);
+    // The second stage of pruning costs probe forwards that on the CPU outweigh the building they save (auto's choice
+    // there too, resolved_prune_stages): printed, so that the log says which.
+    def("--prune-stages", o.prune_stages, std::string("1"));
     return set;
 }
 

@@ -155,9 +155,10 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
 /// The defaults for `--device cpu`, where one forward of a 30M-weight model runs about 1,000× slower than on
 /// an H200 and a run must still take minutes (docs/BENCHMARKS.md, "One size of mix30M on the CPU"): the probe on
 /// 2 sequences, measuring 2 types per tensor and predicting the rest (bench/probe_anchors: 0.6% mean knapsack
-/// regret on mix30M); 40 training steps of 2 × 128 tokens; the final selection on 8 sequences. Each is set only
-/// where given(flag) is false: "--probe-sequences", "--probe-anchors", "--steps", "--batch", "--seq",
-/// "--select-sequences". Returns the flags it set, for the run's log.
+/// regret on mix30M); 40 training steps of 2 × 128 tokens; the final selection on 8 sequences; pruning in one stage
+/// (the second's probe forwards cost more there than the building they save). Each is set only where given(flag) is
+/// false: "--probe-sequences", "--probe-anchors", "--steps", "--batch", "--seq", "--select-sequences",
+/// "--prune-stages". Returns the flags it set, for the run's log.
 /// `ctx`: the calibration chunk length (the training sequences are at most 128 tokens and at most ctx).
 std::vector<std::string> apply_cpu_defaults(train_options & o, const std::function<bool(const std::string &)> & given,
                                             int64_t ctx);
