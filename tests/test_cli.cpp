@@ -188,6 +188,12 @@ TEST(cli, quantize_takes_the_model_as_llama_cpp_does_and_refuses_a_bad_target_be
         EXPECT_FALSE(std::filesystem::exists(dir.file("s")));
         EXPECT_FALSE(std::filesystem::exists(dir.file("r")));
     }
+    // With every candidate built there is nothing to prune: --prune-stages given then says it does nothing.
+    const auto all = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                                " --like Q4_0 --candidates all --prune-stages 2 --dry-run --work " + dir.file("s"));
+    EXPECT_EQ(all.exit_code, 0) << all.output;
+    EXPECT_NE(all.output.find("warning: --prune-stages has no effect with --candidates all"), std::string::npos) << all.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("s")));
 }
 
 TEST(cli, json_goes_to_the_file_named_or_to_stdout_for_a_dash_and_threads_are_dash_t_everywhere) {

@@ -156,6 +156,9 @@ command add_train(CLI::App & app) {
                 t.prune_goals.push_back(parse_target_spec(g, "--prune-for"));
             }
         }
+        if (sub->count("--prune-stages") > 0 && t.candidates == "all") {
+            fmt::print(stderr, "warning: --prune-stages has no effect with --candidates all (every candidate is built)\n");
+        }
         if (!t.prune_goals.empty() && t.candidates == "all") {
             fmt::print(stderr, "warning: --prune-for has no effect with --candidates all (every candidate is built)\n");
         }
