@@ -115,8 +115,9 @@ command add_quantize(CLI::App & app) {
                     "probe forwards, a gain on a GPU and a loss on the CPU), or auto (2 on a GPU, 1 on the CPU)")
         ->capture_default_str()->check(CLI::IsMember({"auto", "1", "2"}));
     sub->add_option("--build-ahead", o->q.train.build_ahead,
-                    "With --candidates targets: build the candidates the probe will likely keep while it measures the "
-                    "first ones (on, off, or auto: on a GPU, whose probe leaves the cores idle)")
+                    "With --candidates targets: probe each tensor's first candidates as soon as they are built, and build "
+                    "those the probe will likely keep while it ends (on, off: build, then probe, or auto: on a GPU, whose "
+                    "probe leaves the cores idle)")
         ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
     sub->add_option("--recompute", o->q.train.recompute,
                     "Activation checkpointing in training: on, off, or auto (on when a GPU would not hold every layer's "

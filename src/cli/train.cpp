@@ -117,8 +117,9 @@ command add_train(CLI::App & app) {
                     "probe forwards, a gain on a GPU and a loss on the CPU), or auto (2 on a GPU, 1 on the CPU)")
         ->capture_default_str()->check(CLI::IsMember({"auto", "1", "2"}));
     sub->add_option("--build-ahead", o->t.build_ahead,
-                    "With --candidates targets: build the candidates the probe will likely keep while it measures the "
-                    "first ones (on, off, or auto: on a GPU, whose probe leaves the cores idle)")
+                    "With --candidates targets: probe each tensor's first candidates as soon as they are built, and build "
+                    "those the probe will likely keep while it ends (on, off: build, then probe, or auto: on a GPU, whose "
+                    "probe leaves the cores idle)")
         ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
     sub->add_option("--candidates-on", o->t.candidates_on, "Fused path: where the candidates live: gpu, host (pinned host memory, each layer moved to the GPU ahead of use) or auto (the GPU while they fit beside the teacher)")->capture_default_str()->check(CLI::IsMember({"gpu", "host", "auto"}));
     sub->add_option("--mixture", o->t.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
