@@ -376,6 +376,24 @@ TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_the_likeliest_f
     EXPECT_EQ(jobs.size(), kept_not_eager);
 }
 
+namespace {
+
+// Checks that the cache holds every job's candidate as llama.cpp's quantizer makes it; returns their bytes.
+size_t cached_as_llama_makes(const gguf_file & f, const candidate_cache & cache,
+                             const std::vector<candidate_prefetch::job> & jobs, const importance_map * imp) {
+    size_t bytes = 0;
+    for (const auto & j : jobs) {
+        const std::vector<uint8_t> want = quantize_tensor(f, *j.tensor, j.type, importance_for(imp, *j.tensor));
+        const auto got = cache.load(candidate_cache::key(f, *j.tensor, j.type, importance_for(imp, *j.tensor)), want.size());
+        EXPECT_TRUE(got.has_value()) << j.tensor->name << " " << type_name(j.type);
+        EXPECT_TRUE(got && *got == want) << j.tensor->name << " " << type_name(j.type);
+        bytes += want.size();
+    }
+    return bytes;
+}
+
+}  // namespace
+
 TEST(prune, a_prefetch_with_several_workers_builds_its_jobs_then_thens_and_counts_them_from_the_first_without_a_gap) {
     // 8 threads: two workers of 4 (on 2 cores here; what counts is the order and the bytes, not the speed). The jobs
     // that `then` returns, once the first are built, are built after them; wait_for(n) returns once the first n are.
@@ -400,17 +418,7 @@ TEST(prune, a_prefetch_with_several_workers_builds_its_jobs_then_thens_and_count
     const int64_t all = static_cast<int64_t>(first.size() + later.size());
     ASSERT_EQ(ahead.wait(), all);
     EXPECT_EQ(thens.load(), 1);
-    size_t bytes = 0;
-    for (const std::vector<candidate_prefetch::job> * jobs : {&first, &later}) {
-        for (const auto & j : *jobs) {
-            const std::vector<uint8_t> want = quantize_tensor(f, *j.tensor, j.type, {});
-            const auto got = cache.load(candidate_cache::key(f, *j.tensor, j.type, {}), want.size());
-            ASSERT_TRUE(got.has_value()) << j.tensor->name << " " << type_name(j.type);
-            EXPECT_EQ(*got, want) << j.tensor->name << " " << type_name(j.type);
-            bytes += want.size();
-        }
-    }
-    EXPECT_EQ(ahead.bytes(), bytes);
+    EXPECT_EQ(ahead.bytes(), cached_as_llama_makes(f, cache, first, nullptr) + cached_as_llama_makes(f, cache, later, nullptr));
     // Stopped before its first jobs are done, `then` is never asked, and what was counted is whole in the cache.
     const gguf_file big(mix30m());
     std::vector<candidate_prefetch::job> many;
@@ -448,15 +456,7 @@ TEST(prune, candidates_built_ahead_hold_llamas_bytes_in_the_cache_and_stop_waits
         {&q, GGML_TYPE_Q4_0}, {&q, GGML_TYPE_IQ4_NL}, {&up, GGML_TYPE_Q5_1}, {&up, GGML_TYPE_Q8_0}};
     candidate_prefetch ahead(f, jobs, &imp, cache, 2);
     ASSERT_EQ(ahead.wait(), 4);
-    size_t bytes = 0;
-    for (const auto & j : jobs) {
-        const std::vector<uint8_t> want = quantize_tensor(f, *j.tensor, j.type, importance_for(&imp, *j.tensor));
-        const auto got = cache.load(candidate_cache::key(f, *j.tensor, j.type, importance_for(&imp, *j.tensor)), want.size());
-        ASSERT_TRUE(got.has_value()) << j.tensor->name << " " << type_name(j.type);
-        EXPECT_EQ(*got, want) << j.tensor->name << " " << type_name(j.type);
-        bytes += want.size();
-    }
-    EXPECT_EQ(ahead.bytes(), bytes);
+    EXPECT_EQ(ahead.bytes(), cached_as_llama_makes(f, cache, jobs, &imp));
     // Stopped at once: it finishes at most the job in progress, and what it built is whole in the cache. The jobs
     // (mix30M's blocks as IQ3_S and Q4_K: seconds of work on one core) cannot all be done before stop() is called.
     const gguf_file big(mix30m());
