@@ -190,9 +190,22 @@ TEST(cli, quantize_takes_the_model_as_llama_cpp_does_and_refuses_a_bad_target_be
     }
     // With every candidate built there is nothing to prune: --prune-stages given then says it does nothing.
     const auto all = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
-                                " --like Q4_0 --candidates all --prune-stages 2 --dry-run --work " + dir.file("s"));
+                                " --like Q4_0 --candidates all --prune-stages 2 --build-ahead on --dry-run --work " + dir.file("s"));
     EXPECT_EQ(all.exit_code, 0) << all.output;
     EXPECT_NE(all.output.find("warning: --prune-stages has no effect with --candidates all"), std::string::npos) << all.output;
+    EXPECT_NE(all.output.find("warning: --build-ahead has no effect with --candidates all"), std::string::npos) << all.output;
+    EXPECT_EQ(all.output.find("of the second stage"), std::string::npos) << all.output;
+    // --greedy-peer builds every candidate too: its dry run plans no second stage either.
+    const auto peer = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                                 " --like Q4_0 --greedy-peer --prune-stages 2 --dry-run --work " + dir.file("s"));
+    EXPECT_EQ(peer.exit_code, 0) << peer.output;
+    EXPECT_NE(peer.output.find("warning: --prune-stages has no effect with --greedy-peer"), std::string::npos) << peer.output;
+    EXPECT_EQ(peer.output.find("of the second stage"), std::string::npos) << peer.output;
+    // With the targets' candidates the dry run counts the second stage's forwards in its probe estimate.
+    const auto staged = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                                   " --like Q4_0 --prune-stages 2 --dry-run --work " + dir.file("s"));
+    EXPECT_EQ(staged.exit_code, 0) << staged.output;
+    EXPECT_NE(staged.output.find("of the second stage of pruning, --prune-stages 2"), std::string::npos) << staged.output;
     EXPECT_FALSE(std::filesystem::exists(dir.file("s")));
 }
 

@@ -172,9 +172,11 @@ command add_quantize(CLI::App & app) {
         if (q.model.empty()) {
             fail("give the source model: voodoo quantize MODEL.gguf … (or -m MODEL.gguf)");
         }
-        if (sub->count("--prune-stages") > 0 && (q.train.candidates == "all" || q.greedy_peer)) {
-            fmt::print(stderr, "warning: --prune-stages has no effect with {} (every candidate is built)\n",
-                       q.greedy_peer ? "--greedy-peer" : "--candidates all");
+        for (const char * flag : {"--prune-stages", "--build-ahead"}) {
+            if (sub->count(flag) > 0 && (q.train.candidates == "all" || q.greedy_peer)) {
+                fmt::print(stderr, "warning: {} has no effect with {} (every candidate is built)\n", flag,
+                           q.greedy_peer ? "--greedy-peer" : "--candidates all");
+            }
         }
         std::vector<std::string> cpu_defaults;
         if (q.train.device == "cpu") {

@@ -157,8 +157,10 @@ command add_train(CLI::App & app) {
                 t.prune_goals.push_back(parse_target_spec(g, "--prune-for"));
             }
         }
-        if (sub->count("--prune-stages") > 0 && t.candidates == "all") {
-            fmt::print(stderr, "warning: --prune-stages has no effect with --candidates all (every candidate is built)\n");
+        for (const char * flag : {"--prune-stages", "--build-ahead"}) {
+            if (sub->count(flag) > 0 && t.candidates == "all") {
+                fmt::print(stderr, "warning: {} has no effect with --candidates all (every candidate is built)\n", flag);
+            }
         }
         if (!t.prune_goals.empty() && t.candidates == "all") {
             fmt::print(stderr, "warning: --prune-for has no effect with --candidates all (every candidate is built)\n");

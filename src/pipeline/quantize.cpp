@@ -879,6 +879,9 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
     dry_run_input in;
     in.src = &src;
     in.train = o.train;
+    if (o.greedy_peer) {
+        in.train.candidates = "all";  // as the run does: the greedy peer measures every candidate
+    }
     in.train.menu.has_imatrix = true;
     in.train.threads = o.threads;
     in.ggml_threads = o.ggml_threads;
