@@ -1038,8 +1038,11 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const auto add_lattice_errors = [&] {
             add_errors(lattice_errors.get(), split.later);
             lattice_added = true;
-            fmt::print(stderr, "pruning: sampled errors of the lattice types (beside the eager candidates) in {:.1f} s\n",
-                       seconds_since(t2));
+            if (std::any_of(split.later.begin(), split.later.end(),
+                            [](const auto & row) { return std::find(row.begin(), row.end(), true) != row.end(); })) {
+                fmt::print(stderr, "pruning: sampled errors of the lattice types (beside the eager candidates) in {:.1f} s\n",
+                           seconds_since(t2));
+            }
         };
         const std::string eager_path = (fs::path(probe_path).parent_path() /
                                         (fs::path(probe_path).stem().string() + ".eager.json")).string();
