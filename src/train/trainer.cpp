@@ -918,6 +918,16 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // first. One process (the ranks split the build and the probe otherwise). Returns every candidate of m (built or
     // read from the cache, as build_over_ranks would), the probe, how many of then's jobs were built when the probe
     // ended, and the seconds the probe waited for the builds.
+    // [tensor, menu type] pairs of all_menus as prefetch jobs, and the threads a prefetch takes: all but one beside a
+    // GPU's probe, whose thread drives it.
+    const auto prefetch_jobs = [&](const std::vector<std::pair<size_t, size_t>> & pairs) {
+        std::vector<candidate_prefetch::job> jobs;
+        for (const auto & [i, k] : pairs) {
+            jobs.push_back({all_menus[i].tensor, all_menus[i].types[k]});
+        }
+        return jobs;
+    };
+    const int prefetch_threads = device.is_cuda() ? std::max(1, n_threads - 1) : n_threads;
     struct as_built_probe {
         std::vector<gated_tensor> gated;
         std::vector<std::vector<double>> sens;
@@ -942,25 +952,16 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             r.gated.push_back(std::move(g));
         }
         const int64_t n_first = static_cast<int64_t>(jobs.size());
-        std::vector<bool> filled(m.size(), false);
         const auto fill = [&](size_t i) {  // from the cache (what is not there, built here)
             progress::quiet_scope quiet;
             r.gated[i] = std::move(build_candidates(src, {m[i]}, importance, cache, n_threads, keep_bytes, stop_now).front());
-            filled[i] = true;
         };
-        candidate_prefetch ahead(src, std::move(jobs), importance, cache,
-                                 device.is_cuda() ? std::max(1, n_threads - 1) : n_threads, [&] {
-                                     std::vector<candidate_prefetch::job> more;
-                                     for (const auto & [i, k] : then ? then() : std::vector<std::pair<size_t, size_t>>{}) {
-                                         more.push_back({all_menus[i].tensor, all_menus[i].types[k]});
-                                     }
-                                     return more;
-                                 });
+        candidate_prefetch ahead(src, std::move(jobs), importance, cache, prefetch_threads,
+                                 [&] { return prefetch_jobs(then()); });
         {
             const tf32_matmul_scope tf32(probe_tf32);
-            std::vector<std::vector<bool>> p = plan;
             r.sens = probe_sensitivity(*model, dense, teacher_weights, r.gated, probe_tokens, device, loss_chunk, probe_dtype,
-                                       &p, int64_t(2) << 30, nullptr, stop_now, [&](size_t i) {
+                                       &plan, int64_t(2) << 30, nullptr, stop_now, [&](size_t i) {
                                            const auto t = std::chrono::steady_clock::now();
                                            if (!ahead.wait_for(through[i], stop_now)) {
                                                throw stopped(fmt::format("stopped during the probe, while its candidates were "
@@ -973,7 +974,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         r.then_built = std::max<int64_t>(0, ahead.stop() - n_first);
         for (size_t i = 0; i < m.size(); ++i) {
-            if (!filled[i]) {
+            if (r.gated[i].bytes.empty()) {
                 fill(i);  // nothing of it measured (its types are the source's, or built before)
             }
         }
@@ -1060,16 +1061,14 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             }
             return mine;
         };
-        // Builds `pairs` ([tensor, menu type]) in order on the cores a probe leaves (all but one beside a GPU's).
+        // Builds `pairs` ([tensor, menu type]) in order on the cores a probe leaves.
         const auto start_prefetch = [&](const std::vector<std::pair<size_t, size_t>> & pairs) {
-            std::vector<candidate_prefetch::job> jobs;
-            for (const auto & [i, k] : pairs) {
-                jobs.push_back({all_menus[i].tensor, all_menus[i].types[k]});
-            }
-            return std::make_unique<candidate_prefetch>(src, std::move(jobs), importance, cache,
-                                                        device.is_cuda() ? std::max(1, n_threads - 1) : n_threads);
+            return std::make_unique<candidate_prefetch>(src, prefetch_jobs(pairs), importance, cache, prefetch_threads);
         };
         const bool ahead_on = o.build_ahead == "on" || (o.build_ahead == "auto" && device.is_cuda());
+        // Whether a probe whose file is `path` runs as its candidates are built (probe_as_built): when building ahead,
+        // with one process, and not reusing that file.
+        const auto as_built = [&](const std::string & path) { return ranks == 1 && ahead_on && !fs::exists(path); };
         std::vector<std::pair<size_t, size_t>> ahead_jobs;  // built ahead while the probe ran (the first ahead_built)
         int64_t ahead_built = 0;
         // The likely keeps (once the lattice types' Ê is in): built ahead when asked, and sized for the disk warning.
@@ -1127,7 +1126,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 save_probe(eager_path, eager_id, eg, es);
             }
         };
-        if (ranks == 1 && ahead_on && !fs::exists(eager_path)) {
+        if (as_built(eager_path)) {
             // The GPU measures each tensor's eager candidates once they are built (probe_as_built); once all are, the
             // cores build the types the probe will most likely keep.
             std::exception_ptr plan_failed;
@@ -1264,7 +1263,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                         save_probe(stage_path, stage_id, sg, ss, &stage_plan);  // the eager types: not measured here
                     }
                 };
-                if (ranks == 1 && ahead_on && !fs::exists(stage_path)) {
+                if (as_built(stage_path)) {
                     as_built_probe r = probe_as_built(stage_menus, stage_plan, [&] { return stage_jobs; });
                     sg = std::move(r.gated);
                     ss = std::move(r.sens);
