@@ -80,6 +80,9 @@ int main(int argc, char ** argv) {
     std::vector<double> margins = {0.5};
     app.add_option("--margins", margins, "Candidate pruning: bands to try (prune_options::margin)")->delimiter(',')->capture_default_str();
     std::vector<int> stage_widths;
+    std::string dump_path;
+    app.add_option("--dump", dump_path, "Candidate pruning: every candidate's sampled error, bytes, eager flag, prediction "
+                   "from the eager types and measured ΔKL, as JSON (for studies of the prediction's error)");
     bool all_anchors = false;
     double stage_margin = voodoo::prune_options{}.stage_margin;
     app.add_option("--stage-margin", stage_margin, "With --staged: the second plan's band (prune_options::stage_margin)")->capture_default_str();
@@ -254,6 +257,21 @@ int main(int argc, char ** argv) {
                         }
                     }
                 }
+            }
+            if (!dump_path.empty()) {
+                nlohmann::json d = nlohmann::json::array();
+                for (size_t i = 0; i < menus.size(); ++i) {
+                    nlohmann::json types = nlohmann::json::array();
+                    for (size_t k = 0; k < menus[i].types.size(); ++k) {
+                        types.push_back({{"type", type_name(menus[i].types[k])}, {"bytes", b0.cost[i][k]},
+                                         {"err_hat", hat[i][k]}, {"eager", static_cast<bool>(eager[i][k])},
+                                         {"predicted", p0.predicted[i][k]}, {"measured", full[i][k]},
+                                         {"work", quantize_cost_per_weight(menus[i].types[k]) *
+                                                      static_cast<double>(menus[i].tensor->n_elements())}});
+                    }
+                    d.push_back({{"name", menus[i].tensor->name}, {"types", types}});
+                }
+                write_file_atomic(fmt::format("{}.eager{}.json", dump_path, n_eager), d.dump(1) + "\n");
             }
             fmt::print("\npredictions from {} eager types: |ln(predicted / measured)| median {:.3f} p90 {:.3f} p99 {:.3f} max "
                        "{:.3f}; of a pair's ratio: median {:.3f} p90 {:.3f} p99 {:.3f} max {:.3f}\n", po.eager,
