@@ -41,6 +41,10 @@ e2e_17b() {
     du -sh $W/* > "$OUT/e2e/disk-1.7b$tag.txt" 2>&1; cat "$OUT/e2e/disk-1.7b$tag.txt"
     cp $W/times.json "$OUT/e2e/times-1.7b$tag.json" 2>/dev/null
     cp $W/eval.md "$OUT/e2e/qwen3-1.7b$tag-eval.md" 2>/dev/null
+    # What the run kept and measured (the kept candidates' types, for the quantizers' work by type), and what it chose.
+    for f in sensitivity.json selection.json probe.eager.json probe.stage.json; do
+        cp $W/run-*/$f "$OUT/e2e/1.7b$tag-$f" 2>/dev/null
+    done
     awk -F', ' '{gsub(/ MiB/, "", $2); if ($2 + 0 > m) m = $2 + 0} END {print "peak GPU memory used:", m, "MiB"}' "$OUT/e2e/gpu-mem-1.7b$tag.csv"
 }
 

@@ -1610,7 +1610,7 @@ quantize_result run_quantize(const quantize_options & opts) {
     std::vector<std::string> files = res.outs;
     files.insert(files.end(), peers.begin(), peers.end());
     files.insert(files.end(), baselines.begin(), baselines.end());
-    stage("eval", fmt::format("{} files on {}{}", files.size(), ev.text,
+    stage("eval", fmt::format("{} file{} on {}{}", files.size(), files.size() == 1 ? "" : "s", ev.text,
                               o.eval_text.empty() ? " (the calibration text: not held out)" : ""));
     if (!session) {
         session = std::make_unique<eval_session>(ev, 0);   // run_eval's own steps: the same numbers

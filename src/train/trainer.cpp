@@ -934,8 +934,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         int64_t then_built = 0;
         double waited_seconds = 0;
     };
+    // `what` names the probe in the message of a stop ("the eager probe", "the second stage's probe").
     auto probe_as_built = [&](const std::vector<tensor_menu> & m, const std::vector<std::vector<bool>> & plan,
-                              const std::function<std::vector<std::pair<size_t, size_t>>()> & then) {
+                              const std::function<std::vector<std::pair<size_t, size_t>>()> & then, const char * what) {
         std::vector<candidate_prefetch::job> jobs;
         std::vector<int64_t> through;  // the jobs of tensors 0 … i
         as_built_probe r;
@@ -964,9 +965,10 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                                        &plan, int64_t(2) << 30, nullptr, stop_now, [&](size_t i) {
                                            const auto t = std::chrono::steady_clock::now();
                                            if (!ahead.wait_for(through[i], stop_now)) {
-                                               throw stopped(fmt::format("stopped during the probe, while its candidates were "
+                                               throw stopped(fmt::format("stopped during {}, while its candidates were "
                                                                          "built ({} of {}, kept in '{}'); run the same command "
-                                                                         "again to resume", ahead.built(), n_first, cache.dir()));
+                                                                         "again to resume", what, ahead.built(), n_first,
+                                                                         cache.dir()));
                                            }
                                            fill(i);
                                            r.waited_seconds += seconds_since(t);
@@ -1139,7 +1141,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                     ahead_jobs.clear();
                 }
                 return ahead_jobs;
-            });
+            }, "the eager probe");
             if (plan_failed) {
                 std::rethrow_exception(plan_failed);
             }
@@ -1264,7 +1266,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                     }
                 };
                 if (as_built(stage_path)) {
-                    as_built_probe r = probe_as_built(stage_menus, stage_plan, [&] { return stage_jobs; });
+                    as_built_probe r = probe_as_built(stage_menus, stage_plan, [&] { return stage_jobs; },
+                                                      "the second stage's probe");
                     sg = std::move(r.gated);
                     ss = std::move(r.sens);
                     stage_ahead_built = r.then_built;
