@@ -33,10 +33,14 @@ e2e_17b() {
     T=$D/data/text/wikitext-2-raw/wiki.valid.raw
     nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader -lms 1000 > "$OUT/e2e/gpu-mem-1.7b$tag.csv" 2>&1 &
     SMI=$!
+    # The CPU's use each second (vmstat: us/sy/id/wa), timestamped: where the cores idle is where work can move.
+    vmstat -n -t 1 > "$OUT/e2e/vmstat-1.7b$tag.txt" 2>&1 &
+    VM=$!
+    log "quantize starts (the vmstat samples' clock)"
     /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/qwen3-1.7b-shape.gguf --text "$T" --like Q4_K_M \
         "$@" --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" \
         --device cuda --work $W ${MENU:+--menu "$MENU"} ${E2E_ARGS:-} > "$OUT/e2e/qwen3-1.7b$tag.log" 2>&1
-    kill $SMI
+    kill $SMI $VM 2>/dev/null
     grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built|built ahead|second stage|--probe-anchors auto|eval defaults|after the candidates|ahead: " "$OUT/e2e/qwen3-1.7b$tag.log" | cut -c1-220 | tail -40
     du -sh $W/* > "$OUT/e2e/disk-1.7b$tag.txt" 2>&1; cat "$OUT/e2e/disk-1.7b$tag.txt"
     cp $W/times.json "$OUT/e2e/times-1.7b$tag.json" 2>/dev/null
