@@ -128,12 +128,25 @@ TEST(quantize, a_rerun_with_other_options_makes_again_what_they_change_and_says_
         std::ifstream in(w + "/data/data.json");
         return nlohmann::json::parse(in);
     };
+    auto times_json = [&] {
+        std::ifstream in(w + "/times.json");
+        return nlohmann::json::parse(in);
+    };
     stages_of(q);
+    const nlohmann::json first_times = times_json();
+    EXPECT_FALSE(first_times.contains("earlier"));
     std::string log = stages_of(q);
     EXPECT_TRUE(has_line(log, "== data:", "(done)")) << log;
     EXPECT_TRUE(has_line(log, "== imatrix:", "(done)")) << log;
     EXPECT_TRUE(has_line(log, "== train:", "(done)")) << log;
     EXPECT_TRUE(has_line(log, "== export:", "(done)")) << log;
+    // The rerun's times (every stage done) do not replace the first run's, which trained: they are kept under "earlier".
+    {
+        const nlohmann::json t = times_json();
+        ASSERT_TRUE(t.contains("earlier") && t["earlier"].is_array() && t["earlier"].size() == 1u) << t.dump();
+        EXPECT_EQ(t["earlier"][0], first_times);
+        EXPECT_LT(t["train"].get<double>(), first_times["train"].get<double>());
+    }
 
     q.ctx = 48;  // the data, so everything after it
     log = stages_of(q);
@@ -429,6 +442,21 @@ TEST(quantize, allow_requantize_quantizes_a_quantized_source_against_itself_as_l
     EXPECT_TRUE(make_baseline(bo, "Q4_0", dir.file("yes.gguf")).ok);
 }
 
+TEST(quantize, a_recipe_named_twice_in_like_is_one_target) {
+    // From a new user's trial: --like Q4_K_M,Q4_K_M planned two exported files in the dry run while the run made one.
+    test::temp_dir tmp;
+    const std::string args = fmt::format("quantize {} --text {} --like Q5_0,q5_0 --ctx 64 --eval-chunks 0 --work {} "
+                                         "--dry-run", test::stories260k(),
+                                         test::shared_data() + "/text/tinystories/tinystories_val.txt", tmp.file("work"));
+    const test::run_result r = test::run_voodoo_stdout(args + " --json -");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const nlohmann::json plan = nlohmann::json::parse(r.output);
+    EXPECT_EQ(plan["sizes"]["targets"].size(), 1u) << plan["sizes"].dump();
+    const test::run_result text = test::run_voodoo(args);
+    ASSERT_EQ(text.exit_code, 0) << text.output;
+    EXPECT_NE(text.output.find("--like names q5_0 more than once: one target"), std::string::npos) << text.output;
+}
+
 TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_run_builds) {
     test::temp_dir tmp;
     const std::string work = tmp.file("work");
@@ -461,6 +489,7 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     }
     // No eval stage (--eval-chunks 0), so no baselines stage either.
     EXPECT_EQ(stages, (std::vector<std::string>{"data", "imatrix", "candidates", "probe", "train", "select", "export"}));
+    EXPECT_FALSE(before.contains("finished_runs"));
 
     // The real run: its cache holds exactly the candidates the dry run said it would build.
     r = test::run_voodoo(args);
@@ -486,6 +515,14 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     EXPECT_EQ(after["candidates"]["in_cache"], before["candidates"]["to_build"]);
     EXPECT_EQ(after["candidates"]["in_cache_bytes"], before["candidates"]["to_build_bytes"]);
     EXPECT_EQ(after["candidates"]["to_build"], 0);
+    // The target is trained: the plan says the run would reuse it (a new user's trial read 7.8 min for a rerun that
+    // takes a second), in the JSON and in the text.
+    ASSERT_TRUE(after.contains("finished_runs")) << after.dump();
+    EXPECT_EQ(after["finished_runs"], nlohmann::json::array({work + "/run-Q5_0/recipe.json"}));
+    r = test::run_voodoo(args + " --dry-run");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("has trained 1 of these targets already (" + work + "/run-Q5_0/recipe.json): a run whose "
+                            "inputs are unchanged reuses it"), std::string::npos) << r.output;
     EXPECT_EQ(after["disk"]["candidates_to_build_bytes"], 0.0);
     EXPECT_EQ(after["disk"]["exported_files_unknown"], 0);
     EXPECT_EQ(after["disk"]["stock_files_to_make"], 0);

@@ -139,9 +139,27 @@ void report_stage_times(const std::string & work) {
     // Not a stage: readers that sum the stages skip it (it is an object, not seconds).
     j["max_rss_bytes_at_stage_end"] = rss;
     j["work_disk_bytes_at_stage_end"] = disk;
+    // The earlier runs' records in this folder, kept under "earlier" (oldest first): a rerun that finds its stages done
+    // takes seconds, and its record must not replace the measurements of the run that did the work.
+    const std::string path = (fs::path(work) / "times.json").string();
+    nlohmann::ordered_json earlier = nlohmann::ordered_json::array();
+    if (fs::exists(path)) {
+        std::ifstream in(path);
+        auto old = nlohmann::ordered_json::parse(in, nullptr, /*allow_exceptions =*/false);
+        if (old.is_object()) {
+            if (old.contains("earlier") && old["earlier"].is_array()) {
+                earlier = std::move(old["earlier"]);
+                old.erase("earlier");
+            }
+            earlier.push_back(std::move(old));
+        }
+    }
+    if (!earlier.empty()) {
+        j["earlier"] = std::move(earlier);
+    }
     fmt::print(stderr, "== times: {} · total {:.1f} s, peak RSS {:.1f} GiB ({})\n", line, total,
-               static_cast<double>(max_rss_so_far()) / 1073741824.0, (fs::path(work) / "times.json").string());
-    write_file_atomic((fs::path(work) / "times.json").string(), j.dump(2) + "\n");
+               static_cast<double>(max_rss_so_far()) / 1073741824.0, path);
+    write_file_atomic(path, j.dump(2) + "\n");
     marks.clear();
 }
 
@@ -978,7 +996,28 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
         const int64_t all = static_cast<int64_t>(file_size(eval_text)) / 4;
         in.eval_tokens_per_file = o.eval_chunks < 0 ? all : std::min<int64_t>(all, static_cast<int64_t>(o.eval_chunks) * o.eval_ctx);
     }
-    return plan_dry_run(in);
+    nlohmann::json plan = plan_dry_run(in);
+    // The targets WORK has already trained (run-<label>/recipe.json): a run whose inputs are unchanged reuses them and
+    // every stage before them, so the stage estimates (for a run from the start) are an upper bound there.
+    std::vector<std::string> labels;
+    if (!o.like.empty()) {
+        labels = comma_list(o.like);
+    } else {
+        for (const target & g : in.goals) {
+            labels.push_back(goal_label(g));
+        }
+    }
+    nlohmann::json finished = nlohmann::json::array();
+    for (const std::string & label : labels) {
+        const fs::path recipe = fs::path(work) / ("run-" + label) / "recipe.json";
+        if (fs::exists(recipe)) {
+            finished.push_back(recipe.string());
+        }
+    }
+    if (!finished.empty()) {
+        plan["finished_runs"] = finished;
+    }
+    return plan;
 }
 
 }  // namespace
@@ -1242,6 +1281,24 @@ quantize_result run_quantize(const quantize_options & opts) {
     const gguf_file src(o.model);
     // Every option is checked before anything is made.
     check_quantize_options(o, src);
+    {
+        // A recipe named twice in --like is one target (the dry run planned two files, the run printed its size twice).
+        std::vector<std::string> names;
+        std::set<std::string> seen;
+        for (const std::string & name : comma_list(o.like)) {
+            if (seen.insert(recipe_by_name(name).name).second) {
+                names.push_back(name);
+            } else {
+                fmt::print(stderr, "voodoo: warning: --like names {} more than once: one target\n", name);
+            }
+        }
+        if (!o.like.empty() && seen.size() < comma_list(o.like).size()) {
+            o.like.clear();
+            for (const std::string & name : names) {
+                o.like += (o.like.empty() ? "" : ",") + name;
+            }
+        }
+    }
     if (!o.announce.empty()) {
         fmt::print(stderr, "{}\n", o.announce);
     }

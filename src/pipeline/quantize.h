@@ -79,7 +79,8 @@ struct quantize_result {
     std::string table;                      // the final comparison table (markdown)
     std::string card;                       // the model card written beside the files (README.md)
     std::string work;                       // the work folder it used
-    nlohmann::json plan;                    // a dry run's report (plan_dry_run); null otherwise
+    nlohmann::json plan;                    // a dry run's report (plan_dry_run, and "finished_runs": the targets'
+                                            // WORK/run-<label>/recipe.json that exist, when any); null otherwise
     std::string eval_ahead;                 // what the eval ahead did ("" when it did not run: eval_ahead_runs)
 };
 

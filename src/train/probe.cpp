@@ -386,7 +386,8 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
     const auto check_stop = [&] {
         if (stop && stop()) {
             throw stopped(fmt::format("stopped during the probe, after {} of {} candidates' forwards; run the same "
-                                      "command again (the candidates are kept)", measured, n_candidates));
+                                      "command again: the candidates are kept, and the probe starts over", measured,
+                                      n_candidates));
         }
         ++measured;
     };
