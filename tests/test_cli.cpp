@@ -494,6 +494,43 @@ TEST(cli, quantize_stopped_with_ctrl_c_exits_130_and_the_same_command_resumes) {
     }
 }
 
+TEST(cli, ctrl_c_in_the_probe_run_as_its_candidates_are_built_names_the_eager_probe_and_the_same_command_resumes) {
+    // With --build-ahead on (auto's choice on a GPU) the eager probe measures each tensor as its candidates are built
+    // (trainer.cpp probe_as_built). SIGINT as it starts (the line before it): the job stops during that probe, says
+    // which one, exits 130, and the same command finishes with the recipe of a run never stopped.
+    voodoo::test::temp_dir dir;
+    const std::string text = voodoo::test::read_file(voodoo::test::shared_data() + "/text/tinystories/tinystories_val.txt");
+    voodoo::test::write_file(dir.file("calib.txt"), text.substr(0, 150000));
+    std::vector<std::string> args = {"quantize", voodoo::test::stories260k(), "--text", dir.file("calib.txt"), "--like",
+                                     "Q4_0", "--ctx", "64", "--steps", "2", "--batch", "2", "--probe-sequences", "2",
+                                     "--select-sequences", "2", "--eval-chunks", "0", "--build-ahead", "on",
+                                     "--prune-stages", "2", "-t", "1", "--work"};
+    auto line_of = [](const std::vector<std::string> & a) {
+        std::string line;
+        for (const std::string & x : a) {
+            line += "'" + x + "' ";
+        }
+        return line;
+    };
+    auto whole = args;
+    whole.push_back(dir.file("whole"));
+    ASSERT_EQ(run_voodoo(line_of(whole)).exit_code, 0);
+    args.push_back(dir.file("stopped"));
+    const signalled_run r = signal_voodoo_at(args, "pruning: eager types and budgets", 0, SIGINT);
+    ASSERT_TRUE(r.sent);
+    ASSERT_TRUE(WIFEXITED(r.status)) << r.after;
+    EXPECT_EQ(WEXITSTATUS(r.status), 130) << r.after;
+    EXPECT_NE(r.after.find("stopped during the eager probe"), std::string::npos) << r.after;
+    EXPECT_NE(r.after.find("run the same command again"), std::string::npos) << r.after;
+    const auto again = run_voodoo(line_of(args));
+    ASSERT_EQ(again.exit_code, 0) << again.output;
+    // The same recipe (its imatrix path names each work folder).
+    const auto stopped = nlohmann::json::parse(voodoo::test::read_file(dir.file("stopped") + "/run-Q4_0/recipe.json"));
+    const auto whole_recipe = nlohmann::json::parse(voodoo::test::read_file(dir.file("whole") + "/run-Q4_0/recipe.json"));
+    EXPECT_EQ(stopped["recipe_hash"], whole_recipe["recipe_hash"]);
+    EXPECT_TRUE(stopped["tensors"] == whole_recipe["tensors"]) << "the resumed run chose another recipe";
+}
+
 TEST(cli, a_json_destination_that_cannot_be_written_is_refused_before_any_work) {
     // Found trying the commands as a new user: --json /proc/x.json ran the whole job, then failed on the report.
     voodoo::test::temp_dir dir;
