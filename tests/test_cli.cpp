@@ -165,6 +165,10 @@ TEST(cli, quantize_takes_the_model_as_llama_cpp_does_and_refuses_a_bad_target_be
     EXPECT_FALSE(std::filesystem::exists(dir.file("w")));
     const auto both = run_voodoo("quantize a.gguf -m b.gguf --text " + text + " --like Q4_0");
     EXPECT_EQ(both.exit_code, 2) << both.output;
+    // A flag naming a missing file is a command-line error (README, "Exit codes"), -m as --text.
+    const auto missing = run_voodoo("quantize -m " + dir.file("nosuch.gguf") + " --text " + text + " --like Q4_0");
+    EXPECT_EQ(missing.exit_code, 2) << missing.output;
+    EXPECT_NE(missing.output.find("nosuch.gguf"), std::string::npos) << missing.output;
     // llama.cpp's short flags: -o for the output file, -t for the threads (whole numbers >= 0).
     const auto short_flags = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
                                         " --target-size 1KB -o " + dir.file("x.gguf") + " -t 1 --work " + dir.file("w"));

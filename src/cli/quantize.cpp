@@ -31,8 +31,11 @@ command add_quantize(CLI::App & app) {
     };
     auto o = std::make_shared<options>();
     // Named MODEL, not model: CLI11 2.4 (Ubuntu 24.04's) refuses a positional whose name is also --model's.
+    // A flag naming a missing file is a command-line error (exit 2), as --text's and eval's -m are (README, "Exit
+    // codes"); the positional MODEL, as every command's, is refused by the job (exit 1, "cannot open …").
     auto * model_pos = sub->add_option("MODEL", o->q.model, "Source GGUF (F32/F16/BF16) or Hugging Face model folder (converted once into WORK); or -m");
-    auto * model_opt = sub->add_option("-m,--model", o->model_flag, "Source GGUF (as llama.cpp's tools take it)");
+    auto * model_opt = sub->add_option("-m,--model", o->model_flag, "Source GGUF (as llama.cpp's tools take it)")
+                           ->check(CLI::ExistingPath);
     model_pos->excludes(model_opt);
     sub->add_option("--imatrix", o->q.imatrix,
                     "An imatrix you have (llama-imatrix's GGUF or legacy .dat), checked against the model: no imatrix stage")

@@ -258,9 +258,13 @@ std::string summary_table(const recipe & r, const budget & b, double total) {
                            8.0 * static_cast<double>(f.bytes) / static_cast<double>(f.weights), types);
     }
     const char * unit = b.goal.kind == target_kind::bpw ? "tensor bytes" : "file bytes";
-    out += fmt::format("  total {:.0f} {} of a budget of {:.0f} ({}: {:.5g} vs target {:.5g})\n", total, unit,
-                       b.limit, b.goal.kind == target_kind::bpw ? "BPW" : b.goal.kind == target_kind::size ? "bytes" : "Q8_0 ratio",
-                       b.in_target_unit(total), b.goal.value);
+    // Bytes as whole numbers (a new user's trial read "3.0426e+05 vs target 3.0432e+05"), the others to 5 digits.
+    const auto in_unit = [&](double v) {
+        return b.goal.kind == target_kind::size ? fmt::format("{:.0f}", v) : fmt::format("{:.5g}", v);
+    };
+    out += fmt::format("  total {:.0f} {} of a budget of {:.0f} ({}: {} vs target {})\n", total, unit, b.limit,
+                       b.goal.kind == target_kind::bpw ? "BPW" : b.goal.kind == target_kind::size ? "bytes" : "Q8_0 ratio",
+                       in_unit(b.in_target_unit(total)), in_unit(b.goal.value));
     return out;
 }
 
