@@ -1,4 +1,5 @@
 #include "common/error.h"
+#include "common/progress.h"
 #include "data/dataset.h"
 #include "export/export.h"
 #include "ggml/types.h"
@@ -11,9 +12,11 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <filesystem>
 #include <cstring>
 #include <fstream>
+#include <thread>
 
 using namespace voodoo;
 using voodoo::test::error_of;
@@ -485,4 +488,42 @@ TEST(train, ptqr_routes_tokens_replays_on_resume_and_excludes_st_gumbel) {
     st.routing = "tokens";
     EXPECT_NE(error_of([&] { train_gates(src, src, data.train(), nullptr, st); }).find("--routing 'tokens'"),
               std::string::npos);
+}
+
+TEST(train, a_resumed_bar_counts_the_steps_done_before_but_rates_only_this_runs) {
+    // A new user's trial: a resumed training's bar read "train 9/40 steps … 6.07M/s", its rate counting the steps a
+    // journal held as done in no time. resume_from counts them in the bar, not in the rate.
+    const char * was = std::getenv("VOODOO_PROGRESS");
+    const std::string saved = was ? was : "";
+    ::setenv("VOODOO_PROGRESS", "1", 1);
+    testing::internal::CaptureStderr();
+    {
+        voodoo::progress bar("train", 100000, "steps");
+        bar.resume_from(99000);
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        bar.add(1000);
+    }
+    const std::string err = testing::internal::GetCapturedStderr();
+    if (was) {
+        ::setenv("VOODOO_PROGRESS", saved.c_str(), 1);
+    } else {
+        ::unsetenv("VOODOO_PROGRESS");
+    }
+    // The final line: "train [####…] 100000/100000 steps 100.0% in 0.1s R/s steps", R = 1000 / elapsed (≤ 10k after
+    // 100 ms); counting the 99,000 as well would be ≥ 20k unless the sleep took 5 s.
+    const size_t at = err.rfind("100000/100000 steps");
+    ASSERT_NE(at, std::string::npos) << err;
+    const std::string tail = err.substr(at);
+    const size_t per_s = tail.find("/s");
+    ASSERT_NE(per_s, std::string::npos) << tail;
+    const size_t start = tail.rfind(' ', per_s) + 1;
+    std::string r = tail.substr(start, per_s - start);
+    double scale = 1;
+    if (!r.empty() && (r.back() == 'k' || r.back() == 'M')) {
+        scale = r.back() == 'k' ? 1e3 : 1e6;
+        r.pop_back();
+    }
+    const double rate = std::stod(r) * scale;
+    EXPECT_GT(rate, 0.0) << tail;
+    EXPECT_LT(rate, 20000.0) << tail;
 }

@@ -65,6 +65,13 @@ void progress::add(int64_t n, const std::string & note) {
     draw(false);
 }
 
+void progress::resume_from(int64_t n) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ += n;
+    before_ += n;
+    draw(false);
+}
+
 void progress::finish() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (finished_) {
@@ -93,7 +100,7 @@ void progress::draw(bool final) {
         last_decile_ = decile;
     }
     last_draw_ = now;
-    const double rate = elapsed > 0 ? static_cast<double>(done_) / elapsed : 0.0;
+    const double rate = elapsed > 0 ? static_cast<double>(done_ - before_) / elapsed : 0.0;
     const double eta = rate > 0 ? static_cast<double>(total_ - done_) / rate : -1.0;
     constexpr int k_width = 24;
     const int filled = static_cast<int>(frac * k_width);

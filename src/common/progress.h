@@ -19,6 +19,9 @@ public:
 
     /// Adds n to the count done (thread-safe). `note` (optional) is shown after the rate.
     void add(int64_t n, const std::string & note = {});
+    /// Counts n as done before this bar started (a resumed job's finished steps): shown in the count, left out of the
+    /// rate and the ETA, which are this run's (a new user's trial read a resumed training's rate as millions a second).
+    void resume_from(int64_t n);
     /// Ends the line with the final count, rate and elapsed time (also done by the destructor).
     void finish();
 
@@ -43,6 +46,7 @@ private:
     std::string note_;
     int64_t total_;
     int64_t done_ = 0;
+    int64_t before_ = 0;            // of done_, counted by resume_from (not this run's work)
     int last_decile_ = -1;
     bool tty_;
     bool finished_ = false;

@@ -1715,7 +1715,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     const auto t_steps = std::chrono::steady_clock::now();
     const int first_step = step;
     progress bar("train", o.steps, "steps");
-    bar.add(step);
+    bar.resume_from(step);
     bool stopped = false;
     for (; step < o.steps; ++step) {
         const auto t0 = std::chrono::steady_clock::now();
