@@ -734,12 +734,13 @@ std::string dry_run_to_text(const nlohmann::json & p) {
     }
     s += "stages (estimated here; rates and method in --json):\n";
     double total = 0;
+    // The time before the work, whose text can be long (the probe's: a new user's trial read its time run into it).
     for (const auto & st : p["stages"]) {
         total += st["seconds"].get<double>();
-        s += fmt::format("  {:<11} {:<60} {}\n", st["stage"].get<std::string>(), st["work"].get<std::string>(),
-                         dry_seconds_text(st["seconds"].get<double>()));
+        s += fmt::format("  {:<11} {:>8}  {}\n", st["stage"].get<std::string>(), dry_seconds_text(st["seconds"].get<double>()),
+                         st["work"].get<std::string>());
     }
-    s += fmt::format("  {:<11} {:<60} {}\n", "total", "", dry_seconds_text(total));
+    s += fmt::format("  {:<11} {:>8}\n", "total", dry_seconds_text(total));
     return s;
 }
 
