@@ -1283,20 +1283,19 @@ quantize_result run_quantize(const quantize_options & opts) {
     check_quantize_options(o, src);
     {
         // A recipe named twice in --like is one target (the dry run planned two files, the run printed its size twice).
-        std::vector<std::string> names;
+        std::string names;
         std::set<std::string> seen;
+        bool twice = false;
         for (const std::string & name : comma_list(o.like)) {
             if (seen.insert(recipe_by_name(name).name).second) {
-                names.push_back(name);
+                names += (names.empty() ? "" : ",") + name;
             } else {
+                twice = true;
                 fmt::print(stderr, "voodoo: warning: --like names {} more than once: one target\n", name);
             }
         }
-        if (!o.like.empty() && seen.size() < comma_list(o.like).size()) {
-            o.like.clear();
-            for (const std::string & name : names) {
-                o.like += (o.like.empty() ? "" : ",") + name;
-            }
+        if (twice) {
+            o.like = names;
         }
     }
     if (!o.announce.empty()) {

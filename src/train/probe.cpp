@@ -364,7 +364,7 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
                                                    torch::ScalarType dtype,
                                                    const std::vector<std::vector<bool>> * measure, int64_t stream_bytes,
                                                    const dist::layer_pipeline * pipe, const std::function<bool()> & stop,
-                                                   const std::function<void(size_t)> & ready) {
+                                                   const std::function<void(size_t)> & ready, const char * name) {
     if (measure && measure->size() != gated.size()) {
         fail("probe_sensitivity: a plan of {} tensors for {} gated tensors", measure->size(), gated.size());
     }
@@ -385,8 +385,8 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
     int64_t measured = 0;
     const auto check_stop = [&] {
         if (stop && stop()) {
-            throw stopped(fmt::format("stopped during the probe, after {} of {} candidates' forwards; run the same "
-                                      "command again: the candidates are kept, and the probe starts over", measured,
+            throw stopped(fmt::format("stopped during {}, after {} of {} candidates' forwards; run the same command "
+                                      "again: the candidates are kept, and the probe starts over", name, measured,
                                       n_candidates));
         }
         ++measured;

@@ -47,6 +47,7 @@ struct layer_pipeline;
 /// the streams are computed; the caller may fill gated[i]'s bytes and hashes then (a tensor's candidates built while
 /// the earlier tensors are measured: issue #16), and the probe reads gated[i]'s bytes only after it. Throws
 /// voodoo::error when given with a pipeline of several ranks.
+/// `name` names the probe in the message of a stop ("the eager probe", "the second stage's probe").
 std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_source & dense, weight_source & teacher,
                                                    const std::vector<gated_tensor> & gated,
                                                    const torch::Tensor & tokens, torch::Device device, int64_t chunk,
@@ -55,7 +56,8 @@ std::vector<std::vector<double>> probe_sensitivity(causal_lm & model, weight_sou
                                                    int64_t stream_bytes = int64_t(2) << 30,
                                                    const dist::layer_pipeline * pipe = nullptr,
                                                    const std::function<bool()> & stop = {},
-                                                   const std::function<void(size_t)> & ready = {});
+                                                   const std::function<void(size_t)> & ready = {},
+                                                   const char * name = "the probe");
 
 /// The share of a whole forward's matrix weights that probe_sensitivity runs for a candidate of `tensor` in `file`:
 /// its layer and every later one, and the head (output.weight, or token_embd.weight when the head is tied), over all

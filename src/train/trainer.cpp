@@ -963,7 +963,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         };
         candidate_prefetch ahead(src, std::move(jobs), importance, cache, prefetch_threads,
                                  [&] { return prefetch_jobs(then()); });
-        try {
+        {
             const tf32_matmul_scope tf32(probe_tf32);
             r.sens = probe_sensitivity(*model, dense, teacher_weights, r.gated, probe_tokens, device, loss_chunk, probe_dtype,
                                        &plan, int64_t(2) << 30, nullptr, stop_now, [&](size_t i) {
@@ -976,14 +976,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                                            }
                                            fill(i);
                                            r.waited_seconds += seconds_since(t);
-                                       });
-        } catch (const stopped & e) {
-            // probe_sensitivity's own stop (between forwards) says "the probe": name which one.
-            std::string m = e.what();
-            if (const size_t at = m.find("the probe"); at != std::string::npos && m.find(what) == std::string::npos) {
-                m.replace(at, std::string("the probe").size(), what);
-            }
-            throw stopped(m);
+                                       }, what);
         }
         r.then_built = std::max<int64_t>(0, ahead.stop() - n_first);
         for (size_t i = 0; i < m.size(); ++i) {
