@@ -11,6 +11,10 @@ int64_t distill_chunk(int64_t n_vocab, int64_t budget_bytes) {
     return std::max<int64_t>(1, budget_bytes / (4 * std::max<int64_t>(1, n_vocab)));
 }
 
+int64_t default_loss_chunk(int64_t n_vocab, bool on_gpu) {
+    return distill_chunk(n_vocab, on_gpu ? int64_t(512) << 20 : int64_t(31) << 20);
+}
+
 distill_values chunked_distill(causal_lm & model, const torch::Tensor & h_s, weight_source & student,
                                const torch::Tensor & h_t, weight_source & teacher, const torch::Tensor & tokens,
                                double lambda_kl, double scale, int64_t chunk, const torch::Tensor & extra,

@@ -29,4 +29,13 @@ distill_values chunked_distill(causal_lm & model, const torch::Tensor & h_s, wei
 /// Positions per chunk so that one chunk's f32 logits hold about `budget_bytes` (at least 1).
 int64_t distill_chunk(int64_t n_vocab, int64_t budget_bytes = int64_t(512) << 20);
 
+/// The positions per chunk of the CE/KL when --loss-chunk is 0: one chunk's f32 logits [chunk, n_vocab] about 512 MB
+/// on a GPU (PyTorch's caching allocator keeps the blocks), at most 31 MiB on the CPU. There each chunk's logits,
+/// log-probabilities and their products come from malloc, and glibc maps every block of 32 MiB or more afresh and
+/// unmaps it at free (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit, mallopt(3)), so larger chunks fault in their pages at every
+/// chunk. Measured on the 2-core machine (docs/BENCHMARKS.md, session 35): mix30M's CPU run 179 s with 512 MB chunks,
+/// 96 s with 31 MiB ones (256 positions; 104 s at 128, 126 s at 64: the head is read once per chunk), peak RSS 2.2 →
+/// 1.0 GiB. At least 1.
+int64_t default_loss_chunk(int64_t n_vocab, bool on_gpu);
+
 }  // namespace voodoo

@@ -745,7 +745,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         teacher_own.emplace(teacher, device, 0, keep);
     }
     gguf_weights & teacher_weights = teacher_own ? *teacher_own : dense;
-    const int64_t loss_chunk = o.loss_chunk > 0 ? o.loss_chunk : distill_chunk(model->hparams().n_vocab);
+    const int64_t loss_chunk = o.loss_chunk > 0 ? o.loss_chunk : default_loss_chunk(model->hparams().n_vocab, device.is_cuda());
     const int64_t n_chunks = train.n_chunks();
     // The first `len` tokens of the given chunks of `file`, [chunks, len] int64 on the device.
     auto tokens_of = [&](const token_file & file, const std::vector<int64_t> & chunks, int64_t len) {

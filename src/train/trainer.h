@@ -86,7 +86,7 @@ struct train_options {
                                         // prune.h stage_types), or "auto" (resolved_prune_stages)
     std::string candidates_on = "auto"; // fused path: "gpu", "host" (pinned, streamed ahead of use) or "auto" (the GPU
                                         // while they fit beside the teacher; gated.h candidate_residency)
-    int64_t loss_chunk = 0;             // positions per chunk of the CE/KL over the vocabulary (0 = ~512 MB of logits)
+    int64_t loss_chunk = 0;             // positions per chunk of the CE/KL over the vocabulary (0 = default_loss_chunk: ~512 MB of logits on a GPU, ≤ 31 MiB on the CPU)
     std::string recompute = "auto";     // activation checkpointing (blocks.h run_layer): "on", "off", or "auto": on when
                                         // the training forward's activations would not fit the GPU (resolve_recompute)
     double max_token_seconds = 0;       // > 0: the final recipe's predicted generation time per token (speed_table.h)
