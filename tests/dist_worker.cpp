@@ -8,6 +8,7 @@
 // f left out: the input gradient of column-parallel layers not summed over ranks, the omission the issue suspects in
 // the method's public implementation; the test shows its bound catches it).
 // Usage: voodoo-dist-worker MODEL OUT.json STEPS [MODE]
+#include "common/heap.h"
 #include "dist/dist.h"
 #include "ggml/gguf.h"
 #include "ggml/types.h"
@@ -98,6 +99,7 @@ int main(int argc, char ** argv) try {
         std::cerr << "usage: voodoo-dist-worker MODEL OUT.json STEPS [layers|tp|tp-without-f][-recompute]\n";
         return 2;
     }
+    voodoo::keep_freed_memory_in_heap();
     torch::set_num_threads(1);
     const gguf_file file(argv[1]);
     const int steps = std::stoi(argv[3]);

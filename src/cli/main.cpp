@@ -3,6 +3,7 @@
 #include "common/doctor.h"
 #include "common/error.h"
 #include "common/file.h"
+#include "common/heap.h"
 #include "export/model_card.h"
 
 #include <fmt/format.h>
@@ -15,7 +16,6 @@
 #include <filesystem>
 #include <cstdio>
 
-#include <malloc.h>
 #include <unistd.h>
 #include <map>
 #include <vector>
@@ -141,11 +141,7 @@ int run_main(int argc, char ** argv) {
         }
         voodoo::cli::command_line_storage() = voodoo::shell_command(words);
     }
-    // LibTorch's CPU allocator returns big blocks to the OS at once: every step then page-faults them in
-    // again (3.5x slower training on stories260K). Keep freed memory in the heap instead.
-    mallopt(M_MMAP_THRESHOLD, 32 << 20);
-    mallopt(M_TRIM_THRESHOLD, 1 << 30);
-    mallopt(M_TOP_PAD, 64 << 20);
+    voodoo::keep_freed_memory_in_heap();
     CLI::App app{"voodoo: the best GGUF of an LLM for a given size, learned by gradient descent"};
     app.require_subcommand(0, 1);
     app.set_version_flag("--version", [] { return voodoo::version_line(); });
