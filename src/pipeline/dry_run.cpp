@@ -318,19 +318,22 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
         qrate[type] = dry_quantize_rate(src, *t, type);
     }
     // A whole forward runs at a fraction of the product's peak. LibTorch's f32 forward with the vocabulary's
-    // softmax and KL: 0.21 on the 2-core machine, where mix30M's probe forward of 2 × 512 tokens takes 2.1 s at a
-    // measured 137 GFLOP/s peak; libllama's (imatrix, eval): 0.85, 1,800–2,000 tokens/s of mix30M there
-    // (docs/BENCHMARKS.md, "One size of mix30M on the CPU").
-    constexpr double torch_efficiency = 0.21, ggml_efficiency = 0.85;
+    // softmax and KL (probe, selection): 0.36 on the 2-core machine, where mix30M's eager probe (73 forwards of
+    // 2 × 512 tokens, 82% of a whole forward each) takes 60.6 s since the CPU's loss chunk stays under glibc's mmap
+    // threshold (0.21 before, at 2.1 s a forward); a training step's forward and backward: still 0.21 (mix30M's 40
+    // steps of 2 × 128 tokens, 70-75 s with either chunk; docs/BENCHMARKS.md, session 35). libllama's (imatrix, eval):
+    // 0.85, 1,800–2,000 tokens/s of mix30M there (docs/BENCHMARKS.md, "One size of mix30M on the CPU").
+    constexpr double torch_efficiency = 0.36, torch_train_efficiency = 0.21, ggml_efficiency = 0.85;
     const double cpu_peak = dry_cpu_flops(in.train.threads);
     const double cpu = torch_efficiency * cpu_peak, cpu_ggml = ggml_efficiency * dry_cpu_flops(in.ggml_threads);
+    const double cpu_train = torch_train_efficiency * cpu_peak;
     const double axpy = dry_axpy_seconds(in.train.threads);
     // A whole H200 step of a small model is bound by launches, not FLOPs (docs/BENCHMARKS.md: 22.8% MFU at the
     // Llama-3-8B slice); 100 TFLOP/s of bf16 and 30 of f32 are what the measured steps and probes reach.
     // The probe's f32 products on the tensor cores (--probe-compute tf32, auto's choice on a GPU) ran its forwards 2.7× as
     // fast on an H100 (Qwen3-1.7B shape, 8 × 512 tokens: 0.291 → 0.107 s; session 29): ≈ 80 TFLOP/s.
     const double gpu_bf16 = 100e12, gpu_f32 = 30e12, gpu_tf32 = 80e12;
-    nlohmann::json rates = {{"cpu_f32_product_flops", cpu_peak}, {"cpu_forward_flops", cpu},
+    nlohmann::json rates = {{"cpu_f32_product_flops", cpu_peak}, {"cpu_forward_flops", cpu}, {"cpu_train_flops", cpu_train},
                             {"cpu_axpy_seconds_per_element", axpy}, {"threads", threads}, {"ggml_threads", ggml_threads},
                             {"quantize_weights_per_s_per_core", nlohmann::json::object()}};
     for (const auto & [type, r] : qrate) {
@@ -341,9 +344,10 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
         rates["gpu_f32_flops_assumed"] = gpu_f32;
     }
     rates["method"] = "candidates: each type's measured single-core rate × threads; forwards: 2 FLOPs per weight "
-                      "per token at 0.21 (LibTorch) or 0.85 (libllama) of the measured f32 product rate (the fractions "
+                      "per token at 0.36 (LibTorch) or 0.85 (libllama) of the measured f32 product rate (the fractions "
                       "mix30M's forwards reach on the 2-core machine), or the assumed GPU rate; a training step: 8 "
-                      "FLOPs per weight per token (student forward and backward, teacher forward) and, on the CPU, "
+                      "FLOPs per weight per token (student forward and backward, teacher forward) at 0.21 of that rate "
+                      "and, on the CPU, "
                       "3 axpy-equivalents per candidate weight (mixture, dequantization, gate gradient)";
     plan["rates"] = rates;
 
@@ -425,7 +429,7 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
         }
         const double mix_s = gpu ? 0.0 : 3.0 * candidate_weights * axpy * static_cast<double>(in.train.steps) * in.train.accum;
         add("train", fmt::format("{} steps × {} × {} tokens", in.train.steps, in.train.batch * in.train.accum, seq),
-            4.0 * fwd_flops_per_token * tokens / (gpu ? gpu_bf16 : cpu) + mix_s);
+            4.0 * fwd_flops_per_token * tokens / (gpu ? gpu_bf16 : cpu_train) + mix_s);
     }
     {
         // The trained recipe, the exact and the greedy knapsack, and the smaller sizes' recipes of a ladder.
