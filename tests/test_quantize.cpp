@@ -265,6 +265,7 @@ TEST(quantize, every_bad_option_is_refused_before_anything_is_made) {
         {"a ctx below the imatrix's 16", [](auto & q) { q.ctx = 8; }, {"--ctx 8", "at least 16"}},
         {"imatrix chunks 0", [](auto & q) { q.imatrix_chunks = 0; }, {"--imatrix-chunks 0", "-1 for all"}},
         {"negative threads", [](auto & q) { q.threads = -3; }, {"--threads -3"}},
+        {"a negative loss chunk", [](auto & q) { q.train.loss_chunk = -5; }, {"--loss-chunk -5", "0 to choose by device"}},
         {"a --menu-for that matches nothing",
          [](auto & q) { q.train.menu.per_role = {{"nomatch.*", {GGML_TYPE_Q4_0}}}; },
          {"--menu-for 'nomatch.*'", "matches no"}},

@@ -128,7 +128,7 @@ command add_quantize(CLI::App & app) {
         ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
     sub->add_option("--candidates-on", o->q.train.candidates_on, "Fused path: where the candidates live: gpu, host (pinned host memory, each layer moved to the GPU ahead of use) or auto (the GPU while they fit beside the teacher)")->capture_default_str()->check(CLI::IsMember({"gpu", "host", "auto"}));
     sub->add_option("--mixture", o->q.train.mixture, "How W_eff is formed: fused (GPU kernels; default on cuda), reference (dense candidates, plain LibTorch) or cpu");
-    sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits on a GPU, 31 MiB on the CPU)")->capture_default_str();
+    sub->add_option("--loss-chunk", o->q.train.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary: memory and speed only (the sums' rounding aside). 0 = by device: f32 logits of about 512 MB per chunk on a GPU, at most 31 MiB on the CPU")->capture_default_str();
     sub->add_option("--lr", o->q.train.lr, "Peak learning rate of the gates (AdamW, cosine)")->capture_default_str();
     sub->add_option("--routing", o->q.train.routing,
                     "What each token of the training forward sees: mix (the mixture of the candidates) or ptqr "

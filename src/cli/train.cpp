@@ -127,7 +127,7 @@ command add_train(CLI::App & app) {
                     "Activation checkpointing: each layer keeps only its input and runs again in the backward (one more "
                     "forward, far less memory): on, off, or auto (on when a GPU would not hold every layer's activations)")
         ->capture_default_str()->check(CLI::IsMember({"auto", "on", "off"}));
-    sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary (0 = about 512 MB of logits on a GPU, 31 MiB on the CPU)")->capture_default_str();
+    sub->add_option("--loss-chunk", o->t.loss_chunk, "Positions per chunk of the CE/KL over the vocabulary: memory and speed only (the sums' rounding aside). 0 = by device: f32 logits of about 512 MB per chunk on a GPU, at most 31 MiB on the CPU")->capture_default_str();
     sub->add_option("--seed", o->t.seed, "Seed (data order, Gumbel noise)")->capture_default_str();
     sub->add_option("-t,--threads", o->t.threads, "Threads (0 = VOODOO_THREADS if set, else every core; LibTorch's OMP_NUM_THREADS when set)")->capture_default_str()->check(non_negative());
     sub->add_option("--parallel", o->t.parallel,

@@ -1112,6 +1112,7 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     at_least("--probe-sequences", o.train.probe_sequences, 1, "expected at least one sequence");
     at_least("--probe-anchors", o.train.probe_anchors, -1, "expected a number of types, 0 to measure every type, or auto");
     at_least("--select-sequences", o.train.select_sequences, 1, "expected at least one sequence");
+    at_least("--loss-chunk", o.train.loss_chunk, 0, "expected positions per chunk, or 0 to choose by device");
     parse_routing(o.train.routing);
     if (!(o.train.lambda_size >= 0) || !(o.train.size_tol >= 0)) {
         fail("--lambda-size {} and --size-tol {}: expected finite numbers ≥ 0", o.train.lambda_size, o.train.size_tol);

@@ -586,6 +586,9 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     if (o.select_sequences < 1) {
         fail("--select-sequences must be at least 1 (got {})", o.select_sequences);
     }
+    if (o.loss_chunk < 0) {
+        fail("--loss-chunk {}: expected positions per chunk, or 0 to choose by device", o.loss_chunk);
+    }
     const int64_t seq = o.seq > 0 ? o.seq : train.ctx();
     if (seq < 2 || seq > train.ctx()) {
         fail("--seq {} must be between 2 and the token file's chunk length {} ('{}')", seq, train.ctx(), train.path());
