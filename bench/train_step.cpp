@@ -311,7 +311,7 @@ int main(int argc, char ** argv) {
             a = b + 1;
         }
         nlohmann::json results = nlohmann::json::array();
-        const int64_t loss_chunk = distill_chunk(hp.n_vocab);
+        const int64_t loss_chunk = default_loss_chunk(hp.n_vocab, device.is_cuda());  // the trainer's --loss-chunk 0
         for (const std::string & path_name : paths) {
             // "fused-host": the fused path with every candidate in pinned host memory, moved to the GPU a layer ahead
             // of use (gpu::candidate_stream), as the trainer's --candidates-on host does.

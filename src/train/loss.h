@@ -27,7 +27,7 @@ distill_values chunked_distill(causal_lm & model, const torch::Tensor & h_s, wei
                                double lambda_ce = 1.0);
 
 /// Positions per chunk so that one chunk's f32 logits hold about `budget_bytes` (at least 1).
-int64_t distill_chunk(int64_t n_vocab, int64_t budget_bytes = int64_t(512) << 20);
+int64_t distill_chunk(int64_t n_vocab, int64_t budget_bytes);
 
 /// The positions per chunk of the CE/KL when --loss-chunk is 0: one chunk's f32 logits [chunk, n_vocab] about 512 MB
 /// on a GPU (PyTorch's caching allocator keeps the blocks), at most 31 MiB on the CPU. There each chunk's logits,
