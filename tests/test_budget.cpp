@@ -1,6 +1,7 @@
 #include "common/error.h"
 #include "model/fixture.h"
 #include "train/budget.h"
+#include "ggml/selection.h"
 #include "ggml/types.h"
 #include "test_util.h"
 
@@ -96,6 +97,32 @@ TEST(budget, stories260k_menus_follow_block_sizes_and_roles) {
         if (m.tensor->name.find("attn_") != std::string::npos) {
             EXPECT_EQ(m.types, (std::vector<ggml_type>{GGML_TYPE_Q5_0, GGML_TYPE_Q5_1})) << m.tensor->name;
         }
+    }
+}
+
+TEST(budget, the_default_menu_offers_the_fallback_types_only_where_no_256_block_type_fits) {
+    // stories260K: 64- and 172-wide rows, no 256-block type fits, so the default menu keeps Q4_0 … Q5_1 and IQ4_NL.
+    gguf_file small(test::stories260k());
+    for (const auto & m : build_menus(small, {})) {
+        EXPECT_EQ(m.types, menu_for(default_menu_types(), m.tensor->ne[0], false)) << m.tensor->name;
+    }
+    // mix30M: every row a multiple of 256; without them by default, with them under with_fallbacks (--menu all).
+    gguf_file mix(test::shared_data() + "/models/mix30M/mix30M.gguf");
+    menu_options all;
+    all.with_fallbacks = true;
+    const auto lean = build_menus(mix, {});
+    const auto full = build_menus(mix, all);
+    ASSERT_EQ(lean.size(), full.size());
+    for (size_t i = 0; i < lean.size(); ++i) {
+        EXPECT_EQ(std::count_if(lean[i].types.begin(), lean[i].types.end(), is_fallback_type), 0) << lean[i].tensor->name;
+        EXPECT_EQ(std::count_if(full[i].types.begin(), full[i].types.end(), is_fallback_type), 5) << full[i].tensor->name;
+        EXPECT_EQ(lean[i].types.size() + 5, full[i].types.size()) << lean[i].tensor->name;
+    }
+    // A --menu the user names is used as given, fallback types included.
+    menu_options named;
+    named.types = {GGML_TYPE_Q4_0, GGML_TYPE_Q4_K, GGML_TYPE_Q8_0};
+    for (const auto & m : build_menus(mix, named)) {
+        EXPECT_EQ(m.types, named.types) << m.tensor->name;
     }
 }
 

@@ -41,6 +41,28 @@ TEST(selection, a_64_wide_tensor_gets_the_32_block_types_and_the_floats) {
     EXPECT_EQ(menu, want);
 }
 
+TEST(selection, the_default_menu_leaves_the_fallback_types_to_rows_no_256_block_fits) {
+    // 4,096-wide rows: every type fits, so IQ4_NL, Q4_0, Q4_1, Q5_0 and Q5_1 (llama.cpp's fallbacks) are left out.
+    const auto wide = default_menu_for(4096, true, false);
+    const auto every = menu_for(default_menu_types(), 4096, true);
+    EXPECT_EQ(wide.size(), every.size() - 5);
+    for (ggml_type t : every) {
+        EXPECT_EQ(std::count(wide.begin(), wide.end(), t), is_fallback_type(t) ? 0 : 1) << type_name(t);
+    }
+    EXPECT_EQ(std::count(wide.begin(), wide.end(), GGML_TYPE_Q8_0), 1);  // a 32-block type, but no fallback
+    // with_fallbacks (--menu all, --max-slowdown): the whole menu.
+    EXPECT_EQ(default_menu_for(4096, true, true), every);
+    // 64- and 2,880-wide rows: no 256-block type fits, so the fallback types are the 4-6 bit types and stay.
+    EXPECT_EQ(default_menu_for(64, true, false), menu_for(default_menu_types(), 64, true));
+    const auto narrow = default_menu_for(2880, true, false);
+    EXPECT_EQ(narrow, menu_for(default_menu_types(), 2880, true));
+    EXPECT_EQ(std::count(narrow.begin(), narrow.end(), GGML_TYPE_IQ4_NL), 1);
+    // Without an imatrix a 256-block type (Q2_K … Q6_K, IQ4_XS) still fits: the rule is the same.
+    const auto no_imatrix = default_menu_for(4096, false, false);
+    EXPECT_EQ(std::count_if(no_imatrix.begin(), no_imatrix.end(), is_fallback_type), 0);
+    EXPECT_EQ(std::count(no_imatrix.begin(), no_imatrix.end(), GGML_TYPE_Q4_K), 1);
+}
+
 TEST(selection, a_tensor_no_block_fits_keeps_the_float_types) {
     const auto menu = menu_for(default_menu_types(), 172, true);
     EXPECT_EQ(menu, (std::vector<ggml_type>{GGML_TYPE_F16, GGML_TYPE_BF16}));

@@ -83,7 +83,9 @@ command add_quantize(CLI::App & app) {
                     "Each file generates at most this much slower than the stock recipe of its size (0.1 = 10%), as "
                     "predicted by a per-type speed table measured once on this machine; needs --like")
         ->check(non_negative_number());
-    sub->add_option("--menu", o->menu, "Candidate types, comma-separated");
+    sub->add_option("--menu", o->menu,
+                    "Candidate types, comma-separated, or 'all' (default: IQ1_S … Q8_0, F16, BF16, without IQ4_NL, Q4_0, "
+                    "Q4_1, Q5_0, Q5_1 where a 256-block type fits; 'all' and --max-slowdown keep those too)");
     sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES' (repeatable)");
     sub->add_option("--steps", o->q.train.steps, "Training steps")->capture_default_str();
     sub->add_option("--batch", o->q.train.batch, "Sequences per step")->capture_default_str();
@@ -240,8 +242,13 @@ command add_quantize(CLI::App & app) {
             fail("--max-slowdown compares each file with the stock recipe of its size: give the target as --like "
                  "(e.g. --like Q4_K_M)");
         }
-        if (!o->menu.empty()) {
+        if (o->menu == "all") {
+            q.train.menu.with_fallbacks = true;
+        } else if (!o->menu.empty()) {
             q.train.menu.types = parse_menu(o->menu, "--menu");
+        }
+        if (q.max_slowdown >= 0) {
+            q.train.menu.with_fallbacks = true;  // Q4_0 and IQ4_NL have the fastest CPU kernels (default_menu_for)
         }
         for (const auto & spec : o->menu_for) {
             q.train.menu.per_role.push_back(parse_menu_for(spec));

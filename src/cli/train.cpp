@@ -50,7 +50,8 @@ command add_train(CLI::App & app) {
     size->excludes(ratio);
     sub->add_option("--imatrix", o->imatrix, "Importance matrix (GGUF or legacy .dat) from `voodoo imatrix` or llama-imatrix")->check(CLI::ExistingFile);
     sub->add_option("--teacher", o->teacher, "Teacher GGUF (default: the model itself)");
-    sub->add_option("--menu", o->menu, "Candidate types, comma-separated (default: IQ1_S … Q8_0, F16, BF16)");
+    sub->add_option("--menu", o->menu, "Candidate types, comma-separated, or 'all' (default: IQ1_S … Q8_0, F16, BF16, without IQ4_NL, Q4_0, Q4_1, "
+                    "Q5_0, Q5_1 where a 256-block type fits; 'all' and --max-token-seconds keep those too)");
     sub->add_option("--menu-for", o->menu_for, "Per-role menu 'REGEX=TYPES', e.g. 'attn_.*=Q4_K,Q5_K,Q6_K' (repeatable)");
     sub->add_option("--cache", o->cache, "Candidate cache folder (default: RUN/candidates)");
     sub->add_option("--steps", o->t.steps, "Optimizer steps")->capture_default_str();
@@ -146,8 +147,13 @@ command add_train(CLI::App & app) {
         } else {
             fail("give one target: --target-bpw, --target-size or --ratio");
         }
-        if (!o->menu.empty()) {
+        if (o->menu == "all") {
+            t.menu.with_fallbacks = true;
+        } else if (!o->menu.empty()) {
             t.menu.types = parse_menu(o->menu, "--menu");
+        }
+        if (t.max_token_seconds > 0) {
+            t.menu.with_fallbacks = true;  // Q4_0 and IQ4_NL have the fastest CPU kernels (default_menu_for)
         }
         for (const auto & spec : o->menu_for) {
             t.menu.per_role.push_back(parse_menu_for(spec));

@@ -21,7 +21,7 @@ inspect_report inspect_gguf(const gguf_file & file, bool has_imatrix) {
     for (const gguf_tensor & t : file.tensors()) {
         inspect_tensor it{t, tensor_is_selectable(t.name, t.n_dims), {}, false};
         if (it.selectable) {
-            it.menu = menu_for(default_menu_types(), t.ne[0], has_imatrix);
+            it.menu = default_menu_for(t.ne[0], has_imatrix, false);
             it.float_only = std::none_of(it.menu.begin(), it.menu.end(),
                                          [](ggml_type ty) { return type_info_of(ty).is_quantized; });
             ++r.n_selectable;

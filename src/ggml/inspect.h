@@ -13,7 +13,7 @@ namespace voodoo {
 struct inspect_tensor {
     gguf_tensor tensor;
     bool selectable;                // tensor_is_selectable
-    std::vector<ggml_type> menu;    // menu_for(default menu, ne0, has_imatrix); empty when not selectable
+    std::vector<ggml_type> menu;    // default_menu_for(ne0, has_imatrix, false); empty when not selectable
     bool float_only;                // selectable, but no block type fits ne0 (keeps F16/BF16/F32)
 };
 

@@ -43,8 +43,11 @@ int resolve_threads(int n) {
 
 namespace {
 
-// Runs fn(row_begin, row_end) over [0, rows) in contiguous slices, one per thread; small work stays
-// on the calling thread (thread start-up costs more than quantizing a few thousand weights).
+// Runs fn(row_begin, row_end) over [0, rows) on n_threads threads, each taking the next of about four slices per
+// thread until none is left: a thread the kernel sets aside (more threads than cores, as the candidate build asks
+// for: candidate_prefetch::run) leaves its slices to the others instead of holding the whole call back. Every row is
+// quantized alone by ggml, so the slicing never changes a byte. Small work stays on the calling thread (thread
+// start-up costs more than quantizing a few thousand weights).
 template <typename Fn>
 void parallel_rows(int64_t rows, int64_t ne0, int n_threads, Fn && fn) {
     constexpr int64_t k_min_weights_per_thread = 1 << 16;
@@ -54,11 +57,18 @@ void parallel_rows(int64_t rows, int64_t ne0, int n_threads, Fn && fn) {
         fn(int64_t{0}, rows);
         return;
     }
+    const int64_t per = std::max<int64_t>(1, rows / (4 * threads));
+    std::atomic<int64_t> next{0};
+    const auto work = [&] {
+        for (int64_t r0; (r0 = next.fetch_add(per)) < rows;) {
+            fn(r0, std::min(rows, r0 + per));
+        }
+    };
     std::vector<std::thread> pool;
-    const int64_t per = (rows + threads - 1) / threads;
-    for (int64_t r0 = 0; r0 < rows; r0 += per) {
-        pool.emplace_back([&fn, r0, r1 = std::min(rows, r0 + per)] { fn(r0, r1); });
+    for (int64_t t = 1; t < threads; ++t) {
+        pool.emplace_back(work);
     }
+    work();
     for (auto & t : pool) {
         t.join();
     }

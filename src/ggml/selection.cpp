@@ -64,6 +64,28 @@ std::vector<ggml_type> menu_for(std::span<const ggml_type> types, int64_t ne0, b
     return menu;
 }
 
+bool is_fallback_type(ggml_type type) {
+    switch (type) {
+        case GGML_TYPE_IQ4_NL:
+        case GGML_TYPE_Q4_0:
+        case GGML_TYPE_Q4_1:
+        case GGML_TYPE_Q5_0:
+        case GGML_TYPE_Q5_1: return true;
+        default: return false;
+    }
+}
+
+std::vector<ggml_type> default_menu_for(int64_t ne0, bool has_imatrix, bool with_fallbacks) {
+    std::vector<ggml_type> menu = menu_for(default_menu_types(), ne0, has_imatrix);
+    const bool superblock_fits = std::any_of(menu.begin(), menu.end(), [](ggml_type t) {
+        return type_info_of(t).is_quantized && type_info_of(t).blck_size == 256;
+    });
+    if (!with_fallbacks && superblock_fits) {
+        std::erase_if(menu, is_fallback_type);
+    }
+    return menu;
+}
+
 }  // namespace voodoo
 
 namespace voodoo {

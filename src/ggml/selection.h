@@ -25,6 +25,20 @@ const std::vector<ggml_type> & default_menu_types();
 /// A tensor no block type fits keeps F16/BF16 (when in `types`), as llama.cpp falls back to F16.
 std::vector<ggml_type> menu_for(std::span<const ggml_type> types, int64_t ne0, bool has_imatrix);
 
+/// The 32-weight-block types that llama.cpp writes where a 256-block type does not fit a row
+/// (tensor_type_fallback, src/llama-quant.cpp): IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1.
+bool is_fallback_type(ggml_type type);
+
+/// The default menu of one tensor of row length ne0: menu_for(default_menu_types(), ne0, has_imatrix), less the
+/// fallback types (is_fallback_type) wherever a 256-block type fits the row, unless `with_fallbacks`.
+/// Why: on every tensor of mix30M's three full probes (36 tensors each, docs/BENCHMARKS.md "The default menu without
+/// llama.cpp's fallback types") none of the five is on the lower convex hull of (bytes, ΔKL), which the knapsack
+/// chooses from, and IQ4_NL, Q4_0 and Q5_0 are not even on the Pareto front; yet with an imatrix their quantizers cost
+/// a quarter of the candidates' build. Where no 256-block type fits (rows of 64, 2,880, …) they stay: they are then
+/// the only 4-6 bit types. `with_fallbacks` keeps them everywhere: quantize --max-slowdown (Q4_0 and IQ4_NL have
+/// the fastest CPU kernels) and `--menu all`.
+std::vector<ggml_type> default_menu_for(int64_t ne0, bool has_imatrix, bool with_fallbacks);
+
 }  // namespace voodoo
 
 namespace voodoo {

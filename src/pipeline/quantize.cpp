@@ -354,6 +354,8 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     }
     if (!t.menu.types.empty()) {
         args.insert(args.end(), {"--menu", types_list(t.menu.types)});
+    } else if (t.menu.with_fallbacks) {
+        args.insert(args.end(), {"--menu", "all"});
     }
     for (const auto & [regex, types] : t.menu.per_role) {
         args.insert(args.end(), {"--menu-for", regex + "=" + types_list(types)});
@@ -786,6 +788,9 @@ nlohmann::json run_inputs(const train_options & t, const std::string & model, co
     }
     if (t.max_token_seconds > 0) {
         in["max_token_seconds"] = t.max_token_seconds;  // only when set: earlier work folders stay valid
+    }
+    if (t.menu.types.empty()) {  // the default menu's rule (session 36: the fallback types only where they must be)
+        in["default_menu"] = t.menu.with_fallbacks ? "all" : "fallback types where no 256-block type fits";
     }
     return in;
 }

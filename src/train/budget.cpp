@@ -55,7 +55,6 @@ std::pair<std::string, std::vector<ggml_type>> parse_menu_for(const std::string 
 }
 
 std::vector<tensor_menu> build_menus(const gguf_file & file, const menu_options & opts) {
-    const std::vector<ggml_type> & base = opts.types.empty() ? default_menu_types() : opts.types;
     std::vector<std::pair<std::regex, const std::vector<ggml_type> *>> roles;
     for (const auto & [pattern, types] : opts.per_role) {
         roles.emplace_back(std::regex(pattern), &types);
@@ -71,7 +70,7 @@ std::vector<tensor_menu> build_menus(const gguf_file & file, const menu_options 
         if (!tensor_is_selectable(t.name, t.n_dims)) {
             continue;
         }
-        const std::vector<ggml_type> * types = &base;
+        const std::vector<ggml_type> * types = opts.types.empty() ? nullptr : &opts.types;
         for (size_t r = 0; r < roles.size(); ++r) {
             if (std::regex_search(t.name, roles[r].first)) {
                 types = roles[r].second;
@@ -80,7 +79,9 @@ std::vector<tensor_menu> build_menus(const gguf_file & file, const menu_options 
             }
         }
         const bool covered = opts.has_imatrix && (!opts.importance || opts.importance->count(t.name));
-        tensor_menu m{&t, menu_for(*types, t.ne[0], covered), false};
+        tensor_menu m{&t,
+                      types ? menu_for(*types, t.ne[0], covered) : default_menu_for(t.ne[0], covered, opts.with_fallbacks),
+                      false};
         if (m.types.empty()) {
             continue;
         }

@@ -15,7 +15,10 @@
 namespace voodoo {
 
 struct menu_options {
-    std::vector<ggml_type> types;                                        // empty = default_menu_types()
+    std::vector<ggml_type> types;                                        // empty = the default menu (default_menu_for)
+    /// With the default menu: offer llama.cpp's 32-block fallback types (IQ4_NL, Q4_0, Q4_1, Q5_0, Q5_1) also where a
+    /// 256-block type fits (`--menu all`; quantize --max-slowdown). An explicit --menu/--menu-for is used as given.
+    bool with_fallbacks = false;
     std::vector<std::pair<std::string, std::vector<ggml_type>>> per_role; // regex on the tensor name → its menu
     bool has_imatrix = false;
     /// The imatrix's entries, when known: a tensor without one (token_embd: no matmul reads it) gets no
@@ -39,7 +42,8 @@ struct tensor_menu {
 
 /// Every selectable tensor whose menu is not empty, in source order. A tensor's menu is the first
 /// --menu-for pattern that matches its name (std::regex_search), else the --menu, filtered by
-/// menu_for (block fits ne0; IQ1/IQ2/IQ3_XXS only with an imatrix entry for the tensor). A tensor with an empty menu keeps
+/// menu_for (block fits ne0; IQ1/IQ2/IQ3_XXS only with an imatrix entry for the tensor), else the default menu
+/// (default_menu_for: without the 32-block fallback types where a 256-block type fits, unless with_fallbacks). A tensor with an empty menu keeps
 /// its source type (counted as fixed bytes). Throws voodoo::error when a type the user named (--menu,
 /// --menu-for) fits no tensor of the model, naming the type.
 std::vector<tensor_menu> build_menus(const gguf_file & file, const menu_options & opts);
