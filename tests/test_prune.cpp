@@ -523,6 +523,18 @@ TEST(prune, the_candidate_schedule_changes_no_byte_whatever_the_threads) {
             }
         }
     }
+    // A cache that already holds some of them (built ahead while a probe ran): those count no build cost in the
+    // schedule, and every candidate is still the same bytes.
+    const test::temp_dir tmp;
+    const candidate_cache cache(tmp.path.string());
+    build_candidates(f, std::vector<tensor_menu>(menus.begin() + 1, menus.end()), &imp, cache, 2);
+    const std::vector<gated_tensor> g = build_candidates(f, menus, &imp, cache, 8);
+    for (size_t i = 0; i < g.size(); ++i) {
+        for (size_t k = 0; k < g[i].types.size(); ++k) {
+            EXPECT_EQ(g[i].bytes[k], one_thread[i][k]) << "partly cached: " << g[i].tensor->name << " as "
+                                                       << type_name(g[i].types[k]);
+        }
+    }
 }
 
 TEST(prune, a_stop_request_ends_the_candidate_build_after_the_candidates_in_progress_and_keeps_them) {

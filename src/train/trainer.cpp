@@ -141,15 +141,36 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
     // of the weights) quantized to a lattice type took minutes on one of the 16 threads at the end, and a 4-layer
     // slice of that shape built at 0.36× llama-quantize's rate (docs/BENCHMARKS.md). Only the order and the threads
     // change; every candidate's bytes are the same (rows quantize independently in every llama.cpp type).
+    // A candidate the cache already holds (built ahead while the probe ran: most of them on a GPU) costs a read, not a
+    // build, so it counts 0: with its build cost in the total, the share that earns every thread was inflated, and on
+    // session 36's 1.7B job the tied head's last types (311 M weights each) were built on one thread each, 45 s with
+    // the other 15 cores idle (vmstat).
     const int n_threads = resolve_threads(threads);
     std::vector<double> cost(jobs.size());
-    double total = 0;
-    for (size_t j = 0; j < jobs.size(); ++j) {
-        const auto [i, k] = jobs[j];
-        const bool cached_type = menus[i].types[k] == menus[i].tensor->type;  // the source's bytes, copied
-        cost[j] = cached_type ? 0.0 : static_cast<double>(menus[i].tensor->n_elements()) * quantize_cost_per_weight(menus[i].types[k]);
-        total += cost[j];
+    {
+        std::atomic<size_t> next_held{0};
+        const auto price = [&] {
+            for (size_t j; (j = next_held++) < jobs.size();) {
+                const auto [i, k] = jobs[j];
+                const gguf_tensor & t = *menus[i].tensor;
+                const ggml_type type = menus[i].types[k];
+                const bool copied = type == t.type;  // the source's bytes, copied
+                const bool held = !copied && candidate_cache::holds(cache.dir(),
+                                                                    candidate_cache::key(src, t, type, importance_for(importance, t)),
+                                                                    tensor_bytes(type, t.shape(), t.name));
+                cost[j] = copied || held ? 0.0 : static_cast<double>(t.n_elements()) * quantize_cost_per_weight(type);
+            }
+        };
+        std::vector<std::thread> pool;
+        for (int t = 1; t < std::min<int>(n_threads, static_cast<int>(jobs.size())); ++t) {
+            pool.emplace_back(price);
+        }
+        price();
+        for (auto & t : pool) {
+            t.join();
+        }
     }
+    const double total = std::accumulate(cost.begin(), cost.end(), 0.0);
     std::vector<size_t> order(jobs.size());
     std::iota(order.begin(), order.end(), size_t{0});
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return cost[a] > cost[b]; });
