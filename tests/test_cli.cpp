@@ -211,6 +211,15 @@ TEST(cli, quantize_takes_the_model_as_llama_cpp_does_and_refuses_a_bad_target_be
     EXPECT_EQ(staged.exit_code, 0) << staged.output;
     EXPECT_NE(staged.output.find("of the second stage of pruning, --prune-stages 2"), std::string::npos) << staged.output;
     EXPECT_FALSE(std::filesystem::exists(dir.file("s")));
+    // A dry run of a target the run would refuse prints its plan, then exits 1 naming the target: a script's check.
+    const auto dry_outside = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                                        " --target-size 1KB,400KB --dry-run --work " + dir.file("s"));
+    EXPECT_EQ(dry_outside.exit_code, 1) << dry_outside.output;
+    EXPECT_NE(dry_outside.output.find("OUTSIDE the range"), std::string::npos) << dry_outside.output;
+    EXPECT_NE(dry_outside.output.find("voodoo: error: --dry-run: size=1000 outside the feasible sizes"), std::string::npos)
+        << dry_outside.output;
+    EXPECT_EQ(dry_outside.output.find("size=409600 outside"), std::string::npos) << dry_outside.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("s")));
 }
 
 TEST(cli, json_goes_to_the_file_named_or_to_stdout_for_a_dash_and_threads_are_dash_t_everywhere) {

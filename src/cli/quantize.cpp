@@ -265,6 +265,19 @@ command add_quantize(CLI::App & app) {
             if (o->json != "-") {
                 fmt::print("{}", dry_run_to_text(r.plan));
             }
+            // A plan the run would refuse is an error, so that a script can take --dry-run as its check.
+            std::vector<std::string> outside;
+            for (const auto & t : r.plan["sizes"]["targets"]) {
+                if (t["feasible"].is_boolean() && !t["feasible"].get<bool>()) {
+                    outside.push_back(t["target"].get<std::string>());
+                }
+            }
+            if (!outside.empty()) {
+                fail("--dry-run: {} outside the feasible sizes of '{}' ({:.0f} to {:.0f} bytes of {}): the run would refuse "
+                     "{}; give a target in that range", fmt::join(outside, ", "), q.model,
+                     r.plan["sizes"]["min_bytes"].get<double>(), r.plan["sizes"]["max_bytes"].get<double>(),
+                     r.plan["sizes"]["of"].get<std::string>(), outside.size() == 1 ? "it" : "them");
+            }
             return 0;
         }
         if (o->json != "-") {
