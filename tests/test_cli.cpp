@@ -93,6 +93,14 @@ TEST(cli, help_shows_examples_and_unknown_flags_exit_nonzero) {
     const auto bad = run_voodoo("inspect --no-such-flag x.gguf");
     EXPECT_NE(bad.exit_code, 0);
     EXPECT_NE(bad.output.find("--no-such-flag"), std::string::npos) << bad.output;
+    // quantize's help prints the GPU's defaults beside its flags, and names what a CPU run takes instead.
+    const auto quantize = run_voodoo("quantize --help");
+    EXPECT_EQ(quantize.exit_code, 0);
+    EXPECT_NE(quantize.output.find("On the CPU (no --device cuda) a flag not given takes its cpu default instead: "
+                                   "--probe-sequences 2"),
+              std::string::npos)
+        << quantize.output;
+    EXPECT_NE(quantize.output.find("'all'"), std::string::npos) << quantize.output;  // --menu all
 }
 
 TEST(cli, doctor_reports_the_llama_cpp_release_and_libtorch) {

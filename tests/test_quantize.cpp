@@ -561,7 +561,8 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
                                                 "--baselines none --work {} --dry-run --json -", test::stories260k(),
                                                 test::shared_data() + "/text/tinystories/tinystories_val.txt",
                                                 min_bytes + edge, work));
-        ASSERT_EQ(r.exit_code, 0) << r.output;
+        // Outside the range the dry run still writes its plan, then exits 1 as the real run does.
+        ASSERT_EQ(r.exit_code, edge == 0.0 ? 0 : 1) << r.output;
         EXPECT_EQ(nlohmann::json::parse(r.output)["sizes"]["targets"][0]["feasible"].get<bool>(), edge == 0.0) << edge;
         const test::run_result real = test::run_voodoo(fmt::format(
             "quantize {} --text {} --target-size {:.0f} --ctx 64 --imatrix-chunks 8 --steps 1 --batch 1 --seq 32 "
@@ -579,6 +580,14 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     EXPECT_EQ(train_plan["candidates"]["to_build"], 0);
     EXPECT_EQ(train_plan["sizes"]["min_bytes"], after["sizes"]["min_bytes"]);
     EXPECT_TRUE(train_plan["sizes"]["targets"][0]["feasible"].get<bool>());
+    EXPECT_FALSE(std::filesystem::exists(tmp.file("run"))) << "a dry run makes nothing";
+    // Below the range train's dry run, as quantize's, prints its plan and exits 1 naming the target.
+    r = test::run_voodoo(fmt::format("train --model {} --data {}/data --imatrix {}/imatrix.gguf --target-size 1000 "
+                                     "--out {} --cache {}/candidates --dry-run", test::stories260k(), work, work,
+                                     tmp.file("run"), work));
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("OUTSIDE the range"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("voodoo: error: --dry-run: size=1000 outside the feasible sizes"), std::string::npos) << r.output;
     EXPECT_FALSE(std::filesystem::exists(tmp.file("run"))) << "a dry run makes nothing";
 }
 

@@ -23,7 +23,14 @@ command add_quantize(CLI::App & app) {
                 "  voodoo quantize model.gguf --text calib.txt --like Q2_K,Q3_K_M,Q4_K_M,Q5_K_M,Q6_K --baselines all-that-fit\n"
                 "A list of targets makes one file per size from one run of data, imatrix, candidates and probe,\n"
                 "and draws the curve against the stock recipes (WORK/curve.png, curve.md, curve.json).\n"
-                "Run it again after a stop: finished stages are kept, training resumes from its journal.");
+                "Run it again after a stop: finished stages are kept, training resumes from its journal.\n" +
+                [] {
+                    // The defaults printed with each flag are the GPU's; say what a CPU run takes instead.
+                    train_options t;
+                    const std::vector<std::string> cpu = apply_cpu_defaults(t, [](const std::string &) { return false; }, 512);
+                    return fmt::format("On the CPU (no --device cuda) a flag not given takes its cpu default instead: {}.",
+                                       fmt::join(cpu, ", "));
+                }());
     struct options {
         quantize_options q;
         std::string target_size, menu, target_bpw, ratio, model_flag, json;
@@ -265,19 +272,7 @@ command add_quantize(CLI::App & app) {
             if (o->json != "-") {
                 fmt::print("{}", dry_run_to_text(r.plan));
             }
-            // A plan the run would refuse is an error, so that a script can take --dry-run as its check.
-            std::vector<std::string> outside;
-            for (const auto & t : r.plan["sizes"]["targets"]) {
-                if (t["feasible"].is_boolean() && !t["feasible"].get<bool>()) {
-                    outside.push_back(t["target"].get<std::string>());
-                }
-            }
-            if (!outside.empty()) {
-                fail("--dry-run: {} outside the feasible sizes of '{}' ({:.0f} to {:.0f} bytes of {}): the run would refuse "
-                     "{}; give a target in that range", fmt::join(outside, ", "), q.model,
-                     r.plan["sizes"]["min_bytes"].get<double>(), r.plan["sizes"]["max_bytes"].get<double>(),
-                     r.plan["sizes"]["of"].get<std::string>(), outside.size() == 1 ? "it" : "them");
-            }
+            fail_if_outside_the_range(r.plan, q.model);  // a plan the run would refuse is an error: a script's check
             return 0;
         }
         if (o->json != "-") {

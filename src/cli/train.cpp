@@ -208,6 +208,7 @@ command add_train(CLI::App & app) {
             if (o->json != "-") {
                 fmt::print("{}", dry_run_to_text(plan));
             }
+            fail_if_outside_the_range(plan, o->model);  // as the real run refuses it
             return 0;
         }
         if (t.max_token_seconds > 0 && t.speed_table.empty()) {

@@ -19,6 +19,7 @@
 #include "train/trainer.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -746,6 +747,21 @@ std::string dry_run_to_text(const nlohmann::json & p) {
     }
     s += fmt::format("  {:<11} {:>8}\n", "total", dry_seconds_text(total));
     return s;
+}
+
+void fail_if_outside_the_range(const nlohmann::json & plan, const std::string & model) {
+    std::vector<std::string> outside;
+    const nlohmann::json & sizes = plan.at("sizes");
+    for (const auto & t : sizes.at("targets")) {
+        if (t["feasible"].is_boolean() && !t["feasible"].get<bool>()) {
+            outside.push_back(t["target"].get<std::string>());
+        }
+    }
+    if (!outside.empty()) {
+        fail("--dry-run: {} outside the feasible sizes of '{}' ({:.0f} to {:.0f} bytes of {}): the run would refuse {}; "
+             "give a target in that range", fmt::join(outside, ", "), model, sizes["min_bytes"].get<double>(),
+             sizes["max_bytes"].get<double>(), sizes["of"].get<std::string>(), outside.size() == 1 ? "it" : "them");
+    }
 }
 
 }  // namespace voodoo

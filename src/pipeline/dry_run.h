@@ -56,4 +56,9 @@ nlohmann::json plan_dry_run(const dry_run_input & in);
 /// The plan as text for a terminal: a few lines per section.
 std::string dry_run_to_text(const nlohmann::json & plan);
 
+/// Throws voodoo::error naming every target of `plan` outside its feasible sizes ("feasible": false) and the range,
+/// as the real run refuses them, so that a script can take --dry-run (quantize, train) as its check; called once the
+/// plan is printed. Targets not sized yet (a --like before its imatrix) pass. `model`: the source, for the message.
+void fail_if_outside_the_range(const nlohmann::json & plan, const std::string & model);
+
 }  // namespace voodoo
