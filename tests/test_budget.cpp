@@ -71,6 +71,11 @@ TEST(budget, menus_parse_and_sort_by_bits_per_weight) {
     EXPECT_EQ(parse_menu("Q8_0, q4_0,Q5_1", "--menu"),
               (std::vector<ggml_type>{GGML_TYPE_Q4_0, GGML_TYPE_Q5_1, GGML_TYPE_Q8_0}));
     EXPECT_NE(error_of([] { parse_menu("Q4_0,Q4_K_M", "--menu"); }).find("Q4_K_M"), std::string::npos);
+    // "all" stands alone, in any case (a new user's trial: "all,q4_K" was "unknown ggml type 'all'").
+    EXPECT_TRUE(is_all_menu("all"));
+    EXPECT_TRUE(is_all_menu(" ALL "));
+    EXPECT_FALSE(is_all_menu("all,q4_K"));
+    EXPECT_NE(error_of([] { parse_menu("all,q4_K", "--menu"); }).find("'all' stands alone"), std::string::npos);
     const auto role = parse_menu_for("attn_.*=Q4_0,Q8_0");
     EXPECT_EQ(role.first, "attn_.*");
     EXPECT_NE(error_of([] { parse_menu_for("Q4_0"); }).find("PATTERN=TYPES"), std::string::npos);

@@ -171,6 +171,13 @@ TEST(cli, quantize_takes_the_model_as_llama_cpp_does_and_refuses_a_bad_target_be
     EXPECT_EQ(r.output.rfind("voodoo: error: target size=1000 is outside", 0), 0u) << r.output;
     EXPECT_NE(r.output.find("MiB"), std::string::npos) << r.output;
     EXPECT_FALSE(std::filesystem::exists(dir.file("w")));
+    // An output path that is the source is refused before any work too (it was refused only at export).
+    const auto onto_source = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                                        " --like Q4_0 -o " + voodoo::test::stories260k() + " --work " + dir.file("w"));
+    EXPECT_EQ(onto_source.exit_code, 1) << onto_source.output;
+    EXPECT_NE(onto_source.output.find("is the source model: Voodoo never writes over its source"), std::string::npos)
+        << onto_source.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("w")));
     const auto both = run_voodoo("quantize a.gguf -m b.gguf --text " + text + " --like Q4_0");
     EXPECT_EQ(both.exit_code, 2) << both.output;
     // A flag naming a missing file is a command-line error (README, "Exit codes"), -m as --text.

@@ -249,7 +249,7 @@ command add_quantize(CLI::App & app) {
             fail("--max-slowdown compares each file with the stock recipe of its size: give the target as --like "
                  "(e.g. --like Q4_K_M)");
         }
-        if (o->menu == "all") {
+        if (is_all_menu(o->menu)) {
             q.train.menu.with_fallbacks = true;
         } else if (!o->menu.empty()) {
             q.train.menu.types = parse_menu(o->menu, "--menu");

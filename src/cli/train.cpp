@@ -147,7 +147,7 @@ command add_train(CLI::App & app) {
         } else {
             fail("give one target: --target-bpw, --target-size or --ratio");
         }
-        if (o->menu == "all") {
+        if (is_all_menu(o->menu)) {
             t.menu.with_fallbacks = true;
         } else if (!o->menu.empty()) {
             t.menu.types = parse_menu(o->menu, "--menu");

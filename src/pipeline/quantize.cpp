@@ -1101,6 +1101,10 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     if (!o.eval_text.empty()) {
         file_size(o.eval_text);
     }
+    if (!o.out.empty() && same_file(o.out, src.path())) {  // export refuses it too, but only after the whole job
+        fail("--out '{}' is the source model: Voodoo never writes over its source; give another path (or none: "
+             "WORK/<model>.Voodoo<NN>.gguf)", o.out);
+    }
     at_least("--ctx", o.ctx, 16,
              "expected at least 16 tokens per chunk, what the imatrix needs (llama-perplexity's 512 is the usual)");
     if (o.imatrix_chunks == 0 || o.imatrix_chunks < -1) {

@@ -16,6 +16,16 @@
 
 namespace voodoo {
 
+bool is_all_menu(const std::string & spec) {
+    std::string s;
+    for (unsigned char c : spec) {
+        if (!std::isspace(c)) {
+            s.push_back(static_cast<char>(std::tolower(c)));
+        }
+    }
+    return s == "all";
+}
+
 std::vector<ggml_type> parse_menu(const std::string & list, const std::string & flag) {
     std::vector<ggml_type> types;
     size_t start = 0;
@@ -25,6 +35,12 @@ std::vector<ggml_type> parse_menu(const std::string & list, const std::string & 
         name.erase(std::remove_if(name.begin(), name.end(), [](unsigned char c) { return std::isspace(c); }),
                    name.end());
         if (!name.empty()) {
+            std::string lower = name;
+            std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+            if (lower == "all") {
+                fail("{}: 'all' stands alone (the default menu with llama.cpp's fallback types on every tensor); give "
+                     "--menu all, or a list of types such as Q4_K,Q5_K,Q6_K", flag);
+            }
             const ggml_type t = parse_type(name, flag);
             if (std::find(types.begin(), types.end(), t) == types.end()) {
                 types.push_back(t);

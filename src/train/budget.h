@@ -27,7 +27,12 @@ struct menu_options {
     const importance_map * importance = nullptr;
 };
 
-/// Parses "--menu Q4_K,Q5_K,Q6_K" (comma-separated ggml type names). Throws voodoo::error naming the flag.
+/// True for "--menu all" (any case, spaces around it ignored): the default menu with the fallback types everywhere
+/// (menu_options::with_fallbacks).
+bool is_all_menu(const std::string & spec);
+
+/// Parses "--menu Q4_K,Q5_K,Q6_K" (comma-separated ggml type names). Throws voodoo::error naming the flag, also for
+/// "all" inside a list (it stands alone: is_all_menu).
 std::vector<ggml_type> parse_menu(const std::string & list, const std::string & flag);
 
 /// Parses "--menu-for 'attn_.*=Q4_K,Q5_K,Q6_K'". Throws voodoo::error naming the flag.
