@@ -35,9 +35,7 @@ std::vector<ggml_type> parse_menu(const std::string & list, const std::string & 
         name.erase(std::remove_if(name.begin(), name.end(), [](unsigned char c) { return std::isspace(c); }),
                    name.end());
         if (!name.empty()) {
-            std::string lower = name;
-            std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
-            if (lower == "all") {
+            if (is_all_menu(name)) {
                 fail("{}: 'all' stands alone (the default menu with llama.cpp's fallback types on every tensor); give "
                      "--menu all, or a list of types such as Q4_K,Q5_K,Q6_K", flag);
             }

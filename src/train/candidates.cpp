@@ -208,10 +208,10 @@ candidate_prefetch::candidate_prefetch(const gguf_file & file, std::vector<job> 
 
 candidate_prefetch::~candidate_prefetch() { stop(); }
 
-int64_t candidate_bytes_to_build(const gguf_file & file, const std::vector<std::pair<const gguf_tensor *, ggml_type>> & jobs,
-                                 const importance_map * importance, const std::string & dir, int n_threads) {
+std::vector<bool> candidates_held(const gguf_file & file, const std::vector<std::pair<const gguf_tensor *, ggml_type>> & jobs,
+                                  const importance_map * importance, const std::string & dir, int n_threads) {
+    std::vector<char> held(jobs.size(), 0);  // char, not bool: each thread writes its own element
     std::atomic<size_t> next{0};
-    std::atomic<int64_t> need{0};
     std::exception_ptr failure;
     std::mutex failure_mutex;
     auto work = [&] {
@@ -221,10 +221,8 @@ int64_t candidate_bytes_to_build(const gguf_file & file, const std::vector<std::
                 continue;
             }
             try {
-                const size_t bytes = tensor_bytes(type, t->shape(), t->name);
-                if (!candidate_cache::holds(dir, candidate_cache::key(file, *t, type, importance_for(importance, *t)), bytes)) {
-                    need += static_cast<int64_t>(bytes + sizeof(uint64_t));
-                }
+                held[j] = candidate_cache::holds(dir, candidate_cache::key(file, *t, type, importance_for(importance, *t)),
+                                                 tensor_bytes(type, t->shape(), t->name));
             } catch (...) {
                 std::lock_guard<std::mutex> lock(failure_mutex);
                 failure = std::current_exception();
@@ -244,6 +242,19 @@ int64_t candidate_bytes_to_build(const gguf_file & file, const std::vector<std::
     }
     if (failure) {
         std::rethrow_exception(failure);
+    }
+    return {held.begin(), held.end()};
+}
+
+int64_t candidate_bytes_to_build(const gguf_file & file, const std::vector<std::pair<const gguf_tensor *, ggml_type>> & jobs,
+                                 const importance_map * importance, const std::string & dir, int n_threads) {
+    const std::vector<bool> held = candidates_held(file, jobs, importance, dir, n_threads);
+    int64_t need = 0;
+    for (size_t j = 0; j < jobs.size(); ++j) {
+        const auto [t, type] = jobs[j];
+        if (type != t->type && !held[j]) {
+            need += static_cast<int64_t>(tensor_bytes(type, t->shape(), t->name) + sizeof(uint64_t));
+        }
     }
     return need;
 }

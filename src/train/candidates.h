@@ -87,6 +87,12 @@ std::vector<uint8_t> candidate_bytes(const gguf_file & file, const gguf_tensor &
                                      std::span<const float> importance, const candidate_cache * cache,
                                      std::span<const float> f32 = {}, int n_threads = 0);
 
+/// For each of `jobs` ((tensor, type) pairs), whether the cache in `dir` holds its candidate (candidate_cache::holds on
+/// its key); false for a pair of the tensor's source type (its bytes are copied, never cached). The keys hash each
+/// source tensor once per type, on `n_threads` (0 = every core). Throws voodoo::error as importance_for does.
+std::vector<bool> candidates_held(const gguf_file & file, const std::vector<std::pair<const gguf_tensor *, ggml_type>> & jobs,
+                                  const importance_map * importance, const std::string & dir, int n_threads);
+
 /// The bytes building `jobs` ((tensor, type) pairs) would add to the cache in `dir`: each pair that is not the
 /// tensor's source type (its bytes are copied, never cached) and not already held there (candidate_cache::holds), at
 /// its exact size plus the entry's 8-byte checksum. The keys hash each source tensor once per type, on `n_threads`

@@ -146,29 +146,16 @@ std::vector<gated_tensor> build_candidates(const gguf_file & src, const std::vec
     // session 36's 1.7B job the tied head's last types (311 M weights each) were built on one thread each, 45 s with
     // the other 15 cores idle (vmstat).
     const int n_threads = resolve_threads(threads);
+    std::vector<std::pair<const gguf_tensor *, ggml_type>> pairs;
+    for (const auto & [i, k] : jobs) {
+        pairs.emplace_back(menus[i].tensor, menus[i].types[k]);
+    }
+    const std::vector<bool> held = candidates_held(src, pairs, importance, cache.dir(), n_threads);
     std::vector<double> cost(jobs.size());
-    {
-        std::atomic<size_t> next_held{0};
-        const auto price = [&] {
-            for (size_t j; (j = next_held++) < jobs.size();) {
-                const auto [i, k] = jobs[j];
-                const gguf_tensor & t = *menus[i].tensor;
-                const ggml_type type = menus[i].types[k];
-                const bool copied = type == t.type;  // the source's bytes, copied
-                const bool held = !copied && candidate_cache::holds(cache.dir(),
-                                                                    candidate_cache::key(src, t, type, importance_for(importance, t)),
-                                                                    tensor_bytes(type, t.shape(), t.name));
-                cost[j] = copied || held ? 0.0 : static_cast<double>(t.n_elements()) * quantize_cost_per_weight(type);
-            }
-        };
-        std::vector<std::thread> pool;
-        for (int t = 1; t < std::min<int>(n_threads, static_cast<int>(jobs.size())); ++t) {
-            pool.emplace_back(price);
-        }
-        price();
-        for (auto & t : pool) {
-            t.join();
-        }
+    for (size_t j = 0; j < jobs.size(); ++j) {
+        const auto [t, type] = pairs[j];
+        const bool copied = type == t->type;  // the source's bytes, copied
+        cost[j] = copied || held[j] ? 0.0 : static_cast<double>(t->n_elements()) * quantize_cost_per_weight(type);
     }
     const double total = std::accumulate(cost.begin(), cost.end(), 0.0);
     std::vector<size_t> order(jobs.size());
