@@ -84,6 +84,9 @@ int main(int argc, char ** argv) {
     app.add_option("--dump", dump_path, "Candidate pruning: every candidate's sampled error, bytes, eager flag, prediction "
                    "from the eager types and measured ΔKL, as JSON (for studies of the prediction's error)");
     bool all_anchors = false;
+    double eager_max_cost = voodoo::prune_options{}.eager_max_cost;
+    app.add_option("--eager-max-cost", eager_max_cost, "Candidate pruning: the eager types' largest quantizer cost, µs per "
+                   "weight on one core (prune_options::eager_max_cost; 0: every fast type)")->capture_default_str();
     double stage_margin = voodoo::prune_options{}.stage_margin;
     app.add_option("--stage-margin", stage_margin, "With --staged: the second plan's band (prune_options::stage_margin)")->capture_default_str();
     app.add_flag("--stage-all-anchors", all_anchors, "With --staged: the second plan predicts from every measured type, "
@@ -134,7 +137,8 @@ int main(int argc, char ** argv) {
             b.limit = b.min_total + (std::min(b.max_total, b.q8_0_bytes) - b.min_total) * (j + 0.5) / budgets;
             return b;
         };
-        nlohmann::json report = {{"model", model_path}, {"probe", probe_path}, {"tensors", gated.size()}};
+        nlohmann::json report = {{"model", model_path}, {"probe", probe_path}, {"tensors", gated.size()},
+                                 {"eager_max_cost", eager_max_cost}};
         if (!against_path.empty()) {
             std::ifstream in2(against_path);
             if (!in2) {
@@ -235,6 +239,7 @@ int main(int argc, char ** argv) {
         for (int n_eager : eager_counts) {
             prune_options po;
             po.eager = n_eager;
+            po.eager_max_cost = eager_max_cost;
             const auto eager = eager_types(menus, hat, po);
             std::vector<std::vector<double>> measured(menus.size());
             for (size_t i = 0; i < menus.size(); ++i) {

@@ -36,6 +36,7 @@ e2e_17b() {
     # The CPU's use each second (vmstat: us/sy/id/wa), timestamped: where the cores idle is where work can move.
     vmstat -n -t 1 > "$OUT/e2e/vmstat-1.7b$tag.txt" 2>&1 &
     VM=$!
+    lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\) per core" > "$OUT/e2e/cpu-1.7b$tag.txt" 2>&1
     log "quantize starts (the vmstat samples' clock)"
     /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/qwen3-1.7b-shape.gguf --text "$T" --like Q4_K_M \
         "$@" --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" \

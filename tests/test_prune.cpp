@@ -129,27 +129,43 @@ TEST(prune, the_eager_types_are_fast_block_types_spread_in_error_and_a_short_men
     ASSERT_EQ(menus.size(), 2u);
     menus[1].types = {GGML_TYPE_Q4_K, GGML_TYPE_Q6_K, GGML_TYPE_Q8_0, GGML_TYPE_BF16};  // shorter than min_menu (5)
     const auto hat = sampled_weighted_errors(f, menus, &imp, prune_options{}, 2);
-    const auto eager = eager_types(menus, hat, prune_options{});
-    std::vector<ggml_type> chosen;
-    size_t largest_fast = menus[0].types.size();
-    for (size_t k = 0; k < menus[0].types.size(); ++k) {
-        const ggml_type t = menus[0].types[k];
-        if (!lattice_quantizer(t) && type_info_of(t).is_quantized &&
-            (largest_fast == menus[0].types.size() || hat[0][k] > hat[0][largest_fast])) {
-            largest_fast = k;
-        }
-        if (eager[0][k]) {
-            chosen.push_back(t);
-            EXPECT_FALSE(lattice_quantizer(t)) << type_name(t);
-            EXPECT_TRUE(type_info_of(t).is_quantized) << type_name(t);
-        }
-    }
     EXPECT_GT(menus[0].types.size(), 15u) << "the default menu with an imatrix: lattice types included";
-    ASSERT_EQ(chosen.size(), 2u);
-    ASSERT_LT(largest_fast, menus[0].types.size());
-    EXPECT_TRUE(eager[0][largest_fast]) << "the fast type of largest error is eager";
-    EXPECT_EQ(chosen.back(), GGML_TYPE_Q8_0) << "and the one of least error among the block types";
-    EXPECT_EQ(std::count(eager[1].begin(), eager[1].end(), true), 2);
+    // With the default cost limit (cheap fast types only) and without one (every fast type, as before session 37).
+    for (const double max_cost : {prune_options{}.eager_max_cost, 0.0}) {
+        prune_options po;
+        po.eager_max_cost = max_cost;
+        const auto eager = eager_types(menus, hat, po);
+        std::vector<ggml_type> chosen;
+        size_t largest_fast = menus[0].types.size();
+        for (size_t k = 0; k < menus[0].types.size(); ++k) {
+            const ggml_type t = menus[0].types[k];
+            if (!lattice_quantizer(t) && type_info_of(t).is_quantized &&
+                (max_cost <= 0 || quantize_cost_per_weight(t) <= max_cost) &&
+                (largest_fast == menus[0].types.size() || hat[0][k] > hat[0][largest_fast])) {
+                largest_fast = k;
+            }
+            if (eager[0][k]) {
+                chosen.push_back(t);
+                EXPECT_FALSE(lattice_quantizer(t)) << type_name(t);
+                EXPECT_TRUE(type_info_of(t).is_quantized) << type_name(t);
+                if (max_cost > 0) {
+                    EXPECT_LE(quantize_cost_per_weight(t), max_cost) << type_name(t);
+                }
+            }
+        }
+        ASSERT_EQ(chosen.size(), 2u) << "max cost " << max_cost;
+        ASSERT_LT(largest_fast, menus[0].types.size());
+        EXPECT_TRUE(eager[0][largest_fast]) << "the fast type of largest error (within the cost limit) is eager";
+        EXPECT_EQ(chosen.front(), max_cost > 0 ? GGML_TYPE_Q3_K : GGML_TYPE_Q2_K)
+            << "Q2_K (8 M weights/s with an imatrix) is left out for Q3_K (27 M/s) under the default limit";
+        EXPECT_EQ(chosen.back(), GGML_TYPE_Q8_0) << "and the one of least error among the block types";
+        EXPECT_EQ(std::count(eager[1].begin(), eager[1].end(), true), 2);
+        // The short menu's cheap types are Q6_K and Q8_0, whose errors lie far below Q4_K's (≈ 2 bits: ≈ 16×): the
+        // eager types must still reach its low end, so Q4_K stays eager under either limit.
+        ASSERT_GT(hat[1][0], prune_options{}.eager_reach * hat[1][1]) << "Q4_K's error against Q6_K's";
+        EXPECT_TRUE(eager[1][0]) << "q4_K, max cost " << max_cost;
+    }
+    const auto eager = eager_types(menus, hat, prune_options{});
     // The short menu is kept whole whatever the budget: pruning it saves too little to risk a choice.
     std::vector<std::vector<double>> measured(2);
     for (size_t i = 0; i < 2; ++i) {

@@ -216,7 +216,21 @@ std::vector<std::vector<bool>> eager_types(const std::vector<tensor_menu> & menu
                     }
                 }
             }
-            const std::vector<size_t> & live = !fast.empty() ? fast : !block.empty() ? block : any;
+            std::vector<size_t> cheap;
+            double e_fast = 0, e_cheap = 0;  // the largest Ê of each
+            for (size_t k : fast) {
+                e_fast = std::max(e_fast, e[k]);
+                if (o.eager_max_cost <= 0 || quantize_cost_per_weight(types[k]) <= o.eager_max_cost) {
+                    cheap.push_back(k);
+                    e_cheap = std::max(e_cheap, e[k]);
+                }
+            }
+            const bool cheap_spans = cheap.size() >= static_cast<size_t>(std::max(1, o.eager)) &&
+                                     e_cheap * o.eager_reach >= e_fast;
+            const std::vector<size_t> & live = cheap_spans                                                ? cheap
+                                               : !fast.empty()                                            ? fast
+                                               : !block.empty()                                           ? block
+                                                                                                          : any;
             for (size_t k : spread_in_log_error(live, e, std::max(1, o.eager))) {
                 row[k] = true;
             }

@@ -50,6 +50,16 @@ namespace voodoo {
 
 struct prune_options {
     int eager = 2;                  // types per tensor built before the probe (spread in log Ê; ≥ 1)
+    // The eager types are chosen among the fast types that cost at most this (quantize_cost_per_weight, µs per
+    // weight on one core) when `eager` of them have Ê > 0; ≤ 0: among every fast type. The default, 1/20 (20 M
+    // weights/s), leaves out Q2_K (8.1 M/s with an imatrix), which was every 256-block tensor's eager type of largest
+    // error, for Q3_K (27.5 M/s): the eager build is on the critical path of the job, and Q2_K was 11% of the 1.7B
+    // shape's kept build (docs/BENCHMARKS.md, session 37: the prune study with both anchors).
+    double eager_max_cost = 1.0 / 20;
+    // … and only when the cheap types' largest Ê is at least 1/eager_reach of the fast types' largest, so that the
+    // eager types still span the menu's low end (Q3_K's Ê is ≈ 0.3 of Q2_K's; a menu whose cheap types are only
+    // Q6_K and Q8_0 keeps its dearer low-bit anchor).
+    double eager_reach = 8;
     double margin = 0.5;            // an unbuilt type's ΔKL lies in [margin, 1/margin] × its prediction (0 < margin ≤ 1)
     // The second stage (stage_types; docs/BENCHMARKS.md, session 32): the knapsack's choice and `stage_width` menu
     // types on each side of it measured, then the plan made again with every unmeasured type's ΔKL in [stage_margin,
@@ -103,7 +113,9 @@ error_split split_for_lattice_grids(const std::vector<tensor_menu> & menus);
 
 /// The eager types, [tensor][menu type]: o.eager types among the non-lattice block types with Ê > 0 (the lattice and
 /// float types when there are none), spread evenly in log Ê from the largest, as anchor_plan spreads the probe's
-/// anchors.
+/// anchors; among those of them that cost at most o.eager_max_cost to quantize when o.eager of them do and the largest
+/// Ê among those is within o.eager_reach of the largest (with the default menu on a 256-multiple row: Q3_K, Q6_K and
+/// Q8_0, so Q3_K and Q8_0 where Q2_K and Q8_0 were before session 37).
 std::vector<std::vector<bool>> eager_types(const std::vector<tensor_menu> & menus,
                                            const std::vector<std::vector<double>> & err_hat, const prune_options & o);
 
