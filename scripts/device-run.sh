@@ -2,7 +2,7 @@
 # What the project runs on the GPU machine (the workplace's device tool): a CUDA build against that
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
-# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, e2e-1.7b-stages2, e2e-1.7b-stages1, bench-small, bench-large,
+# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, e2e-1.7b-stages2, e2e-1.7b-stages1, e2e-1.7b-eagerfast, bench-small, bench-large,
 # kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, probe-tf32, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, cuda-build, dry-8b, e2e-8b-defaults, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
@@ -208,6 +208,14 @@ e2e-1.7b-stages2|e2e-1.7b-stages1)
     e2e_17b "-stages$n" --baselines Q4_K_M --prune-stages $n
     cp /tmp/e2e-17b-stages$n/run-Q4_K_M/candidates.built.json "$OUT/e2e/candidates-1.7b-stages$n.json" 2>/dev/null
     rm -rf /tmp/e2e-17b-stages$n
+    ;;
+e2e-1.7b-eagerfast)
+    # The job of e2e-1.7b-stages2 with the eager types of before session 37 (--eager-types fast: Q2_K and Q8_0), in a
+    # fresh work folder: run after e2e-1.7b-stages2 on the same machine, the A/B of the cheap eager types.
+    rm -rf /tmp/e2e-17b-eagerfast
+    e2e_17b "-eagerfast" --baselines Q4_K_M --eager-types fast
+    cp /tmp/e2e-17b-eagerfast/run-Q4_K_M/candidates.built.json "$OUT/e2e/candidates-1.7b-eagerfast.json" 2>/dev/null
+    rm -rf /tmp/e2e-17b-eagerfast
     ;;
 e2e-1.7b-cpueval)
     # The same job with libllama on the CPU (GGML_BACKEND_PATH removed; the eval ahead at its auto, on), in a fresh

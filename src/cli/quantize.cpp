@@ -126,6 +126,12 @@ command add_quantize(CLI::App & app) {
                     "neighbours built and probed, and the plan made again with them known: fewer candidates to build for more "
                     "probe forwards, a gain on a GPU and a loss on the CPU), or auto (2 on a GPU, 1 on the CPU)")
         ->capture_default_str()->check(CLI::IsMember({"auto", "1", "2"}));
+    sub->add_option("--eager-types", o->q.train.eager_types,
+                    "With --candidates targets: the types built and probed first, from which the others are predicted: cheap (the "
+                    "quickest quantizers, at least 20 M weights/s on a core, when they reach the menu's low end: Q3_K and Q8_0 "
+                    "with the default menu) or fast (every type without a lattice search: Q2_K and Q8_0, the rule before "
+                    "session 37)")
+        ->capture_default_str()->check(CLI::IsMember({"cheap", "fast"}));
     sub->add_option("--build-ahead", o->q.train.build_ahead,
                     "With --candidates targets: probe each tensor's first candidates as soon as they are built, and build "
                     "those the probe will likely keep while it ends (on, off: build, then probe, or auto: on a GPU, whose "

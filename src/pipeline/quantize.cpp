@@ -405,6 +405,7 @@ void train_in_child(const std::string & exe, const quantize_options & o, const t
     args.insert(args.end(), {"--candidates", t.candidates});
     args.insert(args.end(), {"--build-ahead", t.build_ahead});
     args.insert(args.end(), {"--prune-stages", t.prune_stages});
+    args.insert(args.end(), {"--eager-types", t.eager_types});
     for (const target & g : t.prune_goals) {
         args.insert(args.end(), {"--prune-for", g.str()});
     }
@@ -781,7 +782,7 @@ nlohmann::json run_inputs(const train_options & t, const std::string & model, co
         for (const target & g : t.prune_goals) {
             goals.push_back(g.str());
         }
-        in["candidates"] = {{"for", goals}};
+        in["candidates"] = {{"for", goals}, {"eager", t.eager_types}};  // session 37: "cheap" (before: "fast")
         if (resolved_prune_stages(t.prune_stages, t.device) == 2) {
             in["candidates"]["stages"] = 2;  // only then: earlier work folders (one stage) stay valid
         }

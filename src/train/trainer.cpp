@@ -1005,6 +1005,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     std::map<std::pair<std::string, ggml_type>, double> eager_kl;  // the eager probe's ΔKL, by (tensor, type)
     prune_options po;
     po.eager = o.probe_anchors > 0 ? o.probe_anchors : po.eager;  // with an anchored probe, its anchors
+    po.eager_max_cost = o.eager_types == "fast" ? 0.0 : po.eager_max_cost;
     // --probe-anchors auto (-1): every type, unless the eager probe's measured rate says that the kept others would
     // take longer than o.probe_auto_seconds; then the eager types are the anchors (resolve_probe_anchors).
     int anchors = o.probe_anchors < 0 ? 0 : o.probe_anchors;

@@ -84,6 +84,10 @@ struct train_options {
     std::string prune_stages = "auto";  // with candidates "targets": "1" (one plan after the eager probe), "2" (then the
                                         // knapsack's choices and their neighbours built, measured, and planned again:
                                         // prune.h stage_types), or "auto" (resolved_prune_stages)
+    std::string eager_types = "cheap";  // with candidates "targets": which types are built and probed first: "cheap"
+                                        // (the fast quantizers, ≥ 20 M weights/s a core, when they span the menu's
+                                        // low end: Q3_K and Q8_0) or "fast" (every non-lattice type: Q2_K and Q8_0,
+                                        // before session 37); prune.h prune_options::eager_max_cost
     std::string candidates_on = "auto"; // fused path: "gpu", "host" (pinned, streamed ahead of use) or "auto" (the GPU
                                         // while they fit beside the teacher; gated.h candidate_residency)
     int64_t loss_chunk = 0;             // positions per chunk of the CE/KL over the vocabulary (0 = default_loss_chunk: ~512 MB of logits on a GPU, ≤ 31 MiB on the CPU)
