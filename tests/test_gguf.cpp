@@ -253,6 +253,19 @@ TEST(file, a_second_lock_on_a_work_folder_is_refused_naming_the_holder_and_is_gr
     EXPECT_NO_THROW(folder_lock again(work));
 }
 
+TEST(file, a_work_folder_that_cannot_be_made_is_refused_naming_the_flag) {
+    // Under a regular file no folder can be made, whoever runs the test (root included, as in CI, where a read-only
+    // folder would not stop the lock).
+    temp_dir dir;
+    const std::string file = dir.file("a-file");
+    test::write_bytes(file, std::vector<uint8_t>{1, 2, 3});
+    const std::string work = file + "/work";
+    const std::string msg = test::error_of([&] { folder_lock lock(work, "--work"); });
+    EXPECT_NE(msg.find("cannot make the work folder '" + work + "' (--work)"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("give --work a folder"), std::string::npos) << msg;
+    EXPECT_EQ(test::read_file(file).size(), 3u) << "the file in the way is left alone";
+}
+
 namespace {
 
 // Forks a child that makes what `hold` returns (a lock, a file being written), says so and waits to be killed;

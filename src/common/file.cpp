@@ -256,13 +256,19 @@ void write_file_atomic(const std::string & path, const std::string & text) {
     write_file_atomic(path, std::span<const uint8_t>(reinterpret_cast<const uint8_t *>(text.data()), text.size()));
 }
 
-folder_lock::folder_lock(const std::string & dir) {
+folder_lock::folder_lock(const std::string & dir, const std::string & flag) {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
+    if (ec) {
+        fail("cannot make the work folder '{}' ({}): {}; give {} a folder this user can create and write in", dir, flag,
+             ec.message(), flag);
+    }
     const std::string path = (std::filesystem::path(dir) / ".lock").string();
     fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd_ < 0) {
-        fail("cannot open the lock file '{}': {}", path, std::strerror(errno));
+        const int err = errno;
+        fail("cannot write in the work folder '{}' ({}): its lock file '{}': {}; give {} a folder this user can write in",
+             dir, flag, path, std::strerror(err), flag);
     }
     if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
         const int err = errno;

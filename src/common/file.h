@@ -94,8 +94,9 @@ private:
 class folder_lock {
 public:
     /// Creates `dir` when missing and takes the lock at once (never waits). Throws voodoo::error naming the
-    /// folder and the process id of the job that holds it, or the OS reason when the lock file cannot be opened.
-    explicit folder_lock(const std::string & dir);
+    /// folder and the process id of the job that holds it, or, naming `flag` (the option that gave the folder, e.g.
+    /// "--work"), the OS reason when the folder cannot be made or its lock file cannot be opened.
+    explicit folder_lock(const std::string & dir, const std::string & flag = "--work");
     ~folder_lock();
     folder_lock(const folder_lock &) = delete;
     folder_lock & operator=(const folder_lock &) = delete;
