@@ -589,6 +589,17 @@ TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_ru
     EXPECT_NE(r.output.find("OUTSIDE the range"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("voodoo: error: --dry-run: size=1000 outside the feasible sizes"), std::string::npos) << r.output;
     EXPECT_FALSE(std::filesystem::exists(tmp.file("run"))) << "a dry run makes nothing";
+    EXPECT_NE(r.output.find("bits per weight of the whole file"), std::string::npos) << r.output;
+    // A --target-bpw range counts the tensor data, and the line says so (it said "the whole file" before session 37).
+    // (the middle of the file's range in bits per weight: inside the tensor data's too, which differs by the metadata)
+    const double mid_bpw = (train_plan["sizes"]["min_bpw"].get<double>() + train_plan["sizes"]["max_bpw"].get<double>()) / 2;
+    r = test::run_voodoo(fmt::format("train --model {} --data {}/data --imatrix {}/imatrix.gguf --target-bpw {:.3f} "
+                                     "--out {} --cache {}/candidates --dry-run", test::stories260k(), work, work, mid_bpw,
+                                     tmp.file("run"), work));
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("bytes of tensor data"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("bits per weight of the tensor data"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("of the whole file"), std::string::npos) << r.output;
 }
 
 TEST(quantize, max_slowdown_keeps_the_predicted_generation_time_within_the_stock_recipes) {

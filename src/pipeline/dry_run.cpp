@@ -628,10 +628,14 @@ std::string dry_run_to_text(const nlohmann::json & p) {
         s += "  (no imatrix yet: a candidate's cache key holds its importance, so none can be counted as built)\n";
     }
     const auto & z = p["sizes"];
-    s += fmt::format("feasible sizes: {:.0f} to {:.0f} bytes of {} ({} to {}; {:.3f} to {:.3f} bits per weight of the whole file, "
-                     "metadata included: the eval table's BPW counts tensor data only){}\n", z["min_bytes"].get<double>(),
+    // --target-bpw counts the tensor data (as the eval table's BPW); --target-size, --ratio and --like the whole file.
+    const bool tensor_data = z["of"].get<std::string>() == "tensor data";
+    s += fmt::format("feasible sizes: {:.0f} to {:.0f} bytes of {} ({} to {}; {:.3f} to {:.3f} bits per weight of {}){}\n",
+                     z["min_bytes"].get<double>(),
                      z["max_bytes"].get<double>(), z["of"].get<std::string>(), dry_bytes_text(z["min_bytes"].get<double>()), dry_bytes_text(z["max_bytes"].get<double>()),
                      z["min_bpw"].get<double>(), z["max_bpw"].get<double>(),
+                     tensor_data ? "the tensor data, as --target-bpw and the eval table's BPW count them"
+                                 : "the whole file, metadata included: the eval table's BPW counts tensor data only",
                      z["exact"].get<bool>() ? "" : " (without the imatrix's header keys: a few hundred bytes off)");
     for (const auto & t : z["targets"]) {
         if (t["bytes"].is_null()) {
