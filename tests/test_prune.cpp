@@ -337,6 +337,51 @@ TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_
     EXPECT_LE(entries("staged").size(), entries("all").size());
 }
 
+TEST(prune, a_guess_made_before_iq1s_errors_are_in_leaves_its_types_out_and_is_otherwise_the_same_kind_of_guess) {
+    // While IQ1's grid builds (≈ 19 s on one core), the build-ahead guess goes without IQ1_S/IQ1_M's Ê (trainer.cpp).
+    const gguf_file f(mix30m());
+    std::vector<std::string> names;
+    for (const char * n : {"attn_q", "attn_k", "ffn_up"}) {
+        names.push_back(std::string("blk.0.") + n + ".weight");
+    }
+    const importance_map imp = uneven_importance(f, names, 5);
+    const std::vector<tensor_menu> menus = imatrix_menus(f, imp);
+    const prune_options po;
+    std::vector<std::vector<bool>> iq1(menus.size()), others(menus.size());
+    size_t n_iq1 = 0;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            const bool is_iq1 = menus[i].types[k] == GGML_TYPE_IQ1_S || menus[i].types[k] == GGML_TYPE_IQ1_M;
+            iq1[i].push_back(is_iq1);
+            others[i].push_back(!is_iq1);
+            n_iq1 += is_iq1;
+        }
+    }
+    // Every Ê but IQ1's (0: not measured yet, as in the train stage; and its grid is not built in this process).
+    const auto hat = sampled_weighted_errors(f, menus, &imp, po, 2, &others);
+    const auto eager = eager_types(menus, hat, po);
+    ASSERT_EQ(n_iq1, 2 * menus.size()) << "the default menu with an imatrix offers IQ1_S and IQ1_M";
+    export_options eo;
+    budget b = make_budget(f, menus, {target_kind::size, 1e12}, eo, /*check_range =*/false);
+    // At the least budget only the IQ1 types fit, so the knapsack must take them whatever their ΔKL; at the middle of
+    // the range they are not near the choice.
+    for (const double at : {0.0, 0.02, 0.5}) {
+        b.limit = b.min_total + at * (b.max_total - b.min_total);
+        const auto jobs = build_ahead_jobs(menus, hat, eager, {b}, {}, po, &iq1);
+        for (const auto & [i, k] : jobs) {
+            EXPECT_FALSE(iq1[i][k]) << "an IQ1 type in the guess at " << at << ": " << menus[i].tensor->name;
+            EXPECT_FALSE(eager[i][k]);
+        }
+        if (at == 0.5) {
+            EXPECT_FALSE(jobs.empty());
+            // Without `unknown`, the zero Ê would make the IQ1 types look exact, and the guess would take them.
+            const auto naive = build_ahead_jobs(menus, hat, eager, {b}, {}, po);
+            EXPECT_TRUE(std::any_of(naive.begin(), naive.end(), [&](const auto & j) { return iq1[j.first][j.second]; }))
+                << "the test would not tell the two apart";
+        }
+    }
+}
+
 TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_the_likeliest_first) {
     // mix30M's layer 0 with the default menu at a budget halfway between the all-cheapest and the all-dearest file.
     const gguf_file f(mix30m());

@@ -433,21 +433,30 @@ std::vector<std::pair<size_t, size_t>> build_ahead_jobs(const std::vector<tensor
                                                         const std::vector<std::vector<bool>> & eager,
                                                         const std::vector<budget> & budgets,
                                                         const std::vector<std::vector<bool>> & also,
-                                                        const prune_options & o) {
+                                                        const prune_options & o,
+                                                        const std::vector<std::vector<bool>> * unknown) {
+    // An unknown type's Ê as one no multiplier makes worth its bytes: predicted from it, its ΔKL lies beyond the
+    // measured ones by ~1e200 (finite: sums over every tensor stay finite).
+    std::vector<std::vector<double>> hat = err_hat;
+    for (size_t i = 0; unknown && i < menus.size(); ++i) {
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            hat[i][k] = (*unknown)[i][k] && !eager[i][k] ? 1e200 : hat[i][k];
+        }
+    }
     std::vector<std::vector<double>> guess(menus.size());
     for (size_t i = 0; i < menus.size(); ++i) {
         guess[i].assign(menus[i].types.size(), std::numeric_limits<double>::quiet_NaN());
         for (size_t k = 0; k < menus[i].types.size(); ++k) {
             if (eager[i][k]) {
-                guess[i][k] = err_hat[i][k];
+                guess[i][k] = hat[i][k];
             }
         }
     }
-    const prune_plan p = plan_pruning(menus, err_hat, guess, eager, budgets, also, o);
+    const prune_plan p = plan_pruning(menus, hat, guess, eager, budgets, also, o);
     std::vector<std::pair<size_t, size_t>> jobs;
     for (size_t i = 0; i < menus.size(); ++i) {
         for (size_t k = 0; k < menus[i].types.size(); ++k) {
-            if (p.keep[i][k] && !eager[i][k] && menus[i].types[k] != menus[i].tensor->type) {
+            if (p.keep[i][k] && !eager[i][k] && !(unknown && (*unknown)[i][k]) && menus[i].types[k] != menus[i].tensor->type) {
                 jobs.emplace_back(i, k);
             }
         }

@@ -147,12 +147,15 @@ prune_plan plan_pruning(const std::vector<tensor_menu> & menus, const std::vecto
 /// their distance in the menu from the exact knapsack's choice on the guess, the nearest at any budget), and among
 /// equals the lattice types, then the largest tensors (the slow ones early). [tensor index, menu type index] pairs. A guess: what it builds and the
 /// probe does not keep costs idle cores and cache disk only, and what it misses is built after the probe as before.
+/// `unknown` (optional, [tensor][menu type]): types whose Ê is not measured yet (IQ1's while its grid builds): never
+/// in the guess, nor chosen by its knapsack (their ΔKL taken as beyond any budget's reach).
 std::vector<std::pair<size_t, size_t>> build_ahead_jobs(const std::vector<tensor_menu> & menus,
                                                         const std::vector<std::vector<double>> & err_hat,
                                                         const std::vector<std::vector<bool>> & eager,
                                                         const std::vector<budget> & budgets,
                                                         const std::vector<std::vector<bool>> & also,
-                                                        const prune_options & o);
+                                                        const prune_options & o,
+                                                        const std::vector<std::vector<bool>> * unknown = nullptr);
 
 /// The second stage of a staged plan (issue #16; `--prune-stages 2`): which kept candidates to build and measure
 /// before planning again. At every budget, the exact knapsack's choice on `p.predicted` and its `width` neighbours on

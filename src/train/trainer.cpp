@@ -1048,19 +1048,49 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         std::vector<tensor_menu> eager_menus = pruned_menus(all_menus, eager);
         fmt::print(stderr, "pruning: eager types and budgets in {:.1f} s\n", seconds_since(t1));
         const auto t2 = std::chrono::steady_clock::now();
-        // The lattice types' Ê beside the eager candidates (each job waits for its grid; no bar of its own).
-        std::future<std::vector<std::vector<double>>> lattice_errors = std::async(std::launch::async, [&] {
-            progress::quiet_scope quiet;
-            return sampled_weighted_errors(src, all_menus, importance, po, n_threads, &split.later);
-        });
-        bool lattice_added = false;
-        const auto add_lattice_errors = [&] {
-            add_errors(lattice_errors.get(), split.later);
+        // The lattice types' Ê beside the eager candidates (each job waits for its grid; no bar of its own), in two
+        // parts: the types of the grid that takes longest to build (IQ1's, ≈ 19 s on one core; lattice_grid_order 0)
+        // apart from the others (seconds), so that the build-ahead plan need not wait for IQ1's grid (session 37: the
+        // cores idled ≈ 5 s of the 1.7B job for it).
+        std::vector<std::vector<bool>> later_slow = split.later, later_rest = split.later;
+        for (size_t i = 0; i < all_menus.size(); ++i) {
+            for (size_t k = 0; k < all_menus[i].types.size(); ++k) {
+                const bool slow = lattice_grid_order(all_menus[i].types[k]) == 0;
+                later_slow[i][k] = split.later[i][k] && slow;
+                later_rest[i][k] = split.later[i][k] && !slow;
+            }
+        }
+        using timed_errors = std::pair<std::vector<std::vector<double>>, double>;  // Ê, and its seconds since t2
+        const auto errors_of = [&](const std::vector<std::vector<bool>> & which) {
+            return std::async(std::launch::async, [&, t2] {
+                progress::quiet_scope quiet;
+                auto e = sampled_weighted_errors(src, all_menus, importance, po, n_threads, &which);
+                return timed_errors(std::move(e), seconds_since(t2));
+            });
+        };
+        std::future<timed_errors> rest_errors = errors_of(later_rest), slow_errors = errors_of(later_slow);
+        bool rest_added = false, lattice_added = false;
+        double rest_seconds = 0;
+        const auto add_rest_errors = [&] {
+            if (!rest_added) {
+                const timed_errors rest = rest_errors.get();
+                add_errors(rest.first, later_rest);
+                rest_seconds = rest.second;
+                rest_added = true;
+            }
+        };
+        const auto add_lattice_errors = [&] {  // every lattice type's Ê (once)
+            if (lattice_added) {
+                return;
+            }
+            add_rest_errors();
+            const timed_errors slow = slow_errors.get();
+            add_errors(slow.first, later_slow);
             lattice_added = true;
             if (std::any_of(split.later.begin(), split.later.end(),
                             [](const auto & row) { return std::find(row.begin(), row.end(), true) != row.end(); })) {
                 fmt::print(stderr, "pruning: sampled errors of the lattice types (beside the eager candidates) in {:.1f} s\n",
-                           seconds_since(t2));
+                           std::max(slow.second, rest_seconds));
             }
         };
         const std::string eager_path = (fs::path(probe_path).parent_path() /
@@ -1089,13 +1119,16 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const auto as_built = [&](const std::string & path) { return ranks == 1 && ahead_on && !fs::exists(path); };
         std::vector<std::pair<size_t, size_t>> ahead_jobs;  // built ahead while the probe ran (the first ahead_built)
         int64_t ahead_built = 0;
-        // The likely keeps (once the lattice types' Ê is in): built ahead when asked, and sized for the disk warning.
-        const auto plan_ahead = [&] {
+        // The likely keeps (once the lattice types' Ê is in, but for the `unknown` types'): built ahead when asked, and
+        // sized for the disk warning.
+        const auto plan_ahead = [&](const std::vector<std::vector<bool>> * unknown) {
             const auto t3 = std::chrono::steady_clock::now();
-            const std::vector<std::pair<size_t, size_t>> guess = build_ahead_jobs(all_menus, err_hat, eager, budgets, also, po);
+            const std::vector<std::pair<size_t, size_t>> guess = build_ahead_jobs(all_menus, err_hat, eager, budgets, also,
+                                                                                  po, unknown);
             if (ahead_on) {
                 ahead_jobs = my_share(guess);
-                fmt::print(stderr, "pruning: the build-ahead plan in {:.1f} s\n", seconds_since(t3));
+                fmt::print(stderr, "pruning: the build-ahead plan in {:.1f} s{}\n", seconds_since(t3),
+                           unknown ? " (IQ1's types left out: their grid was still building)" : "");
             }
             // The disk, before the probe ends (issue #16: at 8B the probe alone is many minutes): when the candidates it
             // will likely keep (build-ahead's guess) cannot fit beside the reserve, say so now; the check before the
@@ -1150,8 +1183,16 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             std::exception_ptr plan_failed;
             as_built_probe r = probe_as_built(eager_menus, plan, [&] {
                 try {
-                    add_lattice_errors();
-                    plan_ahead();
+                    // The plan with every lattice type's Ê when IQ1's is in; else with the others' alone, IQ1's types
+                    // left out of the guess (build_ahead_jobs' `unknown`) and built after the probe when it keeps them,
+                    // as any type the guess misses.
+                    add_rest_errors();
+                    if (slow_errors.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+                        add_lattice_errors();
+                        plan_ahead(nullptr);
+                    } else {
+                        plan_ahead(&later_slow);
+                    }
                 } catch (...) {
                     plan_failed = std::current_exception();
                     ahead_jobs.clear();
@@ -1161,9 +1202,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             if (plan_failed) {
                 std::rethrow_exception(plan_failed);
             }
-            if (!lattice_added) {  // the prefetch ended before its last job (a full disk): nothing was built ahead
-                add_lattice_errors();
-            }
+            add_lattice_errors();  // IQ1's too, when the plan ahead went without it (or the prefetch ended early)
             eg = std::move(r.gated);
             es = std::move(r.sens);
             ahead_built = r.then_built;
@@ -1187,7 +1226,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 // While the GPU measures the eager types, the idle cores build the types the probe will most likely keep.
                 std::unique_ptr<candidate_prefetch> ahead;
                 const auto t_ahead = std::chrono::steady_clock::now();
-                plan_ahead();
+                plan_ahead(nullptr);
                 if (ahead_on) {
                     ahead = start_prefetch(ahead_jobs);
                 }
