@@ -48,6 +48,15 @@ importance_map uneven_importance(const gguf_file & f, const std::vector<std::str
     return imp;
 }
 
+// The names of layer 0's matrices `short_names` (attn_q, ffn_up, …) in mix30M.
+std::vector<std::string> layer0(std::initializer_list<const char *> short_names) {
+    std::vector<std::string> names;
+    for (const char * n : short_names) {
+        names.push_back(std::string("blk.0.") + n + ".weight");
+    }
+    return names;
+}
+
 // The default menus, with an imatrix, of the tensors `imp` names (file order).
 std::vector<tensor_menu> imatrix_menus(const gguf_file & f, const importance_map & imp) {
     menu_options mo;
@@ -185,10 +194,7 @@ TEST(prune, on_mix30m_the_exact_knapsack_of_the_kept_types_is_the_full_menus_at_
     // mix30M's layer 0 (seven matrices of learned weights) with the default menu, every candidate built and probed on
     // 64 tokens of wiki.test.raw: the truth. Pruning sees only the eager types' ΔKL and the sampled errors.
     const gguf_file f(mix30m());
-    std::vector<std::string> names;
-    for (const char * n : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}) {
-        names.push_back(std::string("blk.0.") + n + ".weight");
-    }
+    const std::vector<std::string> names = layer0({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"});
     const importance_map imp = uneven_importance(f, names, 21);
     const std::vector<tensor_menu> menus = imatrix_menus(f, imp);
     ASSERT_EQ(menus.size(), names.size());
@@ -340,10 +346,7 @@ TEST(prune, train_with_pruned_candidates_built_ahead_or_not_gives_the_recipe_of_
 TEST(prune, a_guess_made_before_iq1s_errors_are_in_leaves_its_types_out_and_is_otherwise_the_same_kind_of_guess) {
     // While IQ1's grid builds (≈ 19 s on one core), the build-ahead guess goes without IQ1_S/IQ1_M's Ê (trainer.cpp).
     const gguf_file f(mix30m());
-    std::vector<std::string> names;
-    for (const char * n : {"attn_q", "attn_k", "ffn_up"}) {
-        names.push_back(std::string("blk.0.") + n + ".weight");
-    }
+    const std::vector<std::string> names = layer0({"attn_q", "attn_k", "ffn_up"});
     const importance_map imp = uneven_importance(f, names, 5);
     const std::vector<tensor_menu> menus = imatrix_menus(f, imp);
     const prune_options po;
@@ -385,10 +388,7 @@ TEST(prune, a_guess_made_before_iq1s_errors_are_in_leaves_its_types_out_and_is_o
 TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_the_likeliest_first) {
     // mix30M's layer 0 with the default menu at a budget halfway between the all-cheapest and the all-dearest file.
     const gguf_file f(mix30m());
-    std::vector<std::string> names;
-    for (const char * n : {"attn_q", "attn_k", "ffn_up"}) {
-        names.push_back(std::string("blk.0.") + n + ".weight");
-    }
+    const std::vector<std::string> names = layer0({"attn_q", "attn_k", "ffn_up"});
     const importance_map imp = uneven_importance(f, names, 5);
     const std::vector<tensor_menu> menus = imatrix_menus(f, imp);
     ASSERT_EQ(menus.size(), names.size());
@@ -548,8 +548,8 @@ TEST(prune, the_candidate_schedule_changes_no_byte_whatever_the_threads) {
     // embedding (16.4 M of the 19.8 M weights here) makes the split path run.
     const gguf_file f(mix30m());
     std::vector<std::string> names = {"token_embd.weight"};
-    for (const char * n : {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}) {
-        names.push_back(std::string("blk.0.") + n + ".weight");
+    for (const std::string & n : layer0({"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"})) {
+        names.push_back(n);
     }
     const importance_map imp = uneven_importance(f, names, 3);
     std::vector<tensor_menu> menus = imatrix_menus(f, imp);
