@@ -178,6 +178,26 @@ TEST(cli, quantize_takes_the_model_as_llama_cpp_does_and_refuses_a_bad_target_be
     EXPECT_NE(onto_source.output.find("is the source model: Voodoo never writes over its source"), std::string::npos)
         << onto_source.output;
     EXPECT_FALSE(std::filesystem::exists(dir.file("w")));
+    // So are an --out in a missing folder (it failed at export, after the training) and a --work under a regular file,
+    // by a dry run as by the run (a dry run passed both): the error names the flag.
+    const auto no_folder = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                                      " --like Q4_0 -o " + dir.file("nodir/x.gguf") + " --work " + dir.file("w"));
+    EXPECT_EQ(no_folder.exit_code, 1) << no_folder.output;
+    EXPECT_NE(no_folder.output.find("--out '" + dir.file("nodir/x.gguf") + "': its folder '" + dir.file("nodir") +
+                                    "' does not exist"), std::string::npos) << no_folder.output;
+    EXPECT_FALSE(std::filesystem::exists(dir.file("w")));
+    voodoo::test::write_bytes(dir.file("a-file"), std::vector<uint8_t>{1});
+    for (const std::string dry : {"", " --dry-run"}) {
+        const auto under_file = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                                           " --like Q4_0 --work " + dir.file("a-file/w") + dry);
+        EXPECT_EQ(under_file.exit_code, 1) << under_file.output;
+        EXPECT_NE(under_file.output.find("--work '" + dir.file("a-file/w") + "' cannot be made: '" + dir.file("a-file") +
+                                         "' is a file, not a folder"), std::string::npos) << under_file.output;
+    }
+    const auto bad_like = run_voodoo("quantize -m " + voodoo::test::stories260k() + " --text " + text +
+                                     " --like Q4_K_X --dry-run");
+    EXPECT_EQ(bad_like.exit_code, 1) << bad_like.output;
+    EXPECT_NE(bad_like.output.find("--like: unknown recipe 'Q4_K_X'"), std::string::npos) << bad_like.output;
     const auto both = run_voodoo("quantize a.gguf -m b.gguf --text " + text + " --like Q4_0");
     EXPECT_EQ(both.exit_code, 2) << both.output;
     // A flag naming a missing file is a command-line error (README, "Exit codes"), -m as --text.

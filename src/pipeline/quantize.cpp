@@ -1085,6 +1085,28 @@ eval_options eval_options_of(const quantize_options & o) {
     return ev;
 }
 
+namespace {
+
+// A folder the job will make or write in (`flag`'s, e.g. --work): checked before anything is made, dry run included,
+// so that a path under a regular file or in a folder this user cannot write fails now, naming the flag, and not at
+// the stage that first writes there (the export, after the whole training). Nothing is made here.
+void check_folder_can_be_written(const std::string & dir, const char * flag) {
+    std::error_code ec;  // a folder this user cannot look in reads as missing here, and fails access() below
+    fs::path p = fs::absolute(dir);
+    while (!p.empty() && !fs::exists(p, ec) && p != p.root_path()) {
+        p = p.parent_path();
+    }
+    if (fs::exists(p, ec) && !fs::is_directory(p, ec)) {
+        fail("{} '{}' cannot be made: '{}' is a file, not a folder; give {} a folder path", flag, dir, p.string(), flag);
+    }
+    if (::access(p.c_str(), W_OK | X_OK) != 0) {
+        fail("{} '{}': this user cannot write in '{}' ({}); give {} a folder this user can write in", flag, dir,
+             p.string(), std::strerror(errno), flag);
+    }
+}
+
+}  // namespace
+
 void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     auto at_least = [](const char * flag, int64_t v, int64_t min, const char * what) {
         if (v < min) {
@@ -1139,8 +1161,15 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     check_full_precision_source(src, o.allow_requantize);
 
     // Recipe names.
+    const auto recipe_of_flag = [](const char * flag, const std::string & name) {
+        try {
+            recipe_by_name(name);
+        } catch (const voodoo::error & e) {
+            fail("{}: {}", flag, e.what());
+        }
+    };
     for (const std::string & name : comma_list(o.like)) {
-        recipe_by_name(name);
+        recipe_of_flag("--like", name);
     }
     if (o.baselines != "nearest" && o.baselines != "all-that-fit" && o.baselines != "none") {
         const auto names = comma_list(o.baselines);
@@ -1148,7 +1177,7 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
             fail("--baselines '{}': give nearest, all-that-fit, none or a comma list of recipe names", o.baselines);
         }
         for (const std::string & name : names) {
-            recipe_by_name(name);
+            recipe_of_flag("--baselines", name);
         }
     }
     if (!o.like.empty() && comma_list(o.like).empty()) {
@@ -1165,6 +1194,26 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
     }
     if (!o.out_dir.empty() && fs::exists(o.out_dir) && !fs::is_directory(o.out_dir)) {
         fail("--out-dir '{}' is a file; give a folder (it is made when missing)", o.out_dir);
+    }
+    // Where the job writes: every path checked now, not at the stage that first writes there.
+    check_folder_can_be_written(o.work.empty() ? default_work_folder(o.model) : o.work, "--work");
+    if (!o.out_dir.empty()) {
+        check_folder_can_be_written(o.out_dir, "--out-dir");
+    }
+    if (!o.out.empty()) {
+        std::error_code ec;  // a folder this user cannot look in: access() below says so
+        const fs::path out = fs::absolute(o.out);
+        if (fs::is_directory(out, ec)) {
+            check_folder_can_be_written(o.out, "--out");
+        } else if (fs::exists(out.parent_path(), ec) && !fs::is_directory(out.parent_path(), ec)) {
+            fail("--out '{}': '{}' is a file, not a folder; give --out a path in a folder", o.out, out.parent_path().string());
+        } else if (!fs::exists(out.parent_path(), ec) && ::access(out.parent_path().c_str(), F_OK) != 0 && errno == ENOENT) {
+            fail("--out '{}': its folder '{}' does not exist; make it first, or give --out a path in an existing folder",
+                 o.out, out.parent_path().string());
+        } else if (::access(out.parent_path().c_str(), W_OK | X_OK) != 0) {
+            fail("--out '{}': this user cannot write in '{}' ({}); give --out a path in a folder this user can write in",
+                 o.out, out.parent_path().string(), std::strerror(errno));
+        }
     }
 
     // Menus (an imatrix will be there: made by the imatrix stage or given), and every target against them.
