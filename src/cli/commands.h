@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <string>
 #include <vector>
 
 namespace voodoo::cli {
@@ -27,6 +28,19 @@ const std::string & command_line();
 /// Installs a SIGINT handler and returns a stop test for long work (train_options::should_stop): true once
 /// Ctrl-C was pressed, so the run writes its journal and exits cleanly.
 std::function<bool(int)> stop_on_sigint();
+
+/// Adds --eager-types (train_options::eager_types) to `sub`: train and quantize take it alike.
+inline CLI::Option * add_eager_types_option(CLI::App * sub, std::string & value) {
+    return sub->add_option("--eager-types", value,
+                           "With --candidates targets: how the two types per tensor that are built and probed first (the "
+                           "others' ΔKL is predicted from them; with --probe-anchors N, N types) are chosen, spread from the "
+                           "largest error to the least: cheap (among the quickest quantizers, at least 20 M weights/s on a "
+                           "core, when they reach the menu's low end: Q3_K and Q8_0 with the default menu, Q4_0 and Q8_0 on "
+                           "32-block rows) or fast (among every type without a lattice search: Q2_K and Q8_0 with the default "
+                           "menu, the older rule)")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"cheap", "fast"}));
+}
 
 /// A count that must be a whole number ≥ 0 (threads, anchors): "-3" is refused as "expected a whole number ≥ 0,
 /// got '-3'" instead of CLI11's NonNegativeNumber message with its 300-digit range.

@@ -126,13 +126,7 @@ command add_quantize(CLI::App & app) {
                     "neighbours built and probed, and the plan made again with them known: fewer candidates to build for more "
                     "probe forwards, a gain on a GPU and a loss on the CPU), or auto (2 on a GPU, 1 on the CPU)")
         ->capture_default_str()->check(CLI::IsMember({"auto", "1", "2"}));
-    sub->add_option("--eager-types", o->q.train.eager_types,
-                    "With --candidates targets: how the two types per tensor that are built and probed first (the others' ΔKL "
-                    "is predicted from them; with --probe-anchors N, N types) are chosen, spread from the largest error to the "
-                    "least: cheap (among the quickest quantizers, at least 20 M weights/s on a core, when they reach the "
-                    "menu's low end: Q3_K and Q8_0 with the default menu, Q4_0 and Q8_0 on 32-block rows) or fast (among every "
-                    "type without a lattice search: Q2_K and Q8_0 with the default menu, the older rule)")
-        ->capture_default_str()->check(CLI::IsMember({"cheap", "fast"}));
+    add_eager_types_option(sub, o->q.train.eager_types);
     sub->add_option("--build-ahead", o->q.train.build_ahead,
                     "With --candidates targets: probe each tensor's first candidates as soon as they are built, and build "
                     "those the probe will likely keep while it ends (on, off: build, then probe, or auto: on a GPU, whose "

@@ -1207,7 +1207,7 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
             check_folder_can_be_written(o.out, "--out");
         } else if (fs::exists(out.parent_path(), ec) && !fs::is_directory(out.parent_path(), ec)) {
             fail("--out '{}': '{}' is a file, not a folder; give --out a path in a folder", o.out, out.parent_path().string());
-        } else if (!fs::exists(out.parent_path(), ec) && ::access(out.parent_path().c_str(), F_OK) != 0 && errno == ENOENT) {
+        } else if (::access(out.parent_path().c_str(), F_OK) != 0 && errno == ENOENT) {
             fail("--out '{}': its folder '{}' does not exist; make it first, or give --out a path in an existing folder",
                  o.out, out.parent_path().string());
         } else if (::access(out.parent_path().c_str(), W_OK | X_OK) != 0) {
