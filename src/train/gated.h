@@ -80,7 +80,7 @@ int64_t device_total_memory(torch::Device device);
 
 /// CUDA devices: host threads that wait for `device` sleep instead of spinning on a core (gpu::block_while_waiting),
 /// unless the environment's VOODOO_CUDA_WAIT is `spin` (CUDA's own default, kept for A/B runs). The train stage's
-/// quantizers then use every core while its probe waits for the GPU (else every core but one). Returns whether the blocking wait is on; false on the
+/// quantizers use every core while its probe waits for the GPU. Returns whether the blocking wait is on; false on the
 /// CPU, in CPU builds, with VOODOO_CUDA_WAIT=spin, or when the runtime refuses.
 bool wait_without_spinning(torch::Device device);
 

@@ -935,9 +935,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
     // first. One process (the ranks split the build and the probe otherwise). Returns every candidate of m (built or
     // read from the cache, as build_over_ranks would), the probe, how many of then's jobs were built when the probe
     // ended, and the seconds the probe waited for the builds.
-    // [tensor, menu type] pairs of all_menus as prefetch jobs, and the threads a prefetch takes: every core where the
-    // GPU's waits sleep (wait_without_spinning: the probe's thread then needs a core only to launch its kernels), all
-    // but one where they spin (VOODOO_CUDA_WAIT=spin: the probe's thread holds a core while the GPU works).
+    // [tensor, menu type] pairs of all_menus as prefetch jobs, and the threads a prefetch takes: all but one beside a
+    // GPU's probe, whose thread drives it.
     const auto prefetch_jobs = [&](const std::vector<std::pair<size_t, size_t>> & pairs) {
         std::vector<candidate_prefetch::job> jobs;
         for (const auto & [i, k] : pairs) {
@@ -945,7 +944,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         }
         return jobs;
     };
-    const int prefetch_threads = device.is_cuda() && !sleeping_waits ? std::max(1, n_threads - 1) : n_threads;
+    const int prefetch_threads = device.is_cuda() ? std::max(1, n_threads - 1) : n_threads;
     struct as_built_probe {
         std::vector<gated_tensor> gated;
         std::vector<std::vector<double>> sens;
