@@ -2,7 +2,7 @@
 # What the project runs on the GPU machine (the workplace's device tool): a CUDA build against that
 # machine's PyTorch, the GPU tests, end-to-end runs and bench/train_step. Needs the folder .device/ that
 # scripts/device-pack.sh fills (llama.cpp libraries and headers, vocabularies, the shared data).
-# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, e2e-1.7b-stages2, e2e-1.7b-stages1, e2e-1.7b-spin, e2e-1.7b-eagerfast, bench-small, bench-large,
+# Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, e2e-1.7b-stages2, e2e-1.7b-stages1, e2e-1.7b-eagerfast, bench-small, bench-large,
 # kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, probe-tf32, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, cuda-build, dry-8b, e2e-8b-defaults, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
 set -uo pipefail
@@ -37,17 +37,11 @@ e2e_17b() {
     vmstat -n -t 1 > "$OUT/e2e/vmstat-1.7b$tag.txt" 2>&1 &
     VM=$!
     lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\) per core" > "$OUT/e2e/cpu-1.7b$tag.txt" 2>&1
-    # Every 15 s, the train child's threads by CPU time (ps -L): a thread that spins while it waits for the GPU shows.
-    ( while sleep 15; do
-        p=$(pgrep -f "voodoo train" | head -1)
-        [ -n "$p" ] && { date +%T; ps -L -o tid=,comm=,time= --sort=-time -p "$p" | head -6; }
-      done ) > "$OUT/e2e/threads-1.7b$tag.txt" 2>&1 &
-    TH=$!
     log "quantize starts (the vmstat samples' clock)"
     /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/qwen3-1.7b-shape.gguf --text "$T" --like Q4_K_M \
         "$@" --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" \
         --device cuda --work $W ${MENU:+--menu "$MENU"} ${E2E_ARGS:-} > "$OUT/e2e/qwen3-1.7b$tag.log" 2>&1
-    kill $SMI $VM $TH 2>/dev/null
+    kill $SMI $VM 2>/dev/null
     grep -E "^== |in [0-9.]+s|Maximum resident|Elapsed|candidates for|candidates built|built ahead|second stage|--probe-anchors auto|eval defaults|after the candidates|ahead: " "$OUT/e2e/qwen3-1.7b$tag.log" | cut -c1-220 | tail -40
     du -sh $W/* > "$OUT/e2e/disk-1.7b$tag.txt" 2>&1; cat "$OUT/e2e/disk-1.7b$tag.txt"
     cp $W/times.json "$OUT/e2e/times-1.7b$tag.json" 2>/dev/null
@@ -214,15 +208,6 @@ e2e-1.7b-stages2|e2e-1.7b-stages1)
     e2e_17b "-stages$n" --baselines Q4_K_M --prune-stages $n
     cp /tmp/e2e-17b-stages$n/run-Q4_K_M/candidates.built.json "$OUT/e2e/candidates-1.7b-stages$n.json" 2>/dev/null
     rm -rf /tmp/e2e-17b-stages$n
-    ;;
-e2e-1.7b-spin)
-    # The job of e2e-1.7b-stages2 with CUDA's own spinning wait (VOODOO_CUDA_WAIT=spin; the default since session 38 is
-    # a sleeping wait, gpu::block_while_waiting), in a fresh work folder: run beside e2e-1.7b-stages2 on the same
-    # machine, the A/B of the probe thread's core.
-    rm -rf /tmp/e2e-17b-spin
-    VOODOO_CUDA_WAIT=spin e2e_17b "-spin" --baselines Q4_K_M --prune-stages 2
-    cp /tmp/e2e-17b-spin/run-Q4_K_M/candidates.built.json "$OUT/e2e/candidates-1.7b-spin.json" 2>/dev/null
-    rm -rf /tmp/e2e-17b-spin
     ;;
 e2e-1.7b-eagerfast)
     # The job of e2e-1.7b-stages2 with the eager types of before session 37 (--eager-types fast: Q2_K and Q8_0), in a

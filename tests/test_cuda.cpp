@@ -19,7 +19,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -108,20 +107,6 @@ double rel_err(const torch::Tensor & got, const torch::Tensor & want) {
 }
 
 }  // namespace
-
-// The train stage's probe thread waits for the GPU while every core quantizes: its waits must sleep, not spin (issue
-// #16); VOODOO_CUDA_WAIT=spin leaves CUDA's default.
-TEST(cuda, host_threads_sleep_while_they_wait_for_the_gpu) {
-    ::setenv("VOODOO_CUDA_WAIT", "spin", 1);
-    EXPECT_FALSE(wait_without_spinning(k_gpu));
-    ::unsetenv("VOODOO_CUDA_WAIT");
-    EXPECT_FALSE(wait_without_spinning(torch::Device(torch::kCPU)));
-    ASSERT_TRUE(wait_without_spinning(k_gpu));
-    EXPECT_TRUE(gpu::waits_sleep(k_gpu));
-    // and the GPU still answers: a product read back to the host (a synchronising wait)
-    const torch::Tensor a = torch::ones({256, 256}, torch::TensorOptions().device(k_gpu));
-    EXPECT_EQ(torch::mm(a, a).sum().item<float>(), 256.0f * 256.0f * 256.0f);
-}
 
 TEST(cuda, every_menu_type_dequantizes_on_the_gpu_equal_to_ggml_bit_for_bit) {
     ASSERT_TRUE(torch::cuda::is_available());

@@ -105,18 +105,6 @@ private:
 /// The device's memory in bytes: {free now, total} (cudaMemGetInfo).
 std::pair<int64_t, int64_t> memory_info(torch::Device device);
 
-/// Makes a host thread that waits for `device` (a stream or event synchronisation, a copy to the host, `.item()`)
-/// sleep on an OS primitive until the GPU is done instead of spinning on its core: cudaSetDeviceFlags with
-/// cudaDeviceScheduleBlockingSync (CUDA runtime API: since CUDA 12 it also overwrites the flags of a device already
-/// initialised). CUDA's default (cudaDeviceScheduleAuto) spins whenever the process has fewer contexts than the host
-/// has cores, which is always here: the probe's thread then holds one core for as long as the probe runs, a core that
-/// llama.cpp's quantizers, the job's critical path, need (issue #16). The cost is a wake-up of microseconds a wait.
-/// Returns false (and changes nothing) when the runtime refuses.
-bool block_while_waiting(torch::Device device);
-
-/// Whether host threads that wait for `device` sleep (cudaGetDeviceFlags reads cudaDeviceScheduleBlockingSync).
-bool waits_sleep(torch::Device device);
-
 /// Tests and benchmarks: when off, mixture and gate_grad use the row kernels even where the tiled ones
 /// apply (the two give the same W_eff bit for bit; gate gradients differ only in summation order).
 void set_tiled_kernels(bool on);

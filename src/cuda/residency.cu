@@ -162,15 +162,4 @@ std::pair<int64_t, int64_t> memory_info(torch::Device device) {
     return {static_cast<int64_t>(free), static_cast<int64_t>(total)};
 }
 
-bool block_while_waiting(torch::Device device) {
-    const c10::cuda::CUDAGuard guard(device);
-    return cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync) == cudaSuccess;
-}
-
-bool waits_sleep(torch::Device device) {
-    const c10::cuda::CUDAGuard guard(device);
-    unsigned int flags = 0;
-    return cudaGetDeviceFlags(&flags) == cudaSuccess && (flags & cudaDeviceScheduleMask) == cudaDeviceScheduleBlockingSync;
-}
-
 }  // namespace voodoo::gpu

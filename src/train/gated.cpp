@@ -10,11 +10,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
-#include <string>
 
 namespace voodoo {
 
@@ -495,17 +493,6 @@ int64_t device_total_memory(torch::Device device) {
 #endif
     (void)device;
     return 0;
-}
-
-bool wait_without_spinning(torch::Device device) {
-#if defined(VOODOO_HAVE_CUDA)
-    const char * env = std::getenv("VOODOO_CUDA_WAIT");
-    if (device.is_cuda() && !(env != nullptr && std::string(env) == "spin")) {
-        return gpu::block_while_waiting(device);
-    }
-#endif
-    (void)device;
-    return false;
 }
 
 std::vector<bool> host_resident_plan(const std::vector<int64_t> & candidate_bytes, candidate_residency mode,

@@ -78,12 +78,6 @@ candidate_stream_stats candidate_stream_statistics(const std::shared_ptr<void> &
 /// The total memory of a CUDA device in bytes (0 for the CPU or a build without CUDA).
 int64_t device_total_memory(torch::Device device);
 
-/// CUDA devices: host threads that wait for `device` sleep instead of spinning on a core (gpu::block_while_waiting),
-/// unless the environment's VOODOO_CUDA_WAIT is `spin` (CUDA's own default, kept for A/B runs). The train stage's
-/// quantizers use every core while its probe waits for the GPU. Returns whether the blocking wait is on; false on the
-/// CPU, in CPU builds, with VOODOO_CUDA_WAIT=spin, or when the runtime refuses.
-bool wait_without_spinning(torch::Device device);
-
 /// Which gated tensors' candidates live in pinned host memory (true) rather than on the GPU, for `mode`, given each
 /// tensor's candidate bytes (Σ over its menu): gpu → none, host → all, automatic → the largest tensors first until
 /// the rest fit in `gpu_bytes_for_candidates`. [candidate_bytes.size()].

@@ -611,8 +611,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
 
     // Everything that can be refused is refused before any work.
     const torch::Device device = parse_train_device(o.device);
-    // The probe's thread waits for the GPU while every core builds candidates: a sleeping wait leaves its core to them.
-    const bool sleeping_waits = wait_without_spinning(device);
     if (o.probe_compute == "tf32" && !device.is_cuda()) {
         fail("--probe-compute tf32 is the CUDA tensor cores' f32 mode and the device is {}: use --probe-compute auto "
              "(the default: f32 here) or f32, or --device cuda", device.str());
@@ -1929,13 +1927,10 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         recipe_save(greedy, (fs::path(o.run_dir) / "greedy.recipe.json").string());
         write_file_atomic((fs::path(o.run_dir) / "selection.json").string(), selection_to_json(res).dump(2) + "\n");
     }
-    res.summary += fmt::format("  trained on {} ({} mixture, {} routing{}{})\n", device.str(), mixture_path_name(path), o.routing,
+    res.summary += fmt::format("  trained on {} ({} mixture, {} routing{})\n", device.str(), mixture_path_name(path), o.routing,
                                candidate_device_bytes > 0 ? fmt::format(", candidates {:.1f} MiB on the device",
                                                                         candidate_device_bytes / 1048576.0)
-                                                          : std::string(),
-                               device.is_cuda() ? (sleeping_waits ? ", host threads sleep while they wait for it"
-                                                                  : ", host threads spin while they wait for it")
-                                                : "");
+                                                          : std::string());
     res.device = device.str();
     res.mixture = mixture_path_name(path);
     res.candidate_device_bytes = candidate_device_bytes;
