@@ -47,6 +47,22 @@ if [ "${CUDA_EVAL:-0}" = 1 ]; then
     xz -T0 -6 -c "$t/package/bins/linux-x64-cuda/libggml-cuda.so" | split -b 58M -d -a 1 - .device-cuda/part-
     for i in 0 1 2; do mv .device-cuda/part-$i .device-cuda/$((i + 1))/; done
     sha256sum "$t/package/bins/linux-x64-cuda/libggml-cuda.so" | cut -d' ' -f1 > .device-cuda/3/libggml-cuda.so.sha256
+    echo 3 > .device-cuda/3/libggml-cuda.so.parts
+    rm -rf "$t"
+    du -sh .device-cuda/*
+fi
+# CUDA_LIB=path/libggml-cuda.so: llama.cpp's CUDA backend built on this machine for the GPU's architecture
+# (`CUDA_ARCH=90 scripts/llama-cuda.sh`, where a CUDA toolkit of the device's version is installed: nvcc 13.0 here and
+# there; ≈ 33 min on 2 cores), stripped and xz-compressed into .device-cuda/1 (≈ 38 MB): it travels in a call of its own,
+# whose stage cuda-lib keeps it in /tmp, and saves the stage cuda-build's ≈ 4 min of device time in the next call.
+if [ -n "${CUDA_LIB:-}" ]; then
+    [ -f "$CUDA_LIB" ] || { echo "device-pack.sh: CUDA_LIB='$CUDA_LIB' is not a file (build it with scripts/llama-cuda.sh)" >&2; exit 1; }
+    t=$(mktemp -d)
+    cp "$CUDA_LIB" "$t/libggml-cuda.so" && strip --strip-unneeded "$t/libggml-cuda.so"
+    rm -rf .device-cuda && mkdir -p .device-cuda/1
+    xz -T0 -9 -c "$t/libggml-cuda.so" | split -b 58M -d -a 1 - .device-cuda/1/part-
+    ls .device-cuda/1/part-* | wc -l | tr -d ' ' > .device-cuda/1/libggml-cuda.so.parts
+    sha256sum "$t/libggml-cuda.so" | cut -d' ' -f1 > .device-cuda/1/libggml-cuda.so.sha256
     rm -rf "$t"
     du -sh .device-cuda/*
 fi

@@ -72,9 +72,14 @@ cuda_build() {
     lib=$(CUDA_ARCH=90 scripts/llama-cuda.sh /tmp/ggml-src/ggml /tmp/ggml-cuda-build 2> "$OUT/cuda-build.log") || { tail -30 "$OUT/cuda-build.log"; return 1; }
     cat "$OUT/cuda-build.log"; log "built $lib"; readelf -d "$lib" | grep NEEDED
     export GGML_BACKEND_PATH=$lib
+    cuda_smoke
+}
+
+# With GGML_BACKEND_PATH set: `voodoo doctor` names the GPU backend, and stock Q4_0 of stories260K is evaluated on the GPU
+# and on the CPU (that libllama decodes there, and how close the two backends' numbers are).
+cuda_smoke() {
+    [ -x build-cuda/bin/voodoo ] || { log "cuda smoke check skipped: no build-cuda/bin/voodoo yet (the stage build)"; return 0; }
     build-cuda/bin/voodoo doctor 2>&1 | grep -iE "cuda|gpu|device" | head -8
-    # stock Q4_0 of stories260K evaluated against it on the GPU and on the CPU: that libllama decodes there, and how
-    # close the two backends' numbers are.
     M=$D/data/models/stories260K/stories260K.gguf; T=$D/data/text/tinystories/tinystories_val.txt
     build-cuda/bin/voodoo baseline "$M" --recipes Q4_0 --out-dir /tmp/cuda-smoke > "$OUT/cuda-smoke-baseline.log" 2>&1
     for where in gpu cpu; do
@@ -105,14 +110,18 @@ cuda-lib)
     # .device-cuda/N travel in separate calls (scripts/device-pack.sh, CUDA_EVAL=1); each call's stage cuda-lib
     # keeps the parts it finds in /tmp/ggml-cuda and, once all three are there, joins them into libggml-cuda.so.
     # Later stages of the call load it through ggml's GGML_BACKEND_PATH; libllama's default n_gpu_layers (-1)
-    # then offloads every layer of the eval's models. Its code for sm_90 is PTX that the driver compiles on first use;
-    # driver 580.159 refuses that PTX ("compiled with an unsupported toolchain", docs/BENCHMARKS.md, session 16), so
-    # on that driver run the eval without this stage.
+    # then offloads every layer of the eval's models. The package's library (CUDA_EVAL=1) has sm_90 code only as PTX,
+    # which driver 580.159 refuses ("compiled with an unsupported toolchain", docs/BENCHMARKS.md, session 16); one built
+    # on the development machine with nvcc 13.0 for sm_90 (CUDA_LIB=…) holds its machine code, as the stage cuda-build's.
+    # The parts' count is in libggml-cuda.so.parts (3 for the package's library; 1 for one built by scripts/llama-cuda.sh
+    # on the development machine, CUDA_LIB=… scripts/device-pack.sh, which runs where a build here does).
     mkdir -p /tmp/ggml-cuda
     for d in .device-cuda/*/; do [ -d "$d" ] && cp "$d"* /tmp/ggml-cuda/; done
     ls /tmp/ggml-cuda
-    if [ -f /tmp/ggml-cuda/part-0 ] && [ -f /tmp/ggml-cuda/part-1 ] && [ -f /tmp/ggml-cuda/part-2 ]; then
-        [ -f /tmp/ggml-cuda/libggml-cuda.so ] || cat /tmp/ggml-cuda/part-[012] | xz -d > /tmp/ggml-cuda/libggml-cuda.so
+    n=$(cat /tmp/ggml-cuda/libggml-cuda.so.parts 2>/dev/null || echo 3)
+    have=0; for ((i = 0; i < n; i++)); do [ -f /tmp/ggml-cuda/part-$i ] && have=$((have + 1)); done
+    if [ -f /tmp/ggml-cuda/libggml-cuda.so.sha256 ] && [ "$have" = "$n" ]; then
+        [ -f /tmp/ggml-cuda/libggml-cuda.so ] || cat $(for ((i = 0; i < n; i++)); do echo /tmp/ggml-cuda/part-$i; done) | xz -d > /tmp/ggml-cuda/libggml-cuda.so
         echo "$(cat /tmp/ggml-cuda/libggml-cuda.so.sha256)  /tmp/ggml-cuda/libggml-cuda.so" | sha256sum -c || exit 1
         # libcudart.so.13 and libcublas.so.13, which the library needs, from PyTorch's CUDA wheels.
         for l in libcublas.so.13 libcudart.so.13; do
@@ -121,6 +130,7 @@ cuda-lib)
         done
         export GGML_BACKEND_PATH=/tmp/ggml-cuda/libggml-cuda.so CUDA_CACHE_PATH=/tmp/cuda-cache CUDA_CACHE_MAXSIZE=4294967296
         echo "GGML_BACKEND_PATH=$GGML_BACKEND_PATH LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+        mkdir -p "$OUT" && cuda_smoke
     fi
     ;;
 cuda-build)
