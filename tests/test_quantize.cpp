@@ -196,6 +196,49 @@ TEST(quantize, a_rerun_with_other_options_makes_again_what_they_change_and_says_
     EXPECT_NE(test::read_file(w + "/run-Q4_0/recipe.json"), first);
 }
 
+TEST(quantize, a_rerun_of_a_finished_job_reads_its_eval_and_scores_again_when_a_file_or_option_changed) {
+    // A re-run of a finished job scored every file again (220 s for mix30M's ladder on the CPU, session 37's trial).
+    // The eval stage's record (eval.stage.json) now says what made eval.json: the same files, text and options read it.
+    test::temp_dir dir;
+    auto q = small_job(dir.file("work"));
+    q.baselines = "Q4_0";
+    const std::string w = dir.file("work");
+    std::string log = stages_of(q);
+    EXPECT_FALSE(has_line(log, "== eval:", "(done")) << log;
+    const std::string first = test::read_file(w + "/eval.json");
+    ASSERT_TRUE(std::filesystem::exists(w + "/eval.stage.json"));
+
+    log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== eval:", "(done: ")) << log;
+    EXPECT_EQ(test::read_file(w + "/eval.json"), first);
+    EXPECT_NE(test::read_file(w + "/eval.md").find("Q4_0"), std::string::npos);
+
+    q.eval_chunks = 3;  // an option of the eval alone
+    log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== train:", "(done)")) << log;
+    EXPECT_TRUE(has_line(log, "== eval:")) << log;
+    EXPECT_FALSE(has_line(log, "== eval:", "(done")) << log;
+    const std::string second = test::read_file(w + "/eval.json");
+    EXPECT_NE(second, first);
+
+    // A scored file made again (here: only its modification time) is scored again; so is a damaged eval.json.
+    std::string stock;
+    for (const auto & e : std::filesystem::directory_iterator(w + "/baselines")) {
+        if (e.path().extension() == ".gguf") {
+            stock = e.path().string();
+        }
+    }
+    ASSERT_FALSE(stock.empty());
+    std::filesystem::last_write_time(stock, std::filesystem::last_write_time(stock) + std::chrono::seconds(2));
+    log = stages_of(q);
+    EXPECT_FALSE(has_line(log, "== eval:", "(done")) << log;
+    EXPECT_EQ(test::read_file(w + "/eval.json"), second);  // the same bytes scored: the same numbers
+    test::write_file(w + "/eval.json", "{ not json");
+    log = stages_of(q);
+    EXPECT_FALSE(has_line(log, "== eval:", "(done")) << log;
+    EXPECT_EQ(test::read_file(w + "/eval.json"), second);
+}
+
 TEST(quantize, an_imatrix_the_user_has_replaces_the_imatrix_stage) {
     test::temp_dir dir;
     auto q = small_job(dir.file("a"));
@@ -456,6 +499,40 @@ TEST(quantize, a_recipe_named_twice_in_like_is_one_target) {
     const test::run_result text = test::run_voodoo(args);
     ASSERT_EQ(text.exit_code, 0) << text.output;
     EXPECT_NE(text.output.find("--like names q5_0 more than once: one target"), std::string::npos) << text.output;
+}
+
+TEST(quantize, the_dry_runs_eval_counts_every_token_at_libllamas_floor_and_the_llama_bench_runs) {
+    // The demo's dry run said 1 s for an eval that took 88 s: a small model's decode is bound by libllama's per-token
+    // work, not its FLOPs, and the llama-bench runs (--speed-reps) were not counted. Both are now, by the rates in
+    // the plan's "rates" (the figures of a model's FLOPs are the same on every machine; the floors are this project's
+    // 2-core measurements, docs/BENCHMARKS.md).
+    test::temp_dir tmp;
+    const std::string base = fmt::format("quantize {} --text {} --eval-text {} --like Q5_0 --ctx 64 --eval-ctx 64 "
+                                         "--eval-chunks 4 --baselines Q4_0 --work {} --dry-run --json -",
+                                         test::stories260k(), test::shared_data() + "/text/tinystories/tinystories_val.txt",
+                                         test::shared_data() + "/text/gutenberg/pg11.txt", tmp.file("work"));
+    auto eval_stage = [&](const std::string & more) {
+        const test::run_result r = test::run_voodoo_stdout(base + more);
+        EXPECT_EQ(r.exit_code, 0) << r.output;
+        const nlohmann::json plan = nlohmann::json::parse(r.output);
+        for (const auto & st : plan["stages"]) {
+            if (st["stage"] == "eval") {
+                return std::make_pair(st, plan["rates"]);
+            }
+        }
+        ADD_FAILURE() << "no eval stage: " << r.output;
+        return std::make_pair(nlohmann::json(), nlohmann::json());
+    };
+    const auto [none, rates] = eval_stage(" --speed-reps 0");
+    const auto [three, rates3] = eval_stage(" --speed-reps 3");
+    // 2 files (ours, stock Q4_0) and the reference, 4 chunks of 64 tokens each, at least the floor a token.
+    const double floor = rates["eval_seconds_per_token_at_least"].get<double>();
+    EXPECT_GE(none["seconds"].get<double>(), 3 * 4 * 64 * floor * (1 - 1e-12));
+    EXPECT_EQ(none["work"].get<std::string>().find("llama-bench"), std::string::npos) << none.dump();
+    // 3 runs of each file and of the reference (--reference-speed is on by default): 9 runs, each at least its set-up.
+    EXPECT_NE(three["work"].get<std::string>().find("9 llama-bench runs (--speed-reps 3)"), std::string::npos) << three.dump();
+    EXPECT_GE(three["seconds"].get<double>() - none["seconds"].get<double>(),
+              9 * rates3["bench_run_seconds"].get<double>() * (1 - 1e-12));
 }
 
 TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_run_builds) {

@@ -453,10 +453,29 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
             static_cast<double>(in.stock_files) * static_cast<double>(n_weights) / (median * threads));
     }
     if (in.eval_files > 0) {
-        // Every file and the reference model.
+        // Every file and the reference model, each token at least k_eval_token_floor (a small model's decode is bound
+        // by libllama's per-token work, not its FLOPs: stories260K's 256-token chunks take ≈ 78 ms a file on the 2-core
+        // machine, 0.3 ms a token, where its FLOPs say 0.01), then the llama-bench runs (--speed-reps): pp512 as 512
+        // eval tokens, tg128 as 128 reads of the file's bytes at k_eval_memory_bytes_per_s, and k_bench_run_seconds
+        // of set-up a run (stories260K: 0.31 s a run, mix30M's Q4_K_M: 0.38 s, on the 2-core machine, session 38).
+        constexpr double k_eval_token_floor = 3e-4, k_eval_memory_bytes_per_s = 10e9, k_bench_run_seconds = 0.3;
+        const double per_token = std::max(fwd_flops_per_token / cpu_ggml, k_eval_token_floor);
         const double tokens = static_cast<double>((in.eval_files + 1) * in.eval_tokens_per_file);
-        add("eval", fmt::format("{} files and the reference × {} tokens (libllama)", in.eval_files, in.eval_tokens_per_file),
-            tokens * fwd_flops_per_token / cpu_ggml);
+        double seconds = tokens * per_token;
+        std::string speed;
+        if (in.eval_speed_reps > 0) {
+            const int64_t runs = (in.eval_files + (in.eval_reference_speed ? 1 : 0)) * in.eval_speed_reps;
+            const double file_bytes = 0.5 * (range.min_total + range.max_total);  // a file of the feasible sizes
+            seconds += static_cast<double>(runs) *
+                       (k_bench_run_seconds + 512 * per_token + 128 * file_bytes / k_eval_memory_bytes_per_s);
+            speed = fmt::format(", then {} llama-bench runs (--speed-reps {})", runs, in.eval_speed_reps);
+        }
+        add("eval", fmt::format("{} files and the reference × {} tokens (libllama){}", in.eval_files, in.eval_tokens_per_file,
+                                speed),
+            seconds);
+        plan["rates"]["eval_seconds_per_token_at_least"] = k_eval_token_floor;
+        plan["rates"]["eval_memory_bytes_per_s"] = k_eval_memory_bytes_per_s;
+        plan["rates"]["bench_run_seconds"] = k_bench_run_seconds;
     }
     plan["stages"] = stages;
 

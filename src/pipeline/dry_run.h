@@ -35,6 +35,8 @@ struct dry_run_input {
     bool exports = true;                    // the run writes a GGUF per target (quantize; train writes a recipe only)
     int64_t eval_files = 0;                 // files the eval would compare (0 = no eval stage)
     int64_t eval_tokens_per_file = 0;       // tokens each eval file runs
+    int eval_speed_reps = 0;                // llama-bench runs (pp512 and tg128) per eval file (quantize --speed-reps)
+    bool eval_reference_speed = false;      // and of the reference too
     int ggml_threads = 0;                   // libllama's threads (imatrix, eval)
     int ranks = 1;                          // the train stage's ranks (quantize --gpus; train.parallel says how)
 };

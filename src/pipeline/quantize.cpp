@@ -756,6 +756,26 @@ void export_recipe_file(const gguf_file & src, const std::string & recipe_path, 
     write_file_atomic(record_path, records.dump(2) + "\n");
 }
 
+// What decides the eval stage's table (its record, eval.stage.json): the reference and every scored file by path, size
+// and modification time (a file made again has a new one), the text's digest, the resolved chunk, context and speed
+// options, and the GPUs libllama computes on (the speed columns are this machine's). A re-run of a finished job with
+// the same record reads eval.json instead of scoring again (minutes on the CPU).
+nlohmann::json eval_inputs(const eval_options & ev, const std::vector<std::string> & files) {
+    auto identity = [](const std::string & path) {
+        std::error_code ec;
+        const auto t = fs::last_write_time(path, ec);
+        return nlohmann::json{{"path", fs::absolute(path).lexically_normal().string()}, {"bytes", file_size(path)},
+                              {"mtime", ec ? int64_t{0} : static_cast<int64_t>(t.time_since_epoch().count())}};
+    };
+    nlohmann::json scored = nlohmann::json::array();
+    for (const std::string & f : files) {
+        scored.push_back(identity(f));
+    }
+    return {{"reference", identity(ev.reference)}, {"text", file_digest(ev.text)}, {"ctx", ev.n_ctx},
+            {"chunks", ev.n_chunks}, {"speed_reps", ev.speed_reps}, {"reference_speed", ev.reference_speed},
+            {"files", scored}, {"gpus", llama_gpu_devices()}};
+}
+
 // What decides a run's recipe: every input's digest and every option of the training and the final selection
 // (not where or how fast it runs: device, mixture path, threads, loss chunk, journal cadence).
 nlohmann::json run_inputs(const train_options & t, const std::string & model, const std::string & data,
@@ -1001,6 +1021,8 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
         const std::string eval_text = o.eval_text.empty() ? o.texts.front() : o.eval_text;
         const int64_t all = static_cast<int64_t>(file_size(eval_text)) / 4;
         in.eval_tokens_per_file = o.eval_chunks < 0 ? all : std::min<int64_t>(all, static_cast<int64_t>(o.eval_chunks) * o.eval_ctx);
+        in.eval_speed_reps = o.speed_reps;
+        in.eval_reference_speed = o.reference_speed;
     }
     nlohmann::json plan = plan_dry_run(in);
     // The targets WORK has already trained (run-<label>/recipe.json): a run whose inputs are unchanged reuses them and
@@ -1726,20 +1748,38 @@ quantize_result run_quantize(const quantize_options & opts) {
     std::vector<std::string> files = res.outs;
     files.insert(files.end(), peers.begin(), peers.end());
     files.insert(files.end(), baselines.begin(), baselines.end());
-    stage("eval", fmt::format("{} file{} on {}{}", files.size(), files.size() == 1 ? "" : "s", ev.text,
-                              o.eval_text.empty() ? " (the calibration text: not held out)" : ""));
-    if (!session) {
-        session = std::make_unique<eval_session>(ev, 0);   // run_eval's own steps: the same numbers
+    const std::string eval_json = (fs::path(work) / "eval.json").string();
+    const std::string eval_record = (fs::path(work) / "eval.stage.json").string();
+    const nlohmann::json eval_in = eval_inputs(ev, files);
+    std::optional<eval_result> done;
+    if (fs::exists(eval_json) && stage_changes(eval_record, eval_in).empty()) {
+        try {
+            std::ifstream in(eval_json);
+            done = eval_from_json(nlohmann::json::parse(in), eval_json);
+        } catch (const std::exception &) {
+            done.reset();  // unreadable: scored again below
+        }
     }
-    // Ctrl-C during the eval (minutes at a few billion weights) stops the scoring before its next decode.
-    if (!session->score(files, [&should_stop = o.train.should_stop] { return should_stop && should_stop(-1); })) {
-        throw stopped("stopped in the eval stage; run the same command again: the files are kept and the eval is "
-                      "made again");
+    stage("eval", fmt::format("{} file{} on {}{}{}", files.size(), files.size() == 1 ? "" : "s", ev.text,
+                              o.eval_text.empty() ? " (the calibration text: not held out)" : "",
+                              done ? fmt::format(" (done: {}, made with the same files and options)", eval_json) : ""));
+    if (done) {
+        res.eval = std::move(*done);
+    } else {
+        if (!session) {
+            session = std::make_unique<eval_session>(ev, 0);   // run_eval's own steps: the same numbers
+        }
+        // Ctrl-C during the eval (minutes at a few billion weights) stops the scoring before its next decode.
+        if (!session->score(files, [&should_stop = o.train.should_stop] { return should_stop && should_stop(-1); })) {
+            throw stopped("stopped in the eval stage; run the same command again: the files are kept and the eval is "
+                          "made again");
+        }
+        res.eval = session->finish(files);
     }
-    res.eval = session->finish(files);
     res.table = eval_to_markdown(res.eval);
     write_file_atomic((fs::path(work) / "eval.md").string(), res.table);
-    write_file_atomic((fs::path(work) / "eval.json").string(), eval_to_json(res.eval).dump(2) + "\n");
+    write_file_atomic(eval_json, eval_to_json(res.eval).dump(2) + "\n");
+    stage_save(eval_record, eval_in);
     if (ladder || o.greedy_peer) {
         res.table += "\n" + curve_to_markdown(res.eval);
         write_file_atomic((fs::path(work) / "curve.md").string(), curve_to_markdown(res.eval));

@@ -1046,7 +1046,22 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const std::vector<budget> budgets = pruning_budgets(src, all_menus, o, eopts);
         const std::vector<std::vector<bool>> also = prior_recipe_types(all_menus, o.prior_recipes);
         std::vector<tensor_menu> eager_menus = pruned_menus(all_menus, eager);
-        fmt::print(stderr, "pruning: eager types and budgets in {:.1f} s\n", seconds_since(t1));
+        {  // which types are eager, and for how many tensors each (a user's first question about the pruning's work)
+            std::map<std::string, int> count;
+            for (size_t i = 0; i < all_menus.size(); ++i) {
+                for (size_t k = 0; k < all_menus[i].types.size(); ++k) {
+                    count[type_name(all_menus[i].types[k])] += eager[i][k] ? 1 : 0;
+                }
+            }
+            std::string names;
+            for (const auto & [name, n] : count) {
+                if (n > 0) {
+                    names += fmt::format("{}{} ({} tensor{})", names.empty() ? "" : ", ", name, n, n == 1 ? "" : "s");
+                }
+            }
+            fmt::print(stderr, "pruning: eager types {} (--eager-types {}) and budgets in {:.1f} s\n",
+                       names.empty() ? std::string("none") : names, o.eager_types, seconds_since(t1));
+        }
         const auto t2 = std::chrono::steady_clock::now();
         // The lattice types' Ê beside the eager candidates (each job waits for its grid; no bar of its own), in two
         // parts: the types of the grid that takes longest to build (IQ1's, ≈ 19 s on one core; lattice_grid_order 0)
