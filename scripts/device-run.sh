@@ -327,10 +327,18 @@ e2e-8b-defaults)
         echo "$(date +%T),$(find /tmp/e2e-8b/candidates -type f 2>/dev/null | wc -l),$(du -sb /tmp/e2e-8b/candidates 2>/dev/null | cut -f1),$(df -B1 --output=avail /tmp | tail -1)"
       done ) > "$OUT/e2e/cache-8b.csv" 2>&1 &
     CACHE=$!
+    vmstat -n -t 1 > "$OUT/e2e/vmstat-8b.txt" 2>&1 &
+    VM=$!
+    lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\) per core" > "$OUT/e2e/cpu-8b.txt" 2>&1
+    log "quantize starts (the vmstat samples' clock)"
     /usr/bin/time -v build-cuda/bin/voodoo quantize /tmp/llama3-8b-shape.gguf --text "$D/data/text/wikitext-2-raw/wiki.valid.raw" \
         --like Q4_K_M --baselines Q4_K_M --eval-text "$D/data/text/wikitext-2-raw/wiki.test.raw" --device cuda \
         --work /tmp/e2e-8b ${E2E_ARGS:-} > "$OUT/e2e/llama3-8b-defaults.log" 2>&1
-    kill $SMI $CACHE
+    kill $SMI $CACHE $VM
+    for f in sensitivity.json selection.json probe.eager.json probe.stage.json candidates.built.json; do
+        cp /tmp/e2e-8b/run-*/$f "$OUT/e2e/8b-$f" 2>/dev/null
+    done
+    cp /tmp/e2e-8b/eval.json "$OUT/e2e/llama3-8b-eval.json" 2>/dev/null
     grep -E "^== |in [0-9.]+ ?s|Maximum resident|Elapsed|candidates for|built ahead|--probe-anchors auto|eval defaults|warning|error" \
         "$OUT/e2e/llama3-8b-defaults.log" | cut -c1-300 | tail -40
     du -sh /tmp/e2e-8b/* > "$OUT/e2e/disk-8b.txt" 2>&1; cat "$OUT/e2e/disk-8b.txt"
