@@ -89,6 +89,11 @@ int main(int argc, char ** argv) {
                    "weight on one core (prune_options::eager_max_cost; 0: every fast type)")->capture_default_str();
     double stage_margin = voodoo::prune_options{}.stage_margin;
     app.add_option("--stage-margin", stage_margin, "With --staged: the second plan's band (prune_options::stage_margin)")->capture_default_str();
+    double calibrate = voodoo::prune_options{}.stage_error_scale;
+    app.add_option("--stage-error-scale", calibrate,
+                   "With --staged: the second plan's band from the second stage's own errors (prune.h stage_band_margin: "
+                   "this scale × the staged types' largest |ln(measured / predicted)|, between --stage-margin and 0.5); "
+                   "0: --stage-margin alone")->capture_default_str();
     app.add_flag("--stage-all-anchors", all_anchors, "With --staged: the second plan predicts from every measured type, "
                  "not from the eager types alone (the train stage's way)");
     app.add_option("--staged", stage_widths, "Candidate pruning in two stages (prune.h stage_types): the neighbours each "
@@ -294,6 +299,7 @@ int main(int argc, char ** argv) {
                 po.margin = m;
                 int64_t kept = 0, total = 0, missed = 0;
                 double kept_bytes = 0, total_bytes = 0, worst = 0, kept_cost = 0, mean_regret = 0;
+                double band_sum = 0, band_max = 0;  // --stage-margin-from-errors: the bands chosen (as margins)
                 for (int j = 0; j < budgets; ++j) {
                     const budget b = budget_at(j);
                     const std::vector<int> best = allocate_exact(b, full);
@@ -309,7 +315,11 @@ int main(int argc, char ** argv) {
                             }
                         }
                         prune_options po2 = po;
-                        po2.margin = stage_margin;
+                        po2.stage_margin = stage_margin;
+                        po2.stage_error_scale = calibrate;
+                        po2.margin = stage_band_margin(menus, p, m2, staged, eager, po2);  // the train stage's rule
+                        band_sum += po2.margin / budgets;
+                        band_max = std::max(band_max, po2.margin);
                         prune_plan p2 = plan_pruning(menus, hat, m2, eager, {b}, {}, po2, all_anchors ? nullptr : &measured);
                         keep_also(menus, p2, staged);
                         p = std::move(p2);
@@ -359,11 +369,18 @@ int main(int argc, char ** argv) {
                 }
                 fmt::print("{:>5} {:>6.2f} {:>6}/{:<7} {:>11.1f}% {:>10.1f}% {:>10} {:>10.3f}% {:>11.4f}%{}\n", n_eager, m, kept, total,
                            100 * kept_bytes / total_bytes, 100 * kept_cost, missed, 100 * worst, 100 * mean_regret,
-                           width < 0 ? std::string() : fmt::format("  (two stages, width {})", width));
+                           width < 0 ? std::string()
+                                     : fmt::format("  (two stages, width {}{})", width,
+                                                   calibrate > 0 ? fmt::format("; bands from the staged errors × {}: margin "
+                                                                               "mean {:.3f}, largest {:.3f}",
+                                                                               calibrate, band_sum, band_max)
+                                                                 : std::string()));
                 report["pruning"].push_back({{"eager", n_eager}, {"margin", m}, {"stages", width < 0 ? 1 : 2},
                                              {"stage_width", width < 0 ? 0 : width}, {"stage_margin", width < 0 ? 0.0 : stage_margin}, {"kept", kept}, {"candidates", total},
                                              {"kept_bytes_fraction", kept_bytes / total_bytes}, {"kept_work_fraction", kept_cost},
-                                             {"best_choices_pruned", missed}, {"max_regret", worst}, {"mean_regret", mean_regret}});
+                                             {"best_choices_pruned", missed}, {"max_regret", worst}, {"mean_regret", mean_regret},
+                                             {"stage_margin_from_errors", width < 0 ? 0.0 : calibrate},
+                                             {"stage_margin_mean", band_sum}, {"stage_margin_largest", band_max}});
             }
         }
         if (!out_path.empty()) {

@@ -385,6 +385,47 @@ TEST(prune, a_guess_made_before_iq1s_errors_are_in_leaves_its_types_out_and_is_o
     }
 }
 
+TEST(prune, the_second_plans_band_follows_the_staged_types_errors_between_its_widest_and_narrowest) {
+    // stage_band_margin (session 38): the largest |ln(measured / predicted)| of the staged, not eager, types, × the
+    // scale, clamped to [ln 2, ln 3] by default; every other entry (eager, not staged, NaN) is ignored.
+    const gguf_file f(mix30m());
+    const std::vector<std::string> names = layer0({"attn_q", "ffn_up"});
+    const importance_map imp = uneven_importance(f, names, 3);
+    const std::vector<tensor_menu> menus = imatrix_menus(f, imp);
+    ASSERT_EQ(menus.size(), 2u);
+    const double nan = std::numeric_limits<double>::quiet_NaN();
+    prune_plan first;
+    std::vector<std::vector<double>> measured;
+    std::vector<std::vector<bool>> staged, eager;
+    for (const tensor_menu & m : menus) {
+        ASSERT_GE(m.types.size(), 4u);
+        first.predicted.emplace_back(m.types.size(), 1e-3);
+        measured.emplace_back(m.types.size(), nan);
+        staged.emplace_back(m.types.size(), false);
+        eager.emplace_back(m.types.size(), false);
+    }
+    const prune_options po;  // scale 1.5, widest 1/3, narrowest 1/2
+    EXPECT_EQ(stage_band_margin(menus, first, measured, staged, eager, po), po.stage_margin) << "nothing staged";
+    // An eager type far off, and a staged one measured 10% above its prediction: the band is the narrowest.
+    eager[0][0] = staged[0][0] = true;
+    measured[0][0] = 1e-2;
+    staged[0][1] = true;
+    measured[0][1] = 1.1e-3;
+    measured[1][3] = 1e-1;  // measured but not staged: ignored
+    EXPECT_DOUBLE_EQ(stage_band_margin(menus, first, measured, staged, eager, po), po.stage_margin_narrowest);
+    // A staged type 1.6× off: ln 1.6 × 1.5 = 0.705 lies between ln 2 and ln 3, so the margin is 1.6^-1.5.
+    staged[1][2] = true;
+    measured[1][2] = 1.6e-3;
+    EXPECT_NEAR(stage_band_margin(menus, first, measured, staged, eager, po), std::pow(1.6, -1.5), 1e-12);
+    // Below its prediction counts the same; 3× off is clamped to the widest band.
+    measured[1][2] = 1e-3 / 3;
+    EXPECT_NEAR(stage_band_margin(menus, first, measured, staged, eager, po), po.stage_margin, 1e-12);
+    prune_options fixed = po;
+    fixed.stage_error_scale = 0;  // the rule before session 38
+    measured[1][2] = 1.0e-3;
+    EXPECT_EQ(stage_band_margin(menus, first, measured, staged, eager, fixed), po.stage_margin);
+}
+
 TEST(prune, the_types_built_ahead_are_likely_keeps_not_yet_built_the_likeliest_first) {
     // mix30M's layer 0 with the default menu at a budget halfway between the all-cheapest and the all-dearest file.
     const gguf_file f(mix30m());

@@ -465,6 +465,29 @@ std::vector<std::pair<size_t, size_t>> build_ahead_jobs(const std::vector<tensor
     return jobs;
 }
 
+double stage_band_margin(const std::vector<tensor_menu> & menus, const prune_plan & first,
+                         const std::vector<std::vector<double>> & measured, const std::vector<std::vector<bool>> & staged,
+                         const std::vector<std::vector<bool>> & eager, const prune_options & o) {
+    if (o.stage_error_scale <= 0) {
+        return o.stage_margin;
+    }
+    double worst = -1;
+    for (size_t i = 0; i < menus.size(); ++i) {
+        for (size_t k = 0; k < menus[i].types.size(); ++k) {
+            const double m = measured[i][k], p = first.predicted[i][k];
+            if (staged[i][k] && !eager[i][k] && std::isfinite(m) && std::isfinite(p) && m > 0 && p > 0) {
+                worst = std::max(worst, std::abs(std::log(m / p)));
+            }
+        }
+    }
+    if (worst < 0) {
+        return o.stage_margin;
+    }
+    const double widest = std::log(1.0 / o.stage_margin);
+    const double narrowest = std::min(widest, std::log(1.0 / o.stage_margin_narrowest));
+    return std::exp(-std::clamp(o.stage_error_scale * worst, narrowest, widest));
+}
+
 std::vector<std::vector<bool>> stage_types(const std::vector<tensor_menu> & menus, const prune_plan & p,
                                            const std::vector<std::vector<double>> & measured,
                                            const std::vector<budget> & budgets, int width) {

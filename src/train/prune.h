@@ -68,6 +68,11 @@ struct prune_options {
     // choices that are not its tensor's Lagrangian choice at any multiplier (width 1 pruned two on mix30M).
     int stage_width = 2;
     double stage_margin = 1.0 / 3.0;
+    // The second plan's band from the second stage's own errors (stage_band_margin; docs/BENCHMARKS.md, session 38):
+    // exp(∓ stage_error_scale × the largest |ln(measured / predicted)| of the staged types), never wider than
+    // stage_margin's nor narrower than stage_margin_narrowest's. 0: stage_margin alone (the rule before session 38).
+    double stage_error_scale = 1.5;
+    double stage_margin_narrowest = 0.5;
     int neighbours = 1;             // menu types kept on each side of every knapsack choice
     double widen = 1.0;             // the budget's multiplier range (plan_pruning) is widened by this factor each way
     int64_t min_sample_rows = 32;   // Ê samples max(min_sample_rows, rows / sample_divisor) rows of each tensor
@@ -167,6 +172,19 @@ std::vector<std::pair<size_t, size_t>> build_ahead_jobs(const std::vector<tensor
 std::vector<std::vector<bool>> stage_types(const std::vector<tensor_menu> & menus, const prune_plan & p,
                                            const std::vector<std::vector<double>> & measured,
                                            const std::vector<budget> & budgets, int width);
+
+/// The second plan's band (--prune-stages 2) as a margin (an unmeasured type's ΔKL in [margin, 1/margin] × its
+/// prediction), from what the second stage measured: E = the largest |ln(measured[i][k] / first.predicted[i][k])| over
+/// the `staged` types ([tensor][menu type]) that are not `eager`, i.e. how far the eager types' predictions missed on
+/// this model, and margin = exp(−clamp(o.stage_error_scale · E, ln(1/o.stage_margin_narrowest), ln(1/o.stage_margin))).
+/// A model whose predictions hold (mix30M: E ≈ 0.3) gets a narrower band and builds less; one whose predictions are
+/// poor (stories260K) keeps the widest, stage_margin. Against the full probes of both models at 40 budgets each, scale
+/// 1.5 prunes no best choice and builds 28.2% of mix30M's menus' work instead of 35.4% (docs/BENCHMARKS.md, session
+/// 38; bench/probe_anchors --stage-error-scale). o.stage_error_scale ≤ 0, or no staged type measured: o.stage_margin.
+/// `first`: the first plan (its predictions from the eager types); `measured`: NaN where not measured (nats/token).
+double stage_band_margin(const std::vector<tensor_menu> & menus, const prune_plan & first,
+                         const std::vector<std::vector<double>> & measured, const std::vector<std::vector<bool>> & staged,
+                         const std::vector<std::vector<bool>> & eager, const prune_options & o);
 
 /// Adds `also` ([tensor][menu type]) to `p.keep` and counts p.kept and p.kept_bytes again (the second stage's
 /// measured candidates stay in the menus whatever the second plan keeps: they are built).
