@@ -217,7 +217,7 @@ TEST(quantize, a_rerun_of_a_finished_job_reads_its_eval_and_scores_again_when_a_
     log = stages_of(q);
     EXPECT_TRUE(has_line(log, "== train:", "(done)")) << log;
     EXPECT_TRUE(has_line(log, "== eval:")) << log;
-    EXPECT_FALSE(has_line(log, "== eval:", "(done")) << log;
+    EXPECT_TRUE(has_line(log, "== eval:", "(scored: chunks 4 → 3)")) << log;
     const std::string second = test::read_file(w + "/eval.json");
     EXPECT_NE(second, first);
 
@@ -236,6 +236,16 @@ TEST(quantize, a_rerun_of_a_finished_job_reads_its_eval_and_scores_again_when_a_
     test::write_file(w + "/eval.json", "{ not json");
     log = stages_of(q);
     EXPECT_FALSE(has_line(log, "== eval:", "(done")) << log;
+    EXPECT_EQ(test::read_file(w + "/eval.json"), second);
+    // An eval.json that still parses but was edited (a file's row removed) is not the table the record wrote.
+    {
+        nlohmann::json j = nlohmann::json::parse(second);
+        ASSERT_TRUE(j.contains("files") && j["files"].size() >= 2u) << j.dump();
+        j["files"].erase(j["files"].size() - 1);
+        test::write_file(w + "/eval.json", j.dump(2) + "\n");
+    }
+    log = stages_of(q);
+    EXPECT_TRUE(has_line(log, "== eval:", "(scored: eval_json ")) << log;
     EXPECT_EQ(test::read_file(w + "/eval.json"), second);
 }
 

@@ -758,14 +758,17 @@ void export_recipe_file(const gguf_file & src, const std::string & recipe_path, 
 
 // What decides the eval stage's table (its record, eval.stage.json): the reference and every scored file by path, size
 // and modification time (a file made again has a new one), the text's digest, the resolved chunk, context and speed
-// options, and the GPUs libllama computes on (the speed columns are this machine's). A re-run of a finished job with
-// the same record reads eval.json instead of scoring again (minutes on the CPU).
+// options, the threads of the speed runs, and the GPUs libllama computes on (the speed columns are this machine's). A
+// re-run of a finished job with the same record, and an eval.json with the digest it recorded, reads eval.json instead
+// of scoring again (minutes on the CPU).
 nlohmann::json eval_inputs(const eval_options & ev, const std::vector<std::string> & files) {
     auto identity = [](const std::string & path) {
         std::error_code ec;
         const auto t = fs::last_write_time(path, ec);
+        const int64_t ns = ec ? 0 : std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        std::chrono::file_clock::to_sys(t).time_since_epoch()).count();
         return nlohmann::json{{"path", fs::absolute(path).lexically_normal().string()}, {"bytes", file_size(path)},
-                              {"mtime", ec ? int64_t{0} : static_cast<int64_t>(t.time_since_epoch().count())}};
+                              {"mtime_ns", ns}};
     };
     nlohmann::json scored = nlohmann::json::array();
     for (const std::string & f : files) {
@@ -773,7 +776,8 @@ nlohmann::json eval_inputs(const eval_options & ev, const std::vector<std::strin
     }
     return {{"reference", identity(ev.reference)}, {"text", file_digest(ev.text)}, {"ctx", ev.n_ctx},
             {"chunks", ev.n_chunks}, {"speed_reps", ev.speed_reps}, {"reference_speed", ev.reference_speed},
-            {"files", scored}, {"gpus", llama_gpu_devices()}};
+            {"files", scored}, {"gpus", llama_gpu_devices()},
+            {"speed_threads", ev.speed_reps > 0 ? (ev.n_threads > 0 ? ev.n_threads : static_cast<int>(std::thread::hardware_concurrency())) : 0}};
 }
 
 // What decides a run's recipe: every input's digest and every option of the training and the final selection
@@ -805,6 +809,7 @@ nlohmann::json run_inputs(const train_options & t, const std::string & model, co
         in["candidates"] = {{"for", goals}, {"eager", t.eager_types}};  // session 37: "cheap" (before: "fast")
         if (resolved_prune_stages(t.prune_stages, t.device) == 2) {
             in["candidates"]["stages"] = 2;  // only then: earlier work folders (one stage) stay valid
+            in["candidates"]["band"] = "from the staged errors";  // session 38 (prune.h stage_band_margin): before, 1/3-3
         }
     }
     if (t.max_token_seconds > 0) {
@@ -1750,19 +1755,27 @@ quantize_result run_quantize(const quantize_options & opts) {
     files.insert(files.end(), baselines.begin(), baselines.end());
     const std::string eval_json = (fs::path(work) / "eval.json").string();
     const std::string eval_record = (fs::path(work) / "eval.stage.json").string();
-    const nlohmann::json eval_in = eval_inputs(ev, files);
+    nlohmann::json eval_in = eval_inputs(ev, files);
     std::optional<eval_result> done;
-    if (fs::exists(eval_json) && stage_changes(eval_record, eval_in).empty()) {
-        try {
-            std::ifstream in(eval_json);
-            done = eval_from_json(nlohmann::json::parse(in), eval_json);
-        } catch (const std::exception &) {
-            done.reset();  // unreadable: scored again below
+    std::string changed = "no eval.json yet";
+    if (fs::exists(eval_json)) {
+        // The record holds eval.json's digest as written: a table edited or cut since is scored again.
+        nlohmann::json with_table = eval_in;
+        with_table["eval_json"] = file_digest(eval_json);
+        changed = stage_changes(eval_record, with_table);
+        if (changed.empty()) {
+            try {
+                std::ifstream in(eval_json);
+                done = eval_from_json(nlohmann::json::parse(in), eval_json);
+            } catch (const std::exception &) {
+                changed = "eval.json unreadable";  // scored again below
+            }
         }
     }
     stage("eval", fmt::format("{} file{} on {}{}{}", files.size(), files.size() == 1 ? "" : "s", ev.text,
                               o.eval_text.empty() ? " (the calibration text: not held out)" : "",
-                              done ? fmt::format(" (done: {}, made with the same files and options)", eval_json) : ""));
+                              done ? fmt::format(" (done: {}, made with the same files and options)", eval_json)
+                                   : fmt::format(" (scored: {})", changed)));
     if (done) {
         res.eval = std::move(*done);
     } else {
@@ -1778,8 +1791,11 @@ quantize_result run_quantize(const quantize_options & opts) {
     }
     res.table = eval_to_markdown(res.eval);
     write_file_atomic((fs::path(work) / "eval.md").string(), res.table);
-    write_file_atomic(eval_json, eval_to_json(res.eval).dump(2) + "\n");
-    stage_save(eval_record, eval_in);
+    if (!done) {
+        write_file_atomic(eval_json, eval_to_json(res.eval).dump(2) + "\n");
+        eval_in["eval_json"] = file_digest(eval_json);
+        stage_save(eval_record, eval_in);
+    }
     if (ladder || o.greedy_peer) {
         res.table += "\n" + curve_to_markdown(res.eval);
         write_file_atomic((fs::path(work) / "curve.md").string(), curve_to_markdown(res.eval));
