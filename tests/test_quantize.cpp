@@ -249,6 +249,33 @@ TEST(quantize, a_rerun_of_a_finished_job_reads_its_eval_and_scores_again_when_a_
     EXPECT_EQ(test::read_file(w + "/eval.json"), second);
 }
 
+TEST(quantize, a_second_target_whose_file_name_is_taken_by_the_first_keeps_both_files) {
+    // A new user's trial (session 38): stories260K's Q4_K_M and Q5_0 targets both round to Voodoo80, and the second
+    // wrote over the first's file. The second now takes its label, as a ladder's files do; a run of the same target
+    // made again still replaces its own file.
+    test::temp_dir dir;
+    auto q = small_job(dir.file("work"));
+    q.baselines = "none";
+    q.eval_chunks = 0;
+    q.like = "Q4_K_M";
+    const quantize_result a = run_quantize(q);
+    q.like = "Q5_0";
+    const quantize_result b = run_quantize(q);
+    ASSERT_NE(b.out.find(".Q5_0.gguf"), std::string::npos) << "the two names no longer collide: " << a.out << ", " << b.out;
+    EXPECT_EQ(b.out.substr(0, b.out.size() - std::string(".Q5_0.gguf").size()) + ".gguf", a.out);
+    ASSERT_TRUE(std::filesystem::exists(a.out));
+    ASSERT_TRUE(std::filesystem::exists(b.out));
+    EXPECT_NE(gguf_file(a.out).get_string("voodoo.target"), gguf_file(b.out).get_string("voodoo.target"));
+    EXPECT_EQ(gguf_file(a.out).get_string("voodoo.recipe_hash").value_or(""),
+              recipe_hash(recipe_load(dir.file("work/run-Q4_K_M/recipe.json"))));
+    q.like = "Q4_K_M";  // the first target again, made again with other steps: its own file is replaced
+    q.train.steps = 2;
+    const quantize_result c = run_quantize(q);
+    EXPECT_EQ(c.out, a.out);
+    EXPECT_EQ(gguf_file(c.out).get_string("voodoo.recipe_hash").value_or(""),
+              recipe_hash(recipe_load(dir.file("work/run-Q4_K_M/recipe.json"))));
+}
+
 TEST(quantize, an_imatrix_the_user_has_replaces_the_imatrix_stage) {
     test::temp_dir dir;
     auto q = small_job(dir.file("a"));

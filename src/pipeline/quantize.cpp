@@ -870,6 +870,22 @@ std::string train_and_export(const quantize_options & o, train_options & t, cons
         fs::create_directories(dir);
         out = default_output_path(dir, src, ratio);
         out = out.substr(0, out.size() - 5) + "." + label + ".gguf";
+    } else if (o.out.empty() && fs::exists(out)) {
+        // Two targets of one work folder can round to the same Voodoo<NN> name (stories260K's Q4_K_M and Q5_0 sizes):
+        // the file of another target is kept, and this one takes its label, as a ladder's files do. The same target's
+        // file (a run made again) is replaced.
+        std::string other;
+        try {
+            other = gguf_file(out).get_string("voodoo.target").value_or("");
+        } catch (const std::exception &) {
+            other.clear();  // not a file this reads: replaced, as before
+        }
+        if (!other.empty() && other != r.target) {
+            const std::string labelled = out.substr(0, out.size() - 5) + "." + label + ".gguf";
+            fmt::print(stderr, "voodoo: note: '{}' holds another target's file ({}); this target's ({}) is '{}'\n", out,
+                       other, r.target, labelled);
+            out = labelled;
+        }
     }
     export_recipe_file(src, recipe_path, out, t, inputs["imatrix"].get<std::string>());
     return out;
