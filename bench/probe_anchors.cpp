@@ -299,7 +299,7 @@ int main(int argc, char ** argv) {
                 po.margin = m;
                 int64_t kept = 0, total = 0, missed = 0;
                 double kept_bytes = 0, total_bytes = 0, worst = 0, kept_cost = 0, mean_regret = 0;
-                double band_sum = 0, band_max = 0;  // --stage-margin-from-errors: the bands chosen (as margins)
+                double band_sum = 0, band_max = 0;  // the second plans' bands (as margins), --stage-error-scale's
                 for (int j = 0; j < budgets; ++j) {
                     const budget b = budget_at(j);
                     const std::vector<int> best = allocate_exact(b, full);

@@ -865,11 +865,12 @@ std::string train_and_export(const quantize_options & o, train_options & t, cons
     if (!o.out_dir.empty()) {
         fs::create_directories(o.out_dir);
     }
+    // <model>.Voodoo<NN>.<label>.gguf: a ladder's files, and a target whose plain name another target's file holds.
+    const auto with_label = [&label](const std::string & path) { return path.substr(0, path.size() - 5) + "." + label + ".gguf"; };
     if (ladder) {
         const std::string dir = !o.out_dir.empty() ? o.out_dir : o.out.empty() ? work : o.out;
         fs::create_directories(dir);
-        out = default_output_path(dir, src, ratio);
-        out = out.substr(0, out.size() - 5) + "." + label + ".gguf";
+        out = with_label(default_output_path(dir, src, ratio));
     } else if (o.out.empty() && fs::exists(out)) {
         // Two targets of one work folder can round to the same Voodoo<NN> name (stories260K's Q4_K_M and Q5_0 sizes):
         // the file of another target is kept, and this one takes its label, as a ladder's files do. The same target's
@@ -881,7 +882,7 @@ std::string train_and_export(const quantize_options & o, train_options & t, cons
             other.clear();  // not a file this reads: replaced, as before
         }
         if (!other.empty() && other != r.target) {
-            const std::string labelled = out.substr(0, out.size() - 5) + "." + label + ".gguf";
+            const std::string labelled = with_label(out);
             fmt::print(stderr, "voodoo: note: '{}' holds another target's file ({}); this target's ({}) is '{}'\n", out,
                        other, r.target, labelled);
             out = labelled;

@@ -1276,7 +1276,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         // final plan does not keep them.
         std::vector<std::pair<size_t, size_t>> built_ahead(ahead_jobs.begin(), ahead_jobs.begin() + ahead_built);
         int64_t stage_forwards = 0;  // the second stage's probe, counted in --probe-auto-seconds' budget below
-        double stage_band = po.stage_margin;  // the second plan's band (stage_band_margin)
+        double band = po.margin;  // the last plan's band: the first's, or the second's (stage_band_margin)
         if (resolved_prune_stages(o.prune_stages, o.device) == 2) {
             // The second stage (prune.h stage_types): the knapsack's choices and their neighbours built and measured,
             // then planned again with them known. While the GPU measures them, the idle cores build the rest of the
@@ -1387,7 +1387,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 sg.clear();
                 const auto t5 = std::chrono::steady_clock::now();
                 prune_options po2 = po;
-                po2.margin = stage_band = stage_band_margin(all_menus, pp, measured, staged, eager, po);  // pp: the first plan
+                po2.margin = band = stage_band_margin(all_menus, pp, measured, staged, eager, po);  // pp: the first plan
                 pp = plan_pruning(all_menus, err_hat, measured, eager, budgets, also, po2, &eager_measured);
                 keep_also(all_menus, pp, staged);  // built and measured: they stay
                 const std::string how = stage_waited_seconds >= 0
@@ -1446,7 +1446,6 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
             fmt::print(stderr, "of the {} candidates built ahead, {} are kept; the other {} removed from the cache ({})\n",
                        built_ahead.size(), used, static_cast<int64_t>(built_ahead.size()) - used, bytes_text(static_cast<double>(freed)));
         }
-        const double band = stage_forwards > 0 ? stage_band : po.margin;
         fmt::print(stderr, "candidates for {} target{}: {} of {} ({:.1f} of {:.1f} MiB; the others cannot be chosen unless "
                            "their ΔKL is outside {:.3g} to {:.3g} times its prediction) in {:.1f} s\n",
                    budgets.size(), budgets.size() == 1 ? "" : "s", pp.kept, pp.total, pp.kept_bytes / k_mib,
