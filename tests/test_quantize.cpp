@@ -567,9 +567,39 @@ TEST(quantize, the_dry_runs_eval_counts_every_token_at_libllamas_floor_and_the_l
     EXPECT_GE(none["seconds"].get<double>(), 3 * 4 * 64 * floor * (1 - 1e-12));
     EXPECT_EQ(none["work"].get<std::string>().find("llama-bench"), std::string::npos) << none.dump();
     // 3 runs of each file and of the reference (--reference-speed is on by default): 9 runs, each at least its set-up.
-    EXPECT_NE(three["work"].get<std::string>().find("9 llama-bench runs (--speed-reps 3)"), std::string::npos) << three.dump();
+    EXPECT_NE(three["work"].get<std::string>().find("llama-bench's pp512 and tg128 of 3 files, 3 times each (--speed-reps 3)"),
+              std::string::npos) << three.dump();
     EXPECT_GE(three["seconds"].get<double>() - none["seconds"].get<double>(),
               9 * rates3["bench_run_seconds"].get<double>() * (1 - 1e-12));
+}
+
+TEST(quantize, the_dry_runs_eval_counts_the_stock_files_of_all_that_fit_once_per_set_of_tensor_types) {
+    // The demo's dry run counted 30 files to score where its eval scored 16: on stories260K llama.cpp's fallbacks
+    // make many recipes one file (make_baselines marks them same_types_as, and the eval scores one). The dry run now
+    // counts what distinct_stock_recipes plans with llama.cpp's dry run (baseline's tests check that against the
+    // files made), plus our file.
+    test::temp_dir tmp;
+    const test::run_result r = test::run_voodoo_stdout(fmt::format(
+        "quantize {} --text {} --eval-text {} --like Q5_0 --ctx 64 --eval-ctx 64 --eval-chunks 4 --speed-reps 0 "
+        "--baselines all-that-fit --work {} --dry-run --json -",
+        test::stories260k(), test::shared_data() + "/text/tinystories/tinystories_val.txt",
+        test::shared_data() + "/text/gutenberg/pg11.txt", tmp.file("work")));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const nlohmann::json plan = nlohmann::json::parse(r.output);
+    voodoo::baseline_options bo;
+    bo.source = test::stories260k();
+    const std::vector<std::string> all = voodoo::recipes_all_that_fit(true);
+    const size_t distinct = voodoo::distinct_stock_recipes(bo, all, true).size();  // the run makes its imatrix first
+    ASSERT_LT(distinct, all.size()) << "stories260K's recipes share files (llama.cpp's fallbacks)";
+    bool found = false;
+    for (const auto & st : plan["stages"]) {
+        if (st["stage"] == "eval") {
+            found = true;
+            EXPECT_EQ(st["work"].get<std::string>().rfind(fmt::format("{} files and the reference", 1 + distinct), 0), 0u)
+                << st.dump();
+        }
+    }
+    EXPECT_TRUE(found) << r.output;
 }
 
 TEST(quantize, a_dry_run_makes_nothing_and_its_byte_figures_are_what_the_real_run_builds) {

@@ -255,9 +255,12 @@ double estimate_stock_bytes(const gguf_file & src, const stock_recipe & r) {
 namespace {
 
 /// llama_model_quantize's dry run of recipe r on opt.source, with im's imatrix and keys when given (llama.cpp's type
-/// rules ask whether there is one): everything it logged at info level (its type per tensor, its "quant size" line).
+/// rules ask whether there is one): everything it logged at info level (its type per tensor, its "quant size" line),
+/// and in `warnings` its warning and error lines (ggml_log_capture::text: "dry run completed successfully, but
+/// actually completing this quantization will require an imatrix!" when a tensor's type needs one and im is null).
 /// It opens no output file and quantizes nothing. Throws voodoo::error with llama.cpp's reason when it fails.
-std::string dry_run_log(const baseline_options & opt, const stock_recipe & r, const imatrix_params * im) {
+std::string dry_run_log(const baseline_options & opt, const stock_recipe & r, const imatrix_params * im,
+                        std::string * warnings = nullptr) {
     llama_runtime_init();
     llama_model_quantize_params qp = llama_model_quantize_default_params();
     qp.ftype = r.ftype;
@@ -274,6 +277,9 @@ std::string dry_run_log(const baseline_options & opt, const stock_recipe & r, co
     const auto tables = hold_lattice_tables();
     if (llama_model_quantize(opt.source.c_str(), never.c_str(), &qp) != 0) {
         fail("llama_model_quantize's dry run of {} on '{}' failed: {}", r.name, opt.source, capture.text());
+    }
+    if (warnings) {
+        *warnings = capture.text();
     }
     return capture.info_text();
 }
@@ -292,17 +298,16 @@ double stock_tensor_bytes(const baseline_options & opt, const stock_recipe & r) 
     return mib * 1024.0 * 1024.0;
 }
 
-stock_plan plan_stock_file(const baseline_options & opt, const std::string & recipe_name) {
-    const stock_recipe & r = recipe_by_name(recipe_name);
-    check_imatrix_given(r, opt);
-    const auto src = open_source(opt);
-    llama_runtime_init();
-    const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix, *src);
-    const std::string text = dry_run_log(opt, r, im.get());  // the real run's inputs, the imatrix included
+namespace {
 
+/// Every tensor's type in llama_model_quantize's dry run of r (its info log, dry_run_log): GGML_TYPE_COUNT for a
+/// tensor it keeps at the source's type. `warnings` as dry_run_log's. Throws voodoo::error when a line names no type.
+std::map<std::string, ggml_type> dry_run_types(const baseline_options & opt, const stock_recipe & r,
+                                               const imatrix_params * im, std::string * warnings = nullptr) {
+    const std::string text = dry_run_log(opt, r, im, warnings);
     // Its line per tensor: "[  12/ 201]  blk.0.attn_q.weight  - [ 2048,  2048,  1,  1], type =   bf16, size =  8.000
     // MiB ->  2.250 MiB (q4_K)", or without " -> " for a tensor it keeps as it is.
-    stock_plan plan;
+    std::map<std::string, ggml_type> types;
     for (size_t a = 0; a < text.size();) {
         const size_t e = std::min(text.find('\n', a), text.size());
         const std::string_view line(text.data() + a, e - a);
@@ -321,7 +326,7 @@ stock_plan plan_stock_file(const baseline_options & opt, const std::string & rec
         name.erase(name.find_last_not_of(' ') + 1);  // printed left-aligned in a 36-wide field
         const size_t arrow = line.find(" -> ", name_end);
         if (arrow == std::string_view::npos) {
-            plan.types[name] = GGML_TYPE_COUNT;  // kept at the source's type
+            types[name] = GGML_TYPE_COUNT;  // kept at the source's type
             continue;
         }
         const size_t lp = line.rfind('('), rp = line.rfind(')');
@@ -331,8 +336,21 @@ stock_plan plan_stock_file(const baseline_options & opt, const std::string & rec
             fail("llama_model_quantize's dry run of {} on '{}': no type in its line for {} (\"{}\")", r.name, opt.source,
                  name, line);
         }
-        plan.types[name] = *type;
+        types[name] = *type;
     }
+    return types;
+}
+
+}  // namespace
+
+stock_plan plan_stock_file(const baseline_options & opt, const std::string & recipe_name) {
+    const stock_recipe & r = recipe_by_name(recipe_name);
+    check_imatrix_given(r, opt);
+    const auto src = open_source(opt);
+    llama_runtime_init();
+    const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix, *src);
+    stock_plan plan;
+    plan.types = dry_run_types(opt, r, im.get());  // the real run's inputs, the imatrix included
 
     // The header as llama-quant.cpp makes it, laid out by ggml's gguf API.
     gguf_context * ctx = gguf_init_empty();
@@ -409,6 +427,27 @@ std::vector<std::string> nearest_stock_recipes(const baseline_options & opt, con
     for (size_t i = 0; i < names.size(); ++i) {
         if (keep[i]) {
             out.push_back(names[i]);
+        }
+    }
+    return out;
+}
+
+std::vector<std::string> distinct_stock_recipes(const baseline_options & opt, const std::vector<std::string> & names,
+                                                bool imatrix_to_come) {
+    const auto src = open_source(opt);
+    llama_runtime_init();
+    const auto im = opt.imatrix.empty() ? nullptr : load_imatrix_params(opt.imatrix, *src);
+    std::vector<std::string> out;
+    std::vector<std::map<std::string, ggml_type>> seen;
+    for (const std::string & name : names) {
+        std::string warnings;
+        auto types = dry_run_types(opt, recipe_by_name(name), im.get(), &warnings);
+        if (!im && !imatrix_to_come && warnings.find("will require an imatrix") != std::string::npos) {
+            continue;  // llama_model_quantize refuses it without one (make_baselines: not made)
+        }
+        if (std::find(seen.begin(), seen.end(), types) == seen.end()) {
+            seen.push_back(std::move(types));
+            out.push_back(name);
         }
     }
     return out;

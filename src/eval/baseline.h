@@ -107,6 +107,17 @@ stock_plan plan_stock_file(const baseline_options & opt, const std::string & rec
 std::vector<std::string> nearest_stock_recipes(const baseline_options & opt, const std::vector<std::string> & names,
                                                const std::vector<size_t> & our_sizes, size_t n);
 
+/// Of `names` (stock recipes), those whose tensor types differ from every earlier name's: the files make_baselines
+/// keeps for the eval (it marks the others same_types_as; on a small model llama.cpp's fallbacks give many recipes one
+/// file). Each recipe's types come from llama.cpp's dry run, with opt.imatrix when given. Without one, a recipe with
+/// a tensor whose type needs one (llama.cpp's dry run warns that the quantization "will require an imatrix") is left
+/// out, as llama_model_quantize refuses it, unless `imatrix_to_come` (quantize's dry run before its imatrix stage):
+/// then it is planned as if the imatrix were there, and a few types can differ from the run's where llama.cpp's rules
+/// ask whether there is one. In `names`' order; nothing is quantized or written (≈ 0.02 s a recipe on mix30M).
+/// Throws voodoo::error as plan_stock_file does.
+std::vector<std::string> distinct_stock_recipes(const baseline_options & opt, const std::vector<std::string> & names,
+                                                bool imatrix_to_come = false);
+
 /// The recipes `--recipes all-that-fit` makes: every standard recipe, less those needing an imatrix
 /// when none is given. Recipes whose main type fits no tensor of the model are kept: llama.cpp falls
 /// back per tensor (Q4_K → Q5_0, Q6_K → Q8_0, IQ* → IQ4_NL, then F16), and those files are what a user

@@ -464,11 +464,14 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
         double seconds = tokens * per_token;
         std::string speed;
         if (in.eval_speed_reps > 0) {
-            const int64_t runs = (in.eval_files + (in.eval_reference_speed ? 1 : 0)) * in.eval_speed_reps;
+            const int64_t tests = in.eval_files + (in.eval_reference_speed ? 1 : 0);
+            const int64_t runs = tests * in.eval_speed_reps;
             const double file_bytes = 0.5 * (range.min_total + range.max_total);  // a file of the feasible sizes
             seconds += static_cast<double>(runs) *
                        (k_bench_run_seconds + 512 * per_token + 128 * file_bytes / k_eval_memory_bytes_per_s);
-            speed = fmt::format(", then {} llama-bench runs (--speed-reps {})", runs, in.eval_speed_reps);
+            speed = fmt::format(", then llama-bench's pp512 and tg128 of {} file{}, {} time{} each (--speed-reps {})",
+                                tests, tests == 1 ? "" : "s", in.eval_speed_reps, in.eval_speed_reps == 1 ? "" : "s",
+                                in.eval_speed_reps);
         }
         add("eval", fmt::format("{} files and the reference × {} tokens (libllama){}", in.eval_files, in.eval_tokens_per_file,
                                 speed),

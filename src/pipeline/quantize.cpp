@@ -989,10 +989,18 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
     // The stock files a run makes, all for its eval stage (a --like target's is sized without making it): for
     // "all-that-fit" every recipe that fits, for "nearest" those that can be among the six nearest each file
     // (pick_baselines), for a list its names. Those not made yet are named (the disk figure estimates their bytes).
+    int64_t distinct_all = 0;  // the recipes that fit whose files the eval scores (distinct_stock_recipes), when needed
     {
         std::vector<std::string> names;
         if (o.eval_chunks != 0 && (o.baselines == "nearest" || o.baselines == "all-that-fit")) {
             std::vector<std::string> all = recipes_all_that_fit(true);
+            // Every recipe's file is made, but those that plan the same tensor types as an earlier one are scored once
+            // (make_baselines' same_types_as): on a small model llama.cpp's fallbacks make many recipes one file.
+            baseline_options dbo;
+            dbo.source = o.model;
+            dbo.allow_requantize = o.allow_requantize;
+            dbo.imatrix = in.imatrix;
+            distinct_all = static_cast<int64_t>(distinct_stock_recipes(dbo, all, true).size());
             if (o.baselines == "nearest") {  // as pick_baselines chooses them, for our sizes as estimated here
                 std::vector<size_t> ours;
                 double weights = 0;
@@ -1028,14 +1036,13 @@ nlohmann::json dry_run_of(const quantize_options & o, const gguf_file & src, con
         }
         in.stock_files = static_cast<int64_t>(seen.size());
     }
-    const int64_t all_that_fit = static_cast<int64_t>(recipes_all_that_fit(true).size());
     if (o.eval_chunks != 0) {
         const int64_t outs = static_cast<int64_t>(in.goals.size() + in.like_sizes.size());
         int64_t stock = 0;
         if (o.baselines == "nearest") {
-            stock = std::min(6 * outs, all_that_fit);
+            stock = std::min(6 * outs, distinct_all);
         } else if (o.baselines == "all-that-fit") {
-            stock = all_that_fit;
+            stock = distinct_all;
         } else if (o.baselines != "none") {
             stock = static_cast<int64_t>(comma_list(o.baselines).size());
         }
