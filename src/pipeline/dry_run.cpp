@@ -759,7 +759,8 @@ std::string dry_run_to_text(const nlohmann::json & p) {
     if (p.contains("finished_runs")) {
         const size_t n = p["finished_runs"].size();
         s += fmt::format("note: the work folder has trained {} of these targets already ({}{}): a run whose inputs are "
-                         "unchanged reuses {} and every stage before (their lines say \"(done)\"; the eval is made again), "
+                         "unchanged reuses {} and every stage before (their lines say \"(done)\"; the eval too when its record "
+                         "eval.stage.json matches its files and options), "
                          "so the times below, for a run from the start, are an upper bound\n",
                          n, p["finished_runs"][0].get<std::string>(), n > 1 ? ", …" : "", n > 1 ? "them" : "it");
     }
