@@ -17,6 +17,11 @@
 #include <fstream>
 #include <sstream>
 
+#include <csignal>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 namespace {
 
 using voodoo::test::stories260k;
@@ -361,10 +366,86 @@ TEST_F(eval_test, speed_columns_are_llama_bench_pp512_and_tg128_and_round_trip_t
     EXPECT_EQ(back.files[0].pp512, r.files[0].pp512);
     EXPECT_EQ(back.files[0].tg128_sd, r.files[0].tg128_sd);
     EXPECT_EQ(back.ref.tg128, r.ref.tg128);
+    // The load other processes put on the machine meanwhile is measured (≥ 0 cores) and kept.
+    EXPECT_GE(r.files[0].speed_other_cores, 0.0);
+    EXPECT_EQ(back.files[0].speed_other_cores, r.files[0].speed_other_cores);
     // Without repetitions: no columns, nothing measured (the KLD numbers are the same either way).
     o.speed_reps = 0;
     const voodoo::eval_result none = voodoo::run_eval(o, {q8_0_});
     EXPECT_EQ(none.files[0].pp512, 0.0);
     EXPECT_EQ(voodoo::eval_to_markdown(none).find("pp512"), std::string::npos);
     EXPECT_EQ(none.files[0].kld_mean, r.files[0].kld_mean);
+}
+
+TEST(eval_speed, the_load_of_another_process_is_counted_and_this_processs_own_is_not) {
+    // other_cpu_load: the machine's busy time (/proc/stat, sampled at each clock tick) less this process's (getrusage,
+    // summed by the scheduler), over the wall time.
+    const double tick = 1.0 / static_cast<double>(sysconf(_SC_CLK_TCK));
+    auto spin_for = [](double seconds) {
+        const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+        volatile uint64_t x = 0;
+        while (std::chrono::steady_clock::now() < end) {
+            x = x + 1;
+        }
+    };
+    {
+        // This process's own busy thread is subtracted. Other processes may be busy meanwhile (ctest runs tests side by
+        // side), so only what cannot fail on a busy machine is asserted: a reading, finite and not negative.
+        const voodoo::other_cpu_load load;
+        std::thread mine([&] { spin_for(0.3); });
+        mine.join();
+        ASSERT_GE(load.other_seconds(), 0.0) << "/proc/stat is readable on Linux";
+        EXPECT_TRUE(std::isfinite(load.other_cores()));
+    }
+    // A child's busy loop counts as much CPU time as the kernel gave it (wait4's rusage), within the ticks' sampling:
+    // a process that runs part of each tick is counted in whole ticks or none, so the bound is half of it (the
+    // sampling's spread over ≈ 100 ticks is ≈ 10 of them) less a tick at each of the two readings.
+    const voodoo::other_cpu_load load;
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        spin_for(1.0);
+        _exit(0);
+    }
+    int status = 0;
+    rusage ru{};
+    ASSERT_EQ(wait4(child, &status, 0, &ru), child);
+    const double other = load.other_seconds();
+    const auto sec = [](const timeval & t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
+    const double child_cpu = sec(ru.ru_utime) + sec(ru.ru_stime);
+    ASSERT_GT(child_cpu, 0.1) << "the child ran";
+    EXPECT_GE(other, 0.5 * child_cpu - 2 * tick) << "the child's " << child_cpu << " s of CPU";
+    EXPECT_GT(load.other_cores(), 0.0);
+}
+
+TEST(eval_speed, speed_measured_under_load_is_marked_in_the_table_and_warned_of) {
+    voodoo::eval_result r;
+    r.speed_reps = 1;
+    r.speed_threads = 2;
+    r.ref.name = "ref.gguf";
+    r.ref.pp512 = 100;
+    r.ref.tg128 = 10;
+    r.ref.speed_other_cores = 0.1;  // quiet
+    voodoo::eval_file_result f;
+    f.name = "busy.gguf";
+    f.pp512 = 50;
+    f.tg128 = 5;
+    f.speed_other_cores = 1.25;  // another process kept 1.25 cores busy
+    r.files.push_back(f);
+    std::string md = voodoo::eval_to_markdown(r);
+    EXPECT_NE(md.find("50 ± 0 ⚠ | 5.0 ± 0.0 ⚠ |"), std::string::npos) << md;
+    EXPECT_EQ(md.find("100 ± 0 ⚠"), std::string::npos) << md;
+    EXPECT_NE(md.find("other processes kept up to 1.2 cores busy on average while the speed of 1 file was measured "
+                      "(busy.gguf)"),
+              std::string::npos)
+        << md;
+    const voodoo::eval_result back = voodoo::eval_from_json(voodoo::eval_to_json(r), "test");
+    EXPECT_EQ(back.files[0].speed_other_cores, 1.25);
+    EXPECT_EQ(voodoo::speed_load_warning(back), voodoo::speed_load_warning(r));
+    // Below the threshold, or not measured (an eval.json of an earlier version): no mark, no warning.
+    r.files[0].speed_other_cores = voodoo::k_speed_load_warn_cores / 2;
+    EXPECT_EQ(voodoo::speed_load_warning(r), "");
+    r.files[0].speed_other_cores = -1;
+    md = voodoo::eval_to_markdown(r);
+    EXPECT_EQ(md.find("⚠"), std::string::npos) << md;
 }

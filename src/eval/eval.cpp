@@ -1,4 +1,5 @@
 #include "eval/eval.h"
+#include "eval/report.h"
 
 #include "common/error.h"
 #include "common/progress.h"
@@ -25,6 +26,9 @@
 #include <optional>
 #include <sstream>
 #include <thread>
+
+#include <sys/resource.h>
+#include <unistd.h>
 
 namespace voodoo {
 
@@ -296,7 +300,52 @@ const float * decode_chunk(llama_context * ctx, const llama_batch & batch, const
     return llama_get_logits(ctx);
 }
 
-/// llama-bench's pp512 and tg128 of one model (run_eval's comment says how). Fills r's speed fields.
+// The machine's busy CPU seconds so far (/proc/stat's first line: user nice system idle iowait irq softirq steal …,
+// in USER_HZ ticks; proc(5)), or -1 when it cannot be read.
+double machine_busy_seconds() {
+    std::ifstream in("/proc/stat");
+    std::string cpu;
+    double user = 0, nice = 0, system = 0, idle = 0, iowait = 0, irq = 0, softirq = 0, steal = 0;
+    if (!(in >> cpu >> user >> nice >> system >> idle >> iowait >> irq >> softirq) || cpu != "cpu") {
+        return -1;
+    }
+    in >> steal;  // absent before Linux 2.6.11
+    return (user + nice + system + irq + softirq + steal) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+double self_cpu_seconds() {
+    rusage u{};
+    getrusage(RUSAGE_SELF, &u);
+    const auto sec = [](const timeval & t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
+    return sec(u.ru_utime) + sec(u.ru_stime);
+}
+
+double wall_seconds() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+other_cpu_load::other_cpu_load() : busy0_(machine_busy_seconds()), self0_(self_cpu_seconds()), wall0_(wall_seconds()) {}
+
+double other_cpu_load::other_seconds() const {
+    const double busy = machine_busy_seconds();
+    if (busy0_ < 0 || busy < 0) {
+        return -1;
+    }
+    return std::max(0.0, (busy - busy0_) - (self_cpu_seconds() - self0_));
+}
+
+double other_cpu_load::other_cores() const {
+    const double other = other_seconds();
+    const double wall = wall_seconds() - wall0_;
+    return other < 0 || wall <= 0 ? -1 : other / wall;
+}
+
+namespace {
+
+/// llama-bench's pp512 and tg128 of one model (run_eval's comment says how). Fills r's speed fields, and the load
+/// other processes put on the machine meanwhile (other_cpu_load).
 void measure_speed(llama_model * model, const std::string & path, int n_threads, int reps, eval_file_result & r) {
     constexpr int n_prompt = 512, n_gen = 128;
     const context_ptr ctx = new_context(model, path, n_prompt + n_gen, n_threads, 2048, 512);  // llama-bench's -b, -ub
@@ -332,6 +381,7 @@ void measure_speed(llama_model * model, const std::string & path, int n_threads,
     run_prompt();  // warm-up, as llama-bench
     llama_memory_clear(llama_get_memory(ctx.get()), false);
     run_gen(1);
+    const other_cpu_load load;
     std::vector<double> pp, tg;
     for (int i = 0; i < reps; ++i) {
         llama_memory_clear(llama_get_memory(ctx.get()), false);
@@ -356,6 +406,7 @@ void measure_speed(llama_model * model, const std::string & path, int n_threads,
     };
     std::tie(r.pp512, r.pp512_sd) = mean_sd(pp);
     std::tie(r.tg128, r.tg128_sd) = mean_sd(tg);
+    r.speed_other_cores = load.other_cores();
 }
 
 }  // namespace
@@ -731,6 +782,9 @@ eval_result eval_session::finish(const std::vector<std::string> & files) {
             speed_bar.add(1, result.files[f].name);
         }
         speed_bar.finish();
+        if (const std::string w = speed_load_warning(result); !w.empty()) {
+            fmt::print(stderr, "voodoo: warning: {}\n", w);
+        }
     }
     return result;
 }

@@ -51,6 +51,30 @@ struct eval_file_result {
     // Speed in libllama on this machine (measure_speed; 0 when not measured): tokens per second, mean ± sd.
     double pp512 = 0, pp512_sd = 0; // prompt processing: 512 tokens in one batch
     double tg128 = 0, tg128_sd = 0; // generation: 128 tokens one at a time
+    // Cores that other processes kept busy on average while this file's speed was measured (other_cpu_load): the
+    // machine's busy CPU time (/proc/stat) less this process's (getrusage), over the wall time. -1: not measured.
+    double speed_other_cores = -1;
+};
+
+/// Speed figures measured while other processes kept at least this many cores busy on average are marked as
+/// measured under load (eval.md's ⚠ and its warning; eval.json's speed_other_load_cores): half a core, a judgement
+/// (llama-bench's own runs use every core, so any core taken by other work slows them; a quiet machine idles at a few
+/// hundredths of a core).
+inline constexpr double k_speed_load_warn_cores = 0.5;
+
+/// Measures the load other processes put on the machine between its construction and other_cores(): the busy
+/// jiffies of /proc/stat's "cpu" line (user, nice, system, irq, softirq, steal; proc(5)) over sysconf(_SC_CLK_TCK),
+/// less this process's user and system time (getrusage RUSAGE_SELF, every thread), over the wall time between.
+class other_cpu_load {
+public:
+    other_cpu_load();
+    /// CPU seconds other processes used so far (≥ 0), or -1 when /proc/stat cannot be read.
+    double other_seconds() const;
+    /// other_seconds() over the wall seconds so far: the cores they kept busy on average; -1 as other_seconds.
+    double other_cores() const;
+
+private:
+    double busy0_ = -1, self0_ = 0, wall0_ = 0;
 };
 
 struct eval_result {

@@ -47,6 +47,9 @@ nlohmann::json file_json(const eval_file_result & f, bool is_reference) {
         j["pp512_tps_sd"] = f.pp512_sd;
         j["tg128_tps"] = f.tg128;
         j["tg128_tps_sd"] = f.tg128_sd;
+        if (f.speed_other_cores >= 0) {
+            j["speed_other_load_cores"] = f.speed_other_cores;
+        }
     }
     if (!is_reference) {
         j["ln_ppl_ratio"] = f.ln_ppl_ratio;
@@ -119,7 +122,9 @@ std::string eval_to_markdown(const eval_result & r) {
         if (!speed) {
             return std::string();
         }
-        return f.pp512 > 0 ? fmt::format(" {:.0f} ± {:.0f} | {:.1f} ± {:.1f} |", f.pp512, f.pp512_sd, f.tg128, f.tg128_sd)
+        const char * loaded = f.speed_other_cores >= k_speed_load_warn_cores ? " ⚠" : "";
+        return f.pp512 > 0 ? fmt::format(" {:.0f} ± {:.0f}{} | {:.1f} ± {:.1f}{} |", f.pp512, f.pp512_sd, loaded, f.tg128,
+                                         f.tg128_sd, loaded)
                            : std::string(" (not measured) | |");  // the reference without its speed (eval_options)
     };
     out += fmt::format("| {} (reference) | {} | {:.4f} ± {:.4f} | 1 | | | | | | |{}\n", r.ref.name, size_cols(r.ref),
@@ -139,8 +144,35 @@ std::string eval_to_markdown(const eval_result & r) {
                            "batch, tg128 = 128 tokens generated one by one; mean ± sd of {} run{} on {} thread{}{}.\n",
                            r.speed_reps, r.speed_reps == 1 ? "" : "s", r.speed_threads, r.speed_threads == 1 ? "" : "s",
                            r.speed_reps == 1 ? " (one run: no spread measured)" : "");
+        if (const std::string w = speed_load_warning(r); !w.empty()) {
+            out += w + "\n";
+        }
     }
     return out;
+}
+
+std::string speed_load_warning(const eval_result & r) {
+    double worst = -1;
+    int n = 0;
+    std::string names;
+    const auto look = [&](const eval_file_result & f) {
+        if (f.pp512 > 0 && f.speed_other_cores >= k_speed_load_warn_cores) {
+            ++n;
+            names += (names.empty() ? "" : ", ") + f.name;
+            worst = std::max(worst, f.speed_other_cores);
+        }
+    };
+    look(r.ref);
+    for (const eval_file_result & f : r.files) {
+        look(f);
+    }
+    if (n == 0) {
+        return "";
+    }
+    return fmt::format("⚠ Measured under load: other processes kept up to {:.1f} cores busy on average while the speed of "
+                       "{} file{} was measured ({}), so {} speed figures are low by the share of the machine they "
+                       "took; measure again on a quiet machine (`voodoo eval … --speed-reps N`).",
+                       worst, n, n == 1 ? "" : "s", names, n == 1 ? "its" : "their");
 }
 
 std::string eval_devices_text(const std::vector<std::string> & devices) {
@@ -201,6 +233,7 @@ eval_file_result file_from_json(const nlohmann::json & j) {
     f.pp512_sd = j.value("pp512_tps_sd", 0.0);
     f.tg128 = j.value("tg128_tps", 0.0);
     f.tg128_sd = j.value("tg128_tps_sd", 0.0);
+    f.speed_other_cores = j.value("speed_other_load_cores", -1.0);
     return f;
 }
 

@@ -14,6 +14,10 @@ namespace voodoo {
 /// says which text, ctx and how many chunks and tokens were scored.
 std::string eval_to_markdown(const eval_result & r);
 
+/// The warning eval.md carries when a speed figure was measured under load (eval_file_result::speed_other_cores at
+/// least k_speed_load_warn_cores: the files named, the largest load), or "" when none was.
+std::string speed_load_warning(const eval_result & r);
+
 /// Where libllama computed, for a report: "the CPU" when `devices` (eval_result::devices) is empty, else the devices
 /// joined by ", ".
 std::string eval_devices_text(const std::vector<std::string> & devices);
