@@ -48,6 +48,12 @@ void expect_eval_error(const voodoo::eval_options & opt, const std::vector<std::
     }
 }
 
+}  // namespace
+
+// Named, not anonymous: a TEST_F's class derives from it, and GCC warns (-Wsubobject-linkage) of a base in an anonymous
+// namespace once the unity build includes this file in another.
+namespace eval_tests {
+
 class eval_test : public ::testing::Test {
 protected:
     static void SetUpTestSuite() {
@@ -74,6 +80,12 @@ protected:
     static inline std::string text_;
     static inline std::string q8_0_;
 };
+
+}  // namespace eval_tests
+
+using eval_tests::eval_test;
+
+namespace {
 
 TEST_F(eval_test, the_reference_against_itself_has_kld_0_and_same_top_100_percent) {
     const voodoo::eval_result r = voodoo::run_eval(options(), {stories260k()});

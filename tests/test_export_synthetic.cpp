@@ -10,6 +10,8 @@
 #include "fixture_cache.h"
 #include "test_util.h"
 #include "train/budget.h"
+
+#include <fmt/format.h>
 #include "train/candidates.h"
 #include "train/gated.h"
 
@@ -32,7 +34,7 @@ std::string synthetic_model() {
     spec.n_head_kv = 2;
     spec.head_dim = 64;
     spec.n_ff = 512;
-    spec.vocab_path = std::string(VOODOO_LLAMA_MODELS_DIR) + "/ggml-vocab-llama-spm.gguf";
+    spec.vocab_path = fmt::format("{}/ggml-vocab-llama-spm.gguf", VOODOO_LLAMA_MODELS_DIR);
     return test::cached_fixture(spec);
 }
 
@@ -134,7 +136,7 @@ TEST(export_synthetic, finalized_recipes_fit_the_target_across_the_range) {
         }
         const auto choice = finalize_choice(b, probs, loss);
         const recipe r = recipe_from_choice(src, menus, choice, probs, goal);
-        const auto res = export_gguf(src, r, dir.file("f" + std::to_string(i) + ".gguf"), {});
+        const auto res = export_gguf(src, r, dir.file(fmt::format("f{}.gguf", i)), {});
         EXPECT_EQ(static_cast<double>(res.file_bytes), b.total(choice)) << goal.str();
         EXPECT_LE(static_cast<double>(res.file_bytes), goal.value) << goal.str();
     }

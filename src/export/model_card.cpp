@@ -166,7 +166,8 @@ std::string model_card_markdown(const gguf_file & src, const model_card_input & 
 std::string shell_command(const std::vector<std::string> & words) {
     std::string out;
     for (const std::string & w : words) {
-        out += (out.empty() ? "" : " ") + shell_word(w);
+        out += out.empty() ? "" : " ";
+        out += shell_word(w);
     }
     return out;
 }

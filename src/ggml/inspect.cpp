@@ -40,7 +40,8 @@ namespace {
 std::string menu_str(const std::vector<ggml_type> & menu) {
     std::string s;
     for (ggml_type t : menu) {
-        s += (s.empty() ? "" : " ") + type_name(t);
+        s += s.empty() ? "" : " ";
+        s += type_name(t);
     }
     return s;
 }
@@ -60,7 +61,7 @@ std::string inspect_to_text(const inspect_report & r) {
     for (const inspect_tensor & t : r.tensors) {
         std::string menu = t.selectable ? menu_str(t.menu) : "(copied as is)";
         if (t.float_only) {
-            menu += "  (no block type fits ne0 = " + std::to_string(t.tensor.ne[0]) + ")";
+            menu += fmt::format("  (no block type fits ne0 = {})", t.tensor.ne[0]);
         }
         out += fmt::format("  {:<{}}  {:<8} {:<22} {:>12}  {}\n", t.tensor.name, w, type_name(t.tensor.type),
                            shape_str(t.tensor.shape()), t.tensor.n_bytes, menu);
@@ -123,7 +124,8 @@ std::string metadata_to_text(const gguf_file & file, size_t max_array) {
             }
         }
         if (value.size() > 160) {
-            value = value.substr(0, 157) + "…";
+            value.resize(157);  // (GCC 12 warns of a bogus overflow for substr(…) + "…")
+            value += "…";
         }
         out += fmt::format("  {:<44} {:<14} {}\n", gguf_get_key(file.ctx(), i), type_str, value);
     }

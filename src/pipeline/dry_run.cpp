@@ -632,7 +632,8 @@ std::string dry_run_to_text(const nlohmann::json & p) {
     for (const auto & m : p["menus"]) {
         std::string types;
         for (const auto & t : m["types"]) {
-            types += (types.empty() ? "" : ",") + t.get<std::string>();
+            types += types.empty() ? "" : ",";
+            types += t.get<std::string>();
         }
         s += fmt::format("  {:<28} ×{:<4} {}\n", m["tensors"].get<std::string>(), m["n"].get<int>(), types);
     }

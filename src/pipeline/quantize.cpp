@@ -694,7 +694,7 @@ std::vector<rung> plan_rungs(const quantize_options & o, const baseline_options 
     } else {
         const std::vector<target> goals = o.goals.empty() ? std::vector<target>{o.train.goal} : o.goals;
         for (const target & g : goals) {
-            rungs.push_back({goal_label(g), g, g.value});
+            rungs.push_back({goal_label(g), g, g.value, {}, {}, false});
         }
     }
     if (rungs.empty()) {
