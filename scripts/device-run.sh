@@ -5,6 +5,11 @@
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, e2e-1.7b-stages2, e2e-1.7b-stages1, e2e-1.7b-eagerfast, bench-small, bench-large,
 # kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, probe-tf32, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, cuda-build, dry-8b, e2e-8b-defaults, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
+# The 8B job in one session's device time (issue #16), on a warm machine: first a call with carry [".device-cuda"] and
+# `scripts/device-run.sh cuda-lib` (llama.cpp's CUDA backend built on the development machine, scripts/device-pack.sh
+# CUDA_LIB=…), then at once, carry [".device"]: `FIXTURE_EARLY=1 BUILD_TARGETS="voodoo voodoo-fixture"
+# BG_STAGES="cuda-lib e2e-8b-defaults" scripts/device-run.sh build bg`, then `WAIT_S=585 scripts/device-run.sh bg-wait`
+# calls back to back.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -54,11 +59,15 @@ e2e_17b() {
 }
 
 # The synthetic Llama-3.1-8B shape of the 8B stages (32 layers, 4096 wide, 14,336 FFN, the full 128,256-token
-# vocabulary, BF16, its own head; random weights), made once into /tmp (≈ 1 min, 16.1 GB).
+# vocabulary, BF16, its own head; random weights), made once into /tmp (≈ 1 min, 16.1 GB; written to a temporary
+# file and renamed, so it exists only whole). The stage build with FIXTURE_EARLY=1 starts it as soon as voodoo-fixture
+# is built, beside the rest of the build (≈ 50 s of device time less); fixture_8b then waits for that one.
+FIXTURE_8B_ARGS="--arch llama --vocab $D/llama/models/ggml-vocab-llama-bpe.gguf --n-embd 4096 --n-layer 32 --n-head 32
+    --n-head-kv 8 --head-dim 128 --n-ff 14336 --type bf16 --rope-freq-base 500000 -o /tmp/llama3-8b-shape.gguf"
 fixture_8b() {
-    [ -f /tmp/llama3-8b-shape.gguf ] || /usr/bin/time -v build-cuda/bin/voodoo-fixture --arch llama \
-        --vocab "$D/llama/models/ggml-vocab-llama-bpe.gguf" --n-embd 4096 --n-layer 32 --n-head 32 --n-head-kv 8 \
-        --head-dim 128 --n-ff 14336 --type bf16 --rope-freq-base 500000 -o /tmp/llama3-8b-shape.gguf > "$OUT/e2e/fixture-8b.log" 2>&1
+    while [ -f /tmp/fixture-8b.running ]; do sleep 2; done
+    [ -f /tmp/fixture-8b-early.log ] && cp /tmp/fixture-8b-early.log "$OUT/e2e/fixture-8b.log"
+    [ -f /tmp/llama3-8b-shape.gguf ] || /usr/bin/time -v build-cuda/bin/voodoo-fixture $FIXTURE_8B_ARGS > "$OUT/e2e/fixture-8b.log" 2>&1
 }
 
 cuda_build() {
@@ -100,6 +109,17 @@ build)
         -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DVOODOO_LLAMA_DIR="$D/llama" \
         -DXXHASH_INCLUDE_DIR="$D/include" -DXXHASH_LIBRARY=/lib/x86_64-linux-gnu/libxxhash.so.0 \
         -DVOODOO_SHARED_DATA="$D/data" > /tmp/configure.log 2>&1 || { tail -40 /tmp/configure.log; exit 1; }
+    if [ "${FIXTURE_EARLY:-0}" = 1 ] && [ ! -f /tmp/llama3-8b-shape.gguf ]; then
+        cmake --build build-cuda -j "$(nproc)" --target voodoo-fixture > /tmp/build-fixture.log 2>&1 \
+            || grep -E "error|Error" -A5 /tmp/build-fixture.log | head -20
+        if [ -x build-cuda/bin/voodoo-fixture ]; then
+            touch /tmp/fixture-8b.running
+            # Its own process session (as the stage bg's), so that it outlives this call if the build ends first.
+            setsid nohup bash -c "/usr/bin/time -v build-cuda/bin/voodoo-fixture $(echo $FIXTURE_8B_ARGS) > /tmp/fixture-8b-early.log 2>&1; rm -f /tmp/fixture-8b.running" \
+                < /dev/null > /dev/null 2>&1 &
+            log "the 8B fixture started beside the build"
+        fi
+    fi
     # -k 0: build every target that can be built, so one failing target still leaves the others to run.
     # BUILD_TARGETS (default: all) builds only what a run needs, e.g. "voodoo voodoo-fixture" for e2e-8b.
     cmake --build build-cuda -j "$(nproc)" ${BUILD_TARGETS:+--target $BUILD_TARGETS} -- -k 0 > /tmp/build.log 2>&1 || grep -E "error|Error" -A5 /tmp/build.log | head -80
