@@ -82,6 +82,24 @@ TEST(budget, menus_parse_and_sort_by_bits_per_weight) {
     EXPECT_NE(error_of([] { parse_menu_for("attn_[=Q4_0"); }).find("regular expression"), std::string::npos);
 }
 
+TEST(budget, the_menu_flags_of_train_and_quantize_apply_alike) {
+    // apply_menu_flags is what both commands do with --menu, --menu-for and a speed limit.
+    menu_options m;
+    apply_menu_flags(m, "", {}, false);
+    EXPECT_TRUE(m.types.empty());  // the default menu
+    EXPECT_FALSE(m.with_fallbacks);
+    apply_menu_flags(m, " All ", {}, false);
+    EXPECT_TRUE(m.with_fallbacks);
+    menu_options listed;
+    apply_menu_flags(listed, "Q8_0,Q4_K", {"attn_.*=Q4_0,Q8_0", "ffn_down.*=Q6_K"}, true);
+    EXPECT_EQ(listed.types, (std::vector<ggml_type>{GGML_TYPE_Q4_K, GGML_TYPE_Q8_0}));
+    EXPECT_TRUE(listed.with_fallbacks) << "a speed limit keeps the fastest CPU kernels' types";
+    ASSERT_EQ(listed.per_role.size(), 2u);
+    EXPECT_EQ(listed.per_role[1].first, "ffn_down.*");
+    EXPECT_NE(error_of([] { menu_options bad; apply_menu_flags(bad, "Q4_K,all", {}, false); }).find("--menu"),
+              std::string::npos);
+}
+
 TEST(budget, stories260k_menus_follow_block_sizes_and_roles) {
     gguf_file f(test::stories260k());
     const auto menus = build_menus(f, {});

@@ -250,17 +250,7 @@ command add_quantize(CLI::App & app) {
             fail("--max-slowdown compares each file with the stock recipe of its size: give the target as --like "
                  "(e.g. --like Q4_K_M)");
         }
-        if (is_all_menu(o->menu)) {
-            q.train.menu.with_fallbacks = true;
-        } else if (!o->menu.empty()) {
-            q.train.menu.types = parse_menu(o->menu, "--menu");
-        }
-        if (q.max_slowdown >= 0) {
-            q.train.menu.with_fallbacks = true;  // Q4_0 and IQ4_NL have the fastest CPU kernels (default_menu_for)
-        }
-        for (const auto & spec : o->menu_for) {
-            q.train.menu.per_role.push_back(parse_menu_for(spec));
-        }
+        apply_menu_flags(q.train.menu, o->menu, o->menu_for, q.max_slowdown >= 0);
         if (!cpu_defaults.empty()) {
             q.announce = fmt::format("cpu defaults: {} (docs/BENCHMARKS.md; give a flag to override it)",
                                      fmt::join(cpu_defaults, ", "));

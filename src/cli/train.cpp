@@ -148,17 +148,7 @@ command add_train(CLI::App & app) {
         } else {
             fail("give one target: --target-bpw, --target-size or --ratio");
         }
-        if (is_all_menu(o->menu)) {
-            t.menu.with_fallbacks = true;
-        } else if (!o->menu.empty()) {
-            t.menu.types = parse_menu(o->menu, "--menu");
-        }
-        if (t.max_token_seconds > 0) {
-            t.menu.with_fallbacks = true;  // Q4_0 and IQ4_NL have the fastest CPU kernels (default_menu_for)
-        }
-        for (const auto & spec : o->menu_for) {
-            t.menu.per_role.push_back(parse_menu_for(spec));
-        }
+        apply_menu_flags(t.menu, o->menu, o->menu_for, t.max_token_seconds > 0);
         for (const std::string & g : o->prune_for) {
             if (!g.empty()) {
                 t.prune_goals.push_back(parse_target_spec(g, "--prune-for"));

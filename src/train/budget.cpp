@@ -68,6 +68,21 @@ std::pair<std::string, std::vector<ggml_type>> parse_menu_for(const std::string 
     return {pattern, parse_menu(spec.substr(eq + 1), "--menu-for '" + spec + "'")};
 }
 
+void apply_menu_flags(menu_options & m, const std::string & menu, const std::vector<std::string> & menu_for,
+                      bool speed_limited) {
+    if (is_all_menu(menu)) {
+        m.with_fallbacks = true;
+    } else if (!menu.empty()) {
+        m.types = parse_menu(menu, "--menu");
+    }
+    if (speed_limited) {
+        m.with_fallbacks = true;
+    }
+    for (const auto & spec : menu_for) {
+        m.per_role.push_back(parse_menu_for(spec));
+    }
+}
+
 std::vector<tensor_menu> build_menus(const gguf_file & file, const menu_options & opts) {
     std::vector<std::pair<std::regex, const std::vector<ggml_type> *>> roles;
     for (const auto & [pattern, types] : opts.per_role) {

@@ -38,6 +38,13 @@ std::vector<ggml_type> parse_menu(const std::string & list, const std::string & 
 /// Parses "--menu-for 'attn_.*=Q4_K,Q5_K,Q6_K'". Throws voodoo::error naming the flag.
 std::pair<std::string, std::vector<ggml_type>> parse_menu_for(const std::string & spec);
 
+/// Applies the menu flags of `voodoo train` and `voodoo quantize` to m: `--menu` ("" = the default menu; "all" = with
+/// llama.cpp's fallback types on every tensor; else parse_menu's list), each `--menu-for` (parse_menu_for), and
+/// `speed_limited` (--max-token-seconds, --max-slowdown): the fallback types kept, since Q4_0 and IQ4_NL have the
+/// fastest CPU kernels (default_menu_for). Throws voodoo::error as parse_menu and parse_menu_for.
+void apply_menu_flags(menu_options & m, const std::string & menu, const std::vector<std::string> & menu_for,
+                      bool speed_limited);
+
 /// The menu of one selectable tensor.
 struct tensor_menu {
     const gguf_tensor * tensor;
