@@ -15,6 +15,9 @@
 #include "tolerance.h"
 
 #include <gtest/gtest.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -121,6 +124,55 @@ TEST(prune, the_sampled_error_of_every_row_is_the_exact_weighted_error_lattice_t
             EXPECT_LT(sampled[0][k], 2.0 * exact[0][k]) << c.name << " as " << type_name(c.types[k]);
         }
     }
+}
+
+TEST(prune, sampled_errors_kept_in_the_cache_are_read_back_and_a_changed_input_measures_again) {
+    // A resumed or re-targeted run reads Ê from the candidate cache's folder instead of quantizing the rows again.
+    const gguf_file f(test::stories260k());
+    const std::string name = "blk.1.ffn_up.weight";
+    const importance_map imp = uneven_importance(f, {name}, 11);
+    const std::vector<tensor_menu> menus = {{&f.tensor(name), {GGML_TYPE_IQ4_NL, GGML_TYPE_Q4_1, GGML_TYPE_Q8_0}, false}};
+    test::temp_dir dir;
+    const std::string cache = dir.file("candidates");
+    const auto plain = sampled_weighted_errors(f, menus, &imp, prune_options{}, 1);
+    const auto first = sampled_weighted_errors(f, menus, &imp, prune_options{}, 1, nullptr, cache);
+    EXPECT_EQ(first, plain) << "keeping them changes no value";
+    std::vector<std::filesystem::path> kept;
+    for (const auto & e : std::filesystem::recursive_directory_iterator(cache)) {
+        if (e.is_regular_file()) {
+            kept.push_back(e.path());
+        }
+    }
+    ASSERT_EQ(kept.size(), 3u) << "one file a type";
+    // Read back, not measured: a kept value written over (with its checksum) is what the next call returns.
+    std::sort(kept.begin(), kept.end());
+    const auto write_value = [](const std::filesystem::path & p, double v, uint64_t sum) {
+        std::ofstream out(p, std::ios::binary | std::ios::trunc);
+        out.write(reinterpret_cast<const char *>(&v), sizeof v);
+        out.write(reinterpret_cast<const char *>(&sum), sizeof sum);
+    };
+    const double planted = 12345.0;
+    write_value(kept[0], planted, XXH3_64bits(&planted, sizeof planted));
+    const auto second = sampled_weighted_errors(f, menus, &imp, prune_options{}, 1, nullptr, cache);
+    int planted_seen = 0;
+    for (size_t k = 0; k < 3; ++k) {
+        planted_seen += second[0][k] == planted;
+        EXPECT_TRUE(second[0][k] == planted || second[0][k] == first[0][k]) << k;
+    }
+    EXPECT_EQ(planted_seen, 1);
+    // A damaged file (its checksum wrong) is measured again.
+    write_value(kept[0], planted, 0);
+    EXPECT_EQ(sampled_weighted_errors(f, menus, &imp, prune_options{}, 1, nullptr, cache), first);
+    // Another importance is another key: measured, and kept beside the first.
+    const importance_map other = uneven_importance(f, {name}, 12);
+    const auto third = sampled_weighted_errors(f, menus, &other, prune_options{}, 1, nullptr, cache);
+    EXPECT_EQ(third, sampled_weighted_errors(f, menus, &other, prune_options{}, 1));
+    EXPECT_NE(third, first);
+    size_t files = 0;
+    for (const auto & e : std::filesystem::recursive_directory_iterator(cache)) {
+        files += e.is_regular_file() ? 1 : 0;
+    }
+    EXPECT_EQ(files, 6u);
 }
 
 TEST(prune, the_eager_types_are_fast_block_types_spread_in_error_and_a_short_menu_is_kept_whole) {

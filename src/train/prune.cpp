@@ -1,6 +1,7 @@
 #include "train/prune.h"
 
 #include "common/error.h"
+#include "common/file.h"
 #include "common/progress.h"
 #include "ggml/quant.h"
 #include "ggml/types.h"
@@ -10,10 +11,18 @@
 
 #include <fmt/format.h>
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <optional>
 #include <limits>
 #include <mutex>
 #include <thread>
@@ -63,9 +72,45 @@ double quantize_cost_per_weight(ggml_type type) {
     }
 }
 
+namespace {
+
+// Where sampled_weighted_errors keeps one value (its doc comment): a key of 32 hex digits.
+std::string error_path(const std::string & cache_dir, const std::string & key) {
+    return (std::filesystem::path(cache_dir) / "errors" / key.substr(0, 2) / (key + ".err")).string();
+}
+
+// The value kept at `path`, when the file is there whole (8 bytes of double, 8 of XXH3-64 over them).
+std::optional<double> read_kept_error(const std::string & path) {
+    std::ifstream in(path, std::ios::binary);
+    double v = 0;
+    uint64_t sum = 0;
+    if (!in.read(reinterpret_cast<char *>(&v), sizeof v) || !in.read(reinterpret_cast<char *>(&sum), sizeof sum) ||
+        sum != XXH3_64bits(&v, sizeof v) || !std::isfinite(v)) {
+        return std::nullopt;
+    }
+    return v;
+}
+
+void keep_error(const std::string & path, double v) {
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+    std::vector<uint8_t> bytes(16);
+    const uint64_t sum = XXH3_64bits(&v, sizeof v);
+    std::memcpy(bytes.data(), &v, sizeof v);
+    std::memcpy(bytes.data() + 8, &sum, sizeof sum);
+    try {
+        write_file_atomic(path, bytes);
+    } catch (const error &) {
+        // A value not kept is measured again by a later run: a full disk must not stop this one.
+    }
+}
+
+}  // namespace
+
 std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, const std::vector<tensor_menu> & menus,
                                                          const importance_map * importance, const prune_options & o,
-                                                         int n_threads, const std::vector<std::vector<bool>> * only) {
+                                                         int n_threads, const std::vector<std::vector<bool>> * only,
+                                                         const std::string & cache_dir) {
     std::vector<std::vector<double>> out(menus.size());
     std::vector<std::pair<size_t, size_t>> jobs;
     std::vector<bool> sampled(menus.size(), false);
@@ -84,6 +129,7 @@ std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, 
         std::vector<float> f32;         // [rows.size(), ne0]
         std::span<const float> imp;     // ne0 · experts, or empty
         double scale = 1;               // R / n
+        XXH3_state_t * digest = nullptr;    // with cache_dir: the rows, their importance and the scale, hashed so far
     };
     std::vector<sample> samples(menus.size());
     for (size_t i = 0; i < menus.size(); ++i) {
@@ -105,12 +151,59 @@ std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, 
             dequantize_into(t.type, data.subspan(static_cast<size_t>(r) * row_bytes, row_bytes), ne0,
                             std::span<float>(s.f32).subspan(static_cast<size_t>(j * ne0), static_cast<size_t>(ne0)), 1, t.name);
         }
+        if (!cache_dir.empty()) {
+            s.digest = XXH3_createState();
+            XXH3_128bits_reset(s.digest);
+            const char tag[] = "voodoo sampled weighted error v1";
+            XXH3_128bits_update(s.digest, tag, sizeof tag);
+            XXH3_128bits_update(s.digest, s.f32.data(), s.f32.size() * sizeof(float));
+            XXH3_128bits_update(s.digest, s.rows.data(), s.rows.size() * sizeof(int64_t));
+            const int64_t dims[3] = {ne0, t.ne[1], static_cast<int64_t>(s.imp.size())};
+            XXH3_128bits_update(s.digest, dims, sizeof dims);
+            XXH3_128bits_update(s.digest, s.imp.data(), s.imp.size_bytes());
+            XXH3_128bits_update(s.digest, &s.scale, sizeof s.scale);
+            const char * commit = VOODOO_LLAMA_COMMIT;
+            XXH3_128bits_update(s.digest, commit, std::strlen(commit));
+        }
+    }
+    // With cache_dir, each job's key (the tensor's digest and the type) and the values a run kept before.
+    std::vector<std::string> keys(jobs.size());
+    if (!cache_dir.empty()) {
+        std::vector<std::pair<size_t, size_t>> left;
+        std::vector<std::string> left_keys;
+        for (size_t j = 0; j < jobs.size(); ++j) {
+            const auto [i, k] = jobs[j];
+            XXH3_state_t * st = XXH3_createState();
+            XXH3_copyState(st, samples[i].digest);
+            const int32_t type = static_cast<int32_t>(menus[i].types[k]);
+            XXH3_128bits_update(st, &type, sizeof type);
+            const XXH128_hash_t h = XXH3_128bits_digest(st);
+            XXH3_freeState(st);
+            const std::string key = fmt::format("{:016x}{:016x}", h.high64, h.low64);
+            if (const auto kept = read_kept_error(error_path(cache_dir, key))) {
+                out[i][k] = *kept;
+            } else {
+                left.push_back(jobs[j]);
+                left_keys.push_back(key);
+            }
+        }
+        for (sample & s : samples) {
+            if (s.digest) {
+                XXH3_freeState(s.digest);
+                s.digest = nullptr;
+            }
+        }
+        jobs = std::move(left);
+        keys = std::move(left_keys);
     }
     // The types with no lattice grid first, then the lattice types whose grids a lattice_warmup has ready first: a
     // job of a lattice type waits for its grid (ggml's IQ1 grid takes ≈ 19 s), and the others need not wait with it.
     constexpr int k_no_grid = 1 << 20;
-    std::stable_sort(jobs.begin(), jobs.end(), [&](const auto & a, const auto & b) {
-        const int ga = lattice_grid_order(menus[a.first].types[a.second]), gb = lattice_grid_order(menus[b.first].types[b.second]);
+    std::vector<size_t> order(jobs.size());
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+        const int ga = lattice_grid_order(menus[jobs[a].first].types[jobs[a].second]);
+        const int gb = lattice_grid_order(menus[jobs[b].first].types[jobs[b].second]);
         return (ga < 0 ? k_no_grid : ga) > (gb < 0 ? k_no_grid : gb);
     });
     progress bar("sampled errors", static_cast<int64_t>(jobs.size()), "cand");
@@ -119,7 +212,8 @@ std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, 
     std::mutex failure_mutex;
     auto work = [&] {
         std::vector<float> back;
-        for (size_t j; (j = next++) < jobs.size();) {
+        for (size_t n; (n = next++) < jobs.size();) {
+            const size_t j = order[n];
             const auto [i, k] = jobs[j];
             try {
                 const gguf_tensor & t = *menus[i].tensor;
@@ -140,6 +234,9 @@ std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, 
                     }
                 }
                 out[i][k] = sum * s.scale;
+                if (!cache_dir.empty()) {
+                    keep_error(error_path(cache_dir, keys[j]), out[i][k]);
+                }
             } catch (...) {
                 std::lock_guard<std::mutex> lock(failure_mutex);
                 failure = std::current_exception();

@@ -1028,7 +1028,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         // Ê of the types without a grid first (and of those eager_types needs), so that the eager types are chosen
         // and built while the grids build; the lattice types' Ê beside the eager candidates, below.
         error_split split = split_for_lattice_grids(all_menus);
-        std::vector<std::vector<double>> err_hat = sampled_weighted_errors(src, all_menus, importance, po, n_threads, &split.first);
+        std::vector<std::vector<double>> err_hat = sampled_weighted_errors(src, all_menus, importance, po, n_threads, &split.first, cache.dir());
         const auto add_errors = [&](const std::vector<std::vector<double>> & more, const std::vector<std::vector<bool>> & which) {
             for (size_t i = 0; i < err_hat.size(); ++i) {
                 for (size_t k = 0; k < err_hat[i].size(); ++k) {
@@ -1038,7 +1038,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         };
         if (const auto now = split.needed_now(all_menus, err_hat);
             std::any_of(now.begin(), now.end(), [](const auto & row) { return std::find(row.begin(), row.end(), true) != row.end(); })) {
-            add_errors(sampled_weighted_errors(src, all_menus, importance, po, n_threads, &now), now);
+            add_errors(sampled_weighted_errors(src, all_menus, importance, po, n_threads, &now, cache.dir()), now);
         }
         fmt::print(stderr, "pruning: sampled errors of the types without a lattice grid in {:.1f} s\n", seconds_since(t0));
         const auto t1 = std::chrono::steady_clock::now();
@@ -1079,7 +1079,7 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
         const auto errors_of = [&](const std::vector<std::vector<bool>> & which) {
             return std::async(std::launch::async, [&, t2] {
                 progress::quiet_scope quiet;
-                auto e = sampled_weighted_errors(src, all_menus, importance, po, n_threads, &which);
+                auto e = sampled_weighted_errors(src, all_menus, importance, po, n_threads, &which, cache.dir());
                 return timed_errors(std::move(e), seconds_since(t2));
             });
         };
