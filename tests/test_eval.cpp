@@ -451,7 +451,11 @@ TEST(eval_speed, speed_measured_under_load_is_marked_in_the_table_and_warned_of)
                       "(busy.gguf)"),
               std::string::npos)
         << md;
-    const voodoo::eval_result back = voodoo::eval_from_json(voodoo::eval_to_json(r), "test");
+    EXPECT_NE(md.find("--threads T"), std::string::npos) << "the advice names fewer threads: " << md;
+    const nlohmann::json j = voodoo::eval_to_json(r);
+    EXPECT_EQ(j["files"][0]["speed_under_load"], true);
+    EXPECT_EQ(j["reference"]["speed_under_load"], false);
+    const voodoo::eval_result back = voodoo::eval_from_json(j, "test");
     EXPECT_EQ(back.files[0].speed_other_cores, 1.25);
     EXPECT_EQ(voodoo::speed_load_warning(back), voodoo::speed_load_warning(r));
     // Below the threshold, or not measured (an eval.json of an earlier version): no mark, no warning.

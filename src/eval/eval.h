@@ -57,9 +57,11 @@ struct eval_file_result {
 };
 
 /// Speed figures measured while other processes kept at least this many cores busy on average are marked as
-/// measured under load (eval.md's ⚠ and its warning; eval.json's speed_other_load_cores): half a core, a judgement
-/// (llama-bench's own runs use every core, so any core taken by other work slows them; a quiet machine idles at a few
-/// hundredths of a core).
+/// measured under load (eval.md's ⚠ and its warning; eval.json's speed_under_load and speed_other_load_cores): half
+/// a core, a judgement (llama-bench's own runs use every core, and ggml's threads spin at each step's barrier, so one
+/// core taken by other work can slow them by far more than its share: a new user's trial on the 2-core machine read
+/// Q4_K_M's tg128 of stories260K at 9.3 t/s on 2 threads beside a busy loop, 5,423 t/s on 1; a quiet machine idles at
+/// a few hundredths of a core).
 inline constexpr double k_speed_load_warn_cores = 0.5;
 
 /// Measures the load other processes put on the machine between its construction and other_cores(): the busy

@@ -49,6 +49,7 @@ nlohmann::json file_json(const eval_file_result & f, bool is_reference) {
         j["tg128_tps_sd"] = f.tg128_sd;
         if (f.speed_other_cores >= 0) {
             j["speed_other_load_cores"] = f.speed_other_cores;
+            j["speed_under_load"] = f.speed_other_cores >= k_speed_load_warn_cores;
         }
     }
     if (!is_reference) {
@@ -170,8 +171,10 @@ std::string speed_load_warning(const eval_result & r) {
         return "";
     }
     return fmt::format("⚠ Measured under load: other processes kept up to {:.1f} cores busy on average while the speed of "
-                       "{} file{} was measured ({}), so {} speed figures are low by the share of the machine they "
-                       "took; measure again on a quiet machine (`voodoo eval … --speed-reps N`).",
+                       "{} file{} was measured ({}), so {} speed figures can be far below a quiet machine's, not only "
+                       "by the share of the cores taken: ggml's threads wait for each other at every step, and one "
+                       "busy core can slow a run on every core a hundredfold. Measure again on a quiet machine, or with "
+                       "fewer threads than the idle cores (`voodoo eval … --speed-reps N --threads T`).",
                        worst, n, n == 1 ? "" : "s", names, n == 1 ? "its" : "their");
 }
 
