@@ -64,6 +64,11 @@ struct eval_file_result {
 /// a few hundredths of a core).
 inline constexpr double k_speed_load_warn_cores = 0.5;
 
+/// True when f's speed was measured under load: other processes kept at least k_speed_load_warn_cores busy.
+inline bool speed_under_load(const eval_file_result & f) {
+    return f.speed_other_cores >= k_speed_load_warn_cores;
+}
+
 /// Measures the load other processes put on the machine between its construction and other_cores(): the busy
 /// jiffies of /proc/stat's "cpu" line (user, nice, system, irq, softirq, steal; proc(5)) over sysconf(_SC_CLK_TCK),
 /// less this process's user and system time (getrusage RUSAGE_SELF, every thread), over the wall time between.

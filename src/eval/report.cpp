@@ -49,7 +49,7 @@ nlohmann::json file_json(const eval_file_result & f, bool is_reference) {
         j["tg128_tps_sd"] = f.tg128_sd;
         if (f.speed_other_cores >= 0) {
             j["speed_other_load_cores"] = f.speed_other_cores;
-            j["speed_under_load"] = f.speed_other_cores >= k_speed_load_warn_cores;
+            j["speed_under_load"] = speed_under_load(f);
         }
     }
     if (!is_reference) {
@@ -123,7 +123,7 @@ std::string eval_to_markdown(const eval_result & r) {
         if (!speed) {
             return std::string();
         }
-        const char * loaded = f.speed_other_cores >= k_speed_load_warn_cores ? " ⚠" : "";
+        const char * loaded = speed_under_load(f) ? " ⚠" : "";
         return f.pp512 > 0 ? fmt::format(" {:.0f} ± {:.0f}{} | {:.1f} ± {:.1f}{} |", f.pp512, f.pp512_sd, loaded, f.tg128,
                                          f.tg128_sd, loaded)
                            : std::string(" (not measured) | |");  // the reference without its speed (eval_options)
@@ -157,7 +157,7 @@ std::string speed_load_warning(const eval_result & r) {
     int n = 0;
     std::string names;
     const auto look = [&](const eval_file_result & f) {
-        if (f.pp512 > 0 && f.speed_other_cores >= k_speed_load_warn_cores) {
+        if (f.pp512 > 0 && speed_under_load(f)) {
             ++n;
             names += (names.empty() ? "" : ", ") + f.name;
             worst = std::max(worst, f.speed_other_cores);

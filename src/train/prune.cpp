@@ -129,7 +129,7 @@ std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, 
         std::vector<float> f32;         // [rows.size(), ne0]
         std::span<const float> imp;     // ne0 · experts, or empty
         double scale = 1;               // R / n
-        XXH3_state_t * digest = nullptr;    // with cache_dir: the rows, their importance and the scale, hashed so far
+        XXH128_hash_t digest{};         // with cache_dir: the rows, their importance, the scale and llama.cpp's commit
     };
     std::vector<sample> samples(menus.size());
     for (size_t i = 0; i < menus.size(); ++i) {
@@ -152,18 +152,20 @@ std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, 
                             std::span<float>(s.f32).subspan(static_cast<size_t>(j * ne0), static_cast<size_t>(ne0)), 1, t.name);
         }
         if (!cache_dir.empty()) {
-            s.digest = XXH3_createState();
-            XXH3_128bits_reset(s.digest);
+            XXH3_state_t * st = XXH3_createState();
+            XXH3_128bits_reset(st);
             const char tag[] = "voodoo sampled weighted error v1";
-            XXH3_128bits_update(s.digest, tag, sizeof tag);
-            XXH3_128bits_update(s.digest, s.f32.data(), s.f32.size() * sizeof(float));
-            XXH3_128bits_update(s.digest, s.rows.data(), s.rows.size() * sizeof(int64_t));
+            XXH3_128bits_update(st, tag, sizeof tag);
+            XXH3_128bits_update(st, s.f32.data(), s.f32.size() * sizeof(float));
+            XXH3_128bits_update(st, s.rows.data(), s.rows.size() * sizeof(int64_t));
             const int64_t dims[3] = {ne0, t.ne[1], static_cast<int64_t>(s.imp.size())};
-            XXH3_128bits_update(s.digest, dims, sizeof dims);
-            XXH3_128bits_update(s.digest, s.imp.data(), s.imp.size_bytes());
-            XXH3_128bits_update(s.digest, &s.scale, sizeof s.scale);
+            XXH3_128bits_update(st, dims, sizeof dims);
+            XXH3_128bits_update(st, s.imp.data(), s.imp.size_bytes());
+            XXH3_128bits_update(st, &s.scale, sizeof s.scale);
             const char * commit = VOODOO_LLAMA_COMMIT;
-            XXH3_128bits_update(s.digest, commit, std::strlen(commit));
+            XXH3_128bits_update(st, commit, std::strlen(commit));
+            s.digest = XXH3_128bits_digest(st);
+            XXH3_freeState(st);
         }
     }
     // With cache_dir, each job's key (the tensor's digest and the type) and the values a run kept before.
@@ -173,24 +175,16 @@ std::vector<std::vector<double>> sampled_weighted_errors(const gguf_file & src, 
         std::vector<std::string> left_keys;
         for (size_t j = 0; j < jobs.size(); ++j) {
             const auto [i, k] = jobs[j];
-            XXH3_state_t * st = XXH3_createState();
-            XXH3_copyState(st, samples[i].digest);
-            const int32_t type = static_cast<int32_t>(menus[i].types[k]);
-            XXH3_128bits_update(st, &type, sizeof type);
-            const XXH128_hash_t h = XXH3_128bits_digest(st);
-            XXH3_freeState(st);
+            // The tensor's digest and the type: a value's key.
+            const uint64_t parts[3] = {samples[i].digest.high64, samples[i].digest.low64,
+                                       static_cast<uint64_t>(menus[i].types[k])};
+            const XXH128_hash_t h = XXH3_128bits(parts, sizeof parts);
             const std::string key = fmt::format("{:016x}{:016x}", h.high64, h.low64);
             if (const auto kept = read_kept_error(error_path(cache_dir, key))) {
                 out[i][k] = *kept;
             } else {
                 left.push_back(jobs[j]);
                 left_keys.push_back(key);
-            }
-        }
-        for (sample & s : samples) {
-            if (s.digest) {
-                XXH3_freeState(s.digest);
-                s.digest = nullptr;
             }
         }
         jobs = std::move(left);
