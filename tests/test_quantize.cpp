@@ -6,6 +6,7 @@
 #include "ggml/gguf.h"
 #include "pipeline/quantize.h"
 #include "train/candidates.h"
+#include "train/prune.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -536,6 +537,39 @@ TEST(quantize, a_recipe_named_twice_in_like_is_one_target) {
     const test::run_result text = test::run_voodoo(args);
     ASSERT_EQ(text.exit_code, 0) << text.output;
     EXPECT_NE(text.output.find("--like names q5_0 more than once: one target"), std::string::npos) << text.output;
+}
+
+TEST(quantize, the_dry_runs_candidates_stage_gives_every_candidates_time_and_the_range_pruning_is_likely_to_build) {
+    // Issue #16: with --candidates targets (the default) the dry run counted every candidate, so its total at the 8B
+    // shape (73 min, session 22) read far above the job. The stage keeps that upper bound and adds the measured share
+    // of the menus' work that pruning built (prune.h k_pruned_work_share_low/high); --candidates all builds every one.
+    test::temp_dir tmp;
+    const std::string args = fmt::format("quantize {} --text {} --like Q5_0 --ctx 64 --eval-chunks 0 --work {} --dry-run",
+                                         test::stories260k(), test::shared_data() + "/text/tinystories/tinystories_val.txt",
+                                         tmp.file("work"));
+    auto candidates_stage = [&](const std::string & more) {
+        const test::run_result r = test::run_voodoo_stdout(args + more + " --json -");
+        EXPECT_EQ(r.exit_code, 0) << r.output;
+        const nlohmann::json plan = nlohmann::json::parse(r.output);
+        for (const auto & st : plan["stages"]) {
+            if (st["stage"] == "candidates") {
+                return st;
+            }
+        }
+        ADD_FAILURE() << "no candidates stage: " << r.output;
+        return nlohmann::json();
+    };
+    const nlohmann::json pruned = candidates_stage("");
+    ASSERT_TRUE(pruned.contains("likely_seconds")) << pruned.dump();
+    const double every = pruned["seconds"].get<double>();
+    ASSERT_GT(every, 0.0);
+    EXPECT_DOUBLE_EQ(pruned["likely_seconds"][0].get<double>(), voodoo::k_pruned_work_share_low * every);
+    EXPECT_DOUBLE_EQ(pruned["likely_seconds"][1].get<double>(), voodoo::k_pruned_work_share_high * every);
+    EXPECT_FALSE(candidates_stage(" --candidates all").contains("likely_seconds"));
+    // The text gives the range only where it reads as one: stories260K's candidates take well under a second.
+    const test::run_result text = test::run_voodoo(args);
+    ASSERT_EQ(text.exit_code, 0) << text.output;
+    EXPECT_EQ(text.output.find("≈ < 1 s to < 1 s"), std::string::npos) << text.output;
 }
 
 TEST(quantize, the_dry_runs_eval_counts_every_token_at_libllamas_floor_and_the_llama_bench_runs) {

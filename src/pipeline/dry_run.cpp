@@ -374,6 +374,10 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
             s += static_cast<double>(n) / (qrate[type] * threads);
         }
         add("candidates", fmt::format("{} quantizations on {} core{} ({} already in the cache)", to_build, threads, threads == 1 ? "" : "s", in_cache), s);
+        if (in.train.candidates == "targets" && s > 0) {
+            // Every candidate is an upper bound: pruning builds part of the menus' work, known only after the probe.
+            stages.back()["likely_seconds"] = {k_pruned_work_share_low * s, k_pruned_work_share_high * s};
+        }
     }
     // The probe and the selection run whole --ctx chunks. A candidate's forward runs from its own layer on
     // (probe_forward_share: about half a whole forward; the first, the source's, is whole).
@@ -645,7 +649,7 @@ std::string dry_run_to_text(const nlohmann::json & p) {
     if (c.value("pruned_for_targets", false)) {
         s += "  (at most: with --candidates targets, the default, a few types per tensor are built and probed first and "
              "only the others some recipe under the targets could use are built; the times and GPU memory below are for "
-             "every candidate)\n";
+             "every candidate, the candidates' stage and the total with the range pruning is likely to build)\n";
     }
     if (!c["cache_known"].get<bool>()) {
         s += "  (no imatrix yet: a candidate's cache key holds its importance, so none can be counted as built)\n";
@@ -766,14 +770,33 @@ std::string dry_run_to_text(const nlohmann::json & p) {
                          n, p["finished_runs"][0].get<std::string>(), n > 1 ? ", …" : "", n > 1 ? "them" : "it");
     }
     s += "stages (estimated here; rates and method in --json):\n";
-    double total = 0;
+    double total = 0, likely_low = 0, likely_high = 0;
+    bool likely = false;
     // The time before the work, whose text can be long (the probe's: a new user's trial read its time run into it).
     for (const auto & st : p["stages"]) {
-        total += st["seconds"].get<double>();
-        s += fmt::format("  {:<11} {:>8}  {}\n", st["stage"].get<std::string>(), dry_seconds_text(st["seconds"].get<double>()),
-                         st["work"].get<std::string>());
+        const double sec = st["seconds"].get<double>();
+        total += sec;
+        std::string work = st["work"].get<std::string>();
+        // The candidates with --candidates targets: every one's time (at most) and the range pruning is likely to build,
+        // where it reads as a range at the printed precision.
+        const std::string lo = st.contains("likely_seconds") ? dry_seconds_text(st["likely_seconds"][0].get<double>()) : "";
+        const std::string hi = st.contains("likely_seconds") ? dry_seconds_text(st["likely_seconds"][1].get<double>()) : "";
+        if (lo != hi) {
+            likely = true;
+            likely_low += st["likely_seconds"][0].get<double>();
+            likely_high += st["likely_seconds"][1].get<double>();
+            work += fmt::format("; that is every candidate: pruning built {:.0f}-{:.0f}% of this work on the models "
+                                "measured (≈ {} to {})", 100 * k_pruned_work_share_low, 100 * k_pruned_work_share_high, lo, hi);
+        } else {
+            likely_low += sec;
+            likely_high += sec;
+        }
+        s += fmt::format("  {:<11} {:>8}  {}\n", st["stage"].get<std::string>(), dry_seconds_text(sec), work);
     }
-    s += fmt::format("  {:<11} {:>8}\n", "total", dry_seconds_text(total));
+    s += fmt::format("  {:<11} {:>8}{}\n", "total", dry_seconds_text(total),
+                     likely ? fmt::format("  at most; ≈ {} to {} with what pruning is likely to build",
+                                          dry_seconds_text(likely_low), dry_seconds_text(likely_high))
+                            : std::string());
     return s;
 }
 

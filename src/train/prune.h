@@ -80,6 +80,13 @@ struct prune_options {
     size_t min_menu = 5;            // a tensor whose menu has fewer types keeps them all
 };
 
+/// The quantizers' work that `--candidates targets` builds (the eager, staged and kept candidates), as a share of every
+/// menu type's: measured against full probes at 40 budgets each (docs/BENCHMARKS.md), 28.2% on mix30M (session 38's
+/// band) and 75.9% on stories260K (session 32), whose small menus keep most of their types; the Qwen3-1.7B shape's
+/// default job built ≈ 34% (session 39, random weights). The dry run's likely range for its candidates stage, which
+/// it cannot narrow before the probe has run: measured shares, not a bound (a model of tiny tensors builds them all).
+inline constexpr double k_pruned_work_share_low = 0.28, k_pruned_work_share_high = 0.76;
+
 /// True for the types whose llama.cpp quantizer searches a lattice (ggml_quantize_init initializes its grid:
 /// IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; ggml.c). They are the slow ones to build.
 bool lattice_quantizer(ggml_type type);
