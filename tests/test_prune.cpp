@@ -469,6 +469,16 @@ TEST(prune, the_second_plans_band_follows_the_staged_types_errors_between_its_wi
     staged[1][2] = true;
     measured[1][2] = 1.6e-3;
     EXPECT_NEAR(stage_band_margin(menus, first, measured, staged, eager, po), std::pow(1.6, -1.5), 1e-12);
+    // What set it, for the log: the two staged misses (ln 1.1, ln 1.6), the largest's tensor, type and values.
+    stage_band_miss why;
+    stage_band_margin(menus, first, measured, staged, eager, po, &why);
+    EXPECT_EQ(why.types, 2);
+    EXPECT_NEAR(why.largest, std::log(1.6), 1e-12);
+    EXPECT_NEAR(why.median, std::log(1.6), 1e-12);  // the upper median of two
+    EXPECT_EQ(why.tensor, menus[1].tensor->name);
+    EXPECT_EQ(why.type, menus[1].types[2]);
+    EXPECT_EQ(why.measured, 1.6e-3);
+    EXPECT_EQ(why.predicted, 1e-3);
     // Below its prediction counts the same; 3× off is clamped to the widest band.
     measured[1][2] = 1e-3 / 3;
     EXPECT_NEAR(stage_band_margin(menus, first, measured, staged, eager, po), po.stage_margin, 1e-12);

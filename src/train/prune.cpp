@@ -558,18 +558,37 @@ std::vector<std::pair<size_t, size_t>> build_ahead_jobs(const std::vector<tensor
 
 double stage_band_margin(const std::vector<tensor_menu> & menus, const prune_plan & first,
                          const std::vector<std::vector<double>> & measured, const std::vector<std::vector<bool>> & staged,
-                         const std::vector<std::vector<bool>> & eager, const prune_options & o) {
+                         const std::vector<std::vector<bool>> & eager, const prune_options & o,
+                         stage_band_miss * why) {
     if (o.stage_error_scale <= 0) {
         return o.stage_margin;
     }
     double worst = -1;
+    std::vector<double> misses;
     for (size_t i = 0; i < menus.size(); ++i) {
         for (size_t k = 0; k < menus[i].types.size(); ++k) {
             const double m = measured[i][k], p = first.predicted[i][k];
             if (staged[i][k] && !eager[i][k] && std::isfinite(m) && std::isfinite(p) && m > 0 && p > 0) {
-                worst = std::max(worst, std::abs(std::log(m / p)));
+                const double miss = std::abs(std::log(m / p));
+                misses.push_back(miss);
+                if (miss > worst) {
+                    worst = miss;
+                    if (why != nullptr) {
+                        why->tensor = menus[i].tensor->name;
+                        why->type = menus[i].types[k];
+                        why->measured = m;
+                        why->predicted = p;
+                    }
+                }
             }
         }
+    }
+    if (why != nullptr && !misses.empty()) {
+        why->types = static_cast<int64_t>(misses.size());
+        why->largest = worst;
+        const auto mid = misses.begin() + static_cast<std::ptrdiff_t>(misses.size() / 2);
+        std::nth_element(misses.begin(), mid, misses.end());
+        why->median = *mid;
     }
     if (worst < 0) {
         return o.stage_margin;

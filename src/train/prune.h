@@ -194,9 +194,19 @@ std::vector<std::vector<bool>> stage_types(const std::vector<tensor_menu> & menu
 /// 1.5 prunes no best choice and builds 28.2% of mix30M's menus' work instead of 35.4% (docs/BENCHMARKS.md, session
 /// 38; bench/probe_anchors --stage-error-scale). o.stage_error_scale ≤ 0, or no staged type measured: o.stage_margin.
 /// `first`: the first plan (its predictions from the eager types); `measured`: NaN where not measured (nats/token).
+/// With `why`, what set E: the staged type that missed most and the median miss (the log's band line; a single noisy
+/// type, e.g. a tiny ΔKL read through TF32, widens the band as much as a model whose predictions all miss).
+struct stage_band_miss {
+    int64_t types = 0;             // staged, not eager, measured and predicted > 0: the misses E is the largest of
+    double largest = 0, median = 0;  // |ln(measured / predicted)|
+    std::string tensor;            // the largest's tensor and type, its ΔKL measured and predicted (nats/token)
+    ggml_type type = GGML_TYPE_COUNT;
+    double measured = 0, predicted = 0;
+};
 double stage_band_margin(const std::vector<tensor_menu> & menus, const prune_plan & first,
                          const std::vector<std::vector<double>> & measured, const std::vector<std::vector<bool>> & staged,
-                         const std::vector<std::vector<bool>> & eager, const prune_options & o);
+                         const std::vector<std::vector<bool>> & eager, const prune_options & o,
+                         stage_band_miss * why = nullptr);
 
 /// Adds `also` ([tensor][menu type]) to `p.keep` and counts p.kept and p.kept_bytes again (the second stage's
 /// measured candidates stay in the menus whatever the second plan keeps: they are built).

@@ -1387,7 +1387,8 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                 sg.clear();
                 const auto t5 = std::chrono::steady_clock::now();
                 prune_options po2 = po;
-                po2.margin = band = stage_band_margin(all_menus, pp, measured, staged, eager, po);  // pp: the first plan
+                stage_band_miss miss;
+                po2.margin = band = stage_band_margin(all_menus, pp, measured, staged, eager, po, &miss);  // pp: the first plan
                 pp = plan_pruning(all_menus, err_hat, measured, eager, budgets, also, po2, &eager_measured);
                 keep_also(all_menus, pp, staged);  // built and measured: they stay
                 const std::string how = stage_waited_seconds >= 0
@@ -1397,8 +1398,14 @@ train_result train_gates(const gguf_file & src, const gguf_file & teacher, const
                                   stage_build_seconds, stage_probe_seconds, stage_ahead_built);
                 fmt::print(stderr, "pruning, second stage: {} candidates (the knapsack's choices and their neighbours) {}; "
                                    "the plan again in {:.1f} s, the band {:.2f} to {:.2f} times each prediction (from "
-                                   "the staged types' errors): {} of the first plan's {} kept\n",
-                           n_staged, how, seconds_since(t5), po2.margin, 1.0 / po2.margin, pp.kept, kept_before);
+                                   "the staged types' errors{}): {} of the first plan's {} kept\n",
+                           n_staged, how, seconds_since(t5), po2.margin, 1.0 / po2.margin,
+                           miss.types == 0 ? std::string()
+                                           : fmt::format(": |ln(measured / predicted)| median {:.2f} of {}, largest {:.2f} "
+                                                         "at {} {}, {:.3g} measured against {:.3g} predicted",
+                                                         miss.median, miss.types, miss.largest, miss.tensor,
+                                                         type_name(miss.type), miss.measured, miss.predicted),
+                           pp.kept, kept_before);
             }
         }
         menus = pruned_menus(all_menus, pp.keep);
