@@ -579,6 +579,31 @@ TEST(cli, ctrl_c_in_the_probe_run_as_its_candidates_are_built_names_the_eager_pr
     EXPECT_TRUE(stopped["tensors"] == whole_recipe["tensors"]) << "the resumed run chose another recipe";
 }
 
+TEST(cli, quantize_refuses_an_output_or_work_folder_where_no_file_can_be_made_before_any_work_dry_run_too) {
+    // Found by a new user's trial: root passes access(W_OK) on /proc, so `-o /proc/out.gguf` ran the data and imatrix
+    // stages and then blamed the disk, and the dry run passed both; now a file is made there and removed to check.
+    voodoo::test::temp_dir dir;
+    const std::string base = "quantize " + voodoo::test::stories260k() + " --text " + voodoo::test::shared_data() +
+                             "/text/tinystories/tinystories_val.txt --like Q4_0 --ctx 64 --eval-chunks 0 ";
+    for (const std::string & dry : {std::string(""), std::string(" --dry-run")}) {
+        auto r = run_voodoo(base + "--work " + dir.file("w") + " -o /proc/out.gguf" + dry);
+        EXPECT_EQ(r.exit_code, 1) << r.output;
+        EXPECT_NE(r.output.find("--out '/proc/out.gguf': this user cannot write in '/proc'"), std::string::npos) << r.output;
+        EXPECT_FALSE(std::filesystem::exists(dir.file("w") + "/data")) << "the work was done before the refusal";
+        r = run_voodoo(base + "--work /proc/voodoo-work" + dry);
+        EXPECT_EQ(r.exit_code, 1) << r.output;
+        EXPECT_NE(r.output.find("--work '/proc/voodoo-work': this user cannot write in '/proc'"), std::string::npos) << r.output;
+    }
+    // A folder that takes files passes, and the check leaves nothing behind in it.
+    const auto ok = run_voodoo(base + "--work " + dir.file("w") + " -o " + dir.file("out.gguf") + " --dry-run");
+    EXPECT_EQ(ok.exit_code, 0) << ok.output;
+    size_t entries = 0;
+    for ([[maybe_unused]] const auto & e : std::filesystem::directory_iterator(dir.path)) {
+        ++entries;
+    }
+    EXPECT_EQ(entries, 0u) << "the dry run makes nothing";
+}
+
 TEST(cli, a_json_destination_that_cannot_be_written_is_refused_before_any_work) {
     // Found trying the commands as a new user: --json /proc/x.json ran the whole job, then failed on the report.
     voodoo::test::temp_dir dir;
