@@ -56,6 +56,29 @@ quantize_options small_job(const std::string & work) {
 
 }  // namespace
 
+TEST(quantize, stock_files_with_an_earlier_recipes_tensor_types_are_named_in_the_eval_not_dropped_silently) {
+    // Found by a new user's trial: the demo made 29 stock files and its table had 15, with no word on the others. On
+    // stories260K llama.cpp's fallbacks give Q6_K and Q8_0 one file (every tensor Q8_0): it is scored once, and
+    // eval.md and eval.json name the other.
+    test::temp_dir dir;
+    auto q = small_job(dir.file("work"));
+    q.baselines = "Q6_K,Q8_0";
+    const quantize_result r = run_quantize(q);
+    ASSERT_EQ(r.eval.files.size(), 2u);  // ours, Q6_K
+    EXPECT_TRUE(std::filesystem::exists(dir.file("work/baselines/stories260K-Q8_0.gguf")));
+    const std::string md = test::read_file(dir.file("work/eval.md"));
+    EXPECT_NE(md.find("Stock file made in " + dir.file("work/baselines") + " but not scored, it has the tensor types of an "
+                      "earlier recipe's file (llama.cpp's fallbacks where a type does not fit a tensor's rows): Q8_0 as Q6_K."),
+              std::string::npos) << md;
+    EXPECT_NE(r.table.find("Q8_0 as Q6_K"), std::string::npos) << r.table;
+    const auto j = nlohmann::json::parse(test::read_file(dir.file("work/eval.json")));
+    EXPECT_EQ(j["stock_files_not_scored"], nlohmann::json::parse(R"([{"recipe": "Q8_0", "same_types_as": "Q6_K"}])"));
+    // A run again reuses the eval (its record matches eval.json as written) and names the file again.
+    const quantize_result again = run_quantize(q);
+    EXPECT_NE(again.table.find("Q8_0 as Q6_K"), std::string::npos) << again.table;
+    EXPECT_EQ(test::read_file(dir.file("work/eval.json")), j.dump(2) + "\n");
+}
+
 TEST(quantize, one_command_makes_a_file_within_the_stock_size_and_compares_it) {
     test::temp_dir dir;
     const auto q = small_job(dir.file("work"));

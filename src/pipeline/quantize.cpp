@@ -25,6 +25,7 @@
 #include "pipeline/stages.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -499,7 +500,8 @@ std::vector<std::string> baseline_names(const quantize_options & o, const baseli
 }
 
 std::vector<std::string> pick_baselines(const quantize_options & o, const baseline_options & bo,
-                                        const std::vector<size_t> & our_sizes, const std::string & dir) {
+                                        const std::vector<size_t> & our_sizes, const std::string & dir,
+                                        std::vector<std::pair<std::string, std::string>> & same_types) {
     if (o.baselines == "none") {
         return {};
     }
@@ -508,6 +510,8 @@ std::vector<std::string> pick_baselines(const quantize_options & o, const baseli
     for (const auto & r : made) {
         if (r.ok && r.same_types_as.empty()) {
             ok.push_back(&r);
+        } else if (r.ok) {
+            same_types.emplace_back(r.recipe, r.same_types_as);
         }
     }
     if (o.baselines == "nearest" && ok.size() > 6) {
@@ -1779,7 +1783,10 @@ quantize_result run_quantize(const quantize_options & opts) {
             session->stop_keeping();  // chunks decoded from here on are needed once: not kept
         }
     }
-    const auto baselines = pick_baselines(o, bo, sizes, base_dir);
+    // Stock files made but not scored: their tensor types are an earlier recipe's (llama.cpp's fallbacks on a small
+    // model's shapes make many recipes one file); eval.md and eval.json name them, so no file goes missing unexplained.
+    std::vector<std::pair<std::string, std::string>> same_types;
+    const auto baselines = pick_baselines(o, bo, sizes, base_dir, same_types);
     for (const rung & g : rungs) {  // a target sized by the dry run, against the file llama.cpp has now made
         if (g.planned && fs::exists(g.stock_path) && file_size(g.stock_path) != static_cast<size_t>(g.goal.value)) {
             fmt::print(stderr, "voodoo: warning: stock {} ('{}') is {} bytes, where llama.cpp's dry run gave {}: the {} file "
@@ -1827,9 +1834,23 @@ quantize_result run_quantize(const quantize_options & opts) {
         res.eval = session->finish(files);
     }
     res.table = eval_to_markdown(res.eval);
+    nlohmann::json not_scored = nlohmann::json::array();
+    if (!same_types.empty()) {
+        std::vector<std::string> pairs;
+        for (const auto & [recipe, as] : same_types) {
+            pairs.push_back(fmt::format("{} as {}", recipe, as));
+            not_scored.push_back({{"recipe", recipe}, {"same_types_as", as}});
+        }
+        res.table += fmt::format("\nStock file{} made in {} but not scored, {} the tensor types of an earlier recipe's file "
+                                 "(llama.cpp's fallbacks where a type does not fit a tensor's rows): {}.\n",
+                                 pairs.size() == 1 ? "" : "s", base_dir, pairs.size() == 1 ? "it has" : "each has",
+                                 fmt::join(pairs, ", "));
+    }
     write_file_atomic((fs::path(work) / "eval.md").string(), res.table);
     if (!done) {
-        write_file_atomic(eval_json, eval_to_json(res.eval).dump(2) + "\n");
+        nlohmann::json j = eval_to_json(res.eval);
+        j["stock_files_not_scored"] = not_scored;
+        write_file_atomic(eval_json, j.dump(2) + "\n");
         eval_in["eval_json"] = file_digest(eval_json);
         stage_save(eval_record, eval_in);
     }
