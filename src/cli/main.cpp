@@ -148,7 +148,7 @@ int run_main(int argc, char ** argv) {
     app.footer(R"(examples:
   voodoo doctor
   voodoo inspect model.gguf
-  voodoo inspect model.gguf --json > model.json
+  voodoo inspect model.gguf --json model.json
 
 Run `voodoo <command> --help` for a command's options.)");
     const std::vector<voodoo::cli::command> commands = voodoo::cli::add_all_commands(app);

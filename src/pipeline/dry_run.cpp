@@ -443,7 +443,8 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
         add("select", fmt::format("about {} recipes × {} × {} tokens", recipes, in.train.select_sequences, in.ctx),
             tokens * fwd_flops_per_token / (gpu ? gpu_f32 : cpu));
     }
-    add("export", fmt::format("{} file(s)", std::max<size_t>(1, in.goals.size() + in.like_sizes.size())),
+    add("export", fmt::format("{} file{}", std::max<size_t>(1, in.goals.size() + in.like_sizes.size()),
+                              in.goals.size() + in.like_sizes.size() > 1 ? "s" : ""),
         range.max_total / 1e9 * static_cast<double>(std::max<size_t>(1, in.goals.size() + in.like_sizes.size())));
     if (in.stock_files > 0) {
         // llama_model_quantize of the whole model per stock file, at the median measured type rate.
@@ -477,7 +478,8 @@ nlohmann::json plan_dry_run(const dry_run_input & in) {
                                 tests, tests == 1 ? "" : "s", in.eval_speed_reps, in.eval_speed_reps == 1 ? "" : "s",
                                 in.eval_speed_reps);
         }
-        add("eval", fmt::format("{} files and the reference × {} tokens (libllama){}", in.eval_files, in.eval_tokens_per_file,
+        add("eval", fmt::format("{} file{} and the reference × {} tokens (libllama){}", in.eval_files,
+                                in.eval_files == 1 ? "" : "s", in.eval_tokens_per_file,
                                 speed),
             seconds);
         plan["rates"]["eval_seconds_per_token_at_least"] = k_eval_token_floor;
@@ -647,9 +649,11 @@ std::string dry_run_to_text(const nlohmann::json & p) {
                      dry_bytes_text(c["to_build_bytes"].get<double>()), c["cache_dir"].get<std::string>(),
                      c["in_cache"].get<int64_t>(), dry_bytes_text(c["in_cache_bytes"].get<double>()));
     if (c.value("pruned_for_targets", false)) {
-        s += "  (at most: with --candidates targets, the default, a few types per tensor are built and probed first and "
-             "only the others some recipe under the targets could use are built; the times and GPU memory below are for "
-             "every candidate, the candidates' stage and the total with the range pruning is likely to build)\n";
+        s += fmt::format("  (at most: with --candidates targets, the default, a few types per tensor are built and probed "
+                         "first, then only those some recipe under the targets could use. The bytes{} below count every "
+                         "candidate; the candidates' stage and the total also give the range that pruning built on the "
+                         "models we measured (docs/BENCHMARKS.md): which candidates a model keeps is known only after its "
+                         "probe)\n", p.contains("gpu_memory") ? " and GPU memory" : "");
     }
     if (!c["cache_known"].get<bool>()) {
         s += "  (no imatrix yet: a candidate's cache key holds its importance, so none can be counted as built)\n";
@@ -785,8 +789,8 @@ std::string dry_run_to_text(const nlohmann::json & p) {
             likely = true;
             likely_low += st["likely_seconds"][0].get<double>();
             likely_high += st["likely_seconds"][1].get<double>();
-            work += fmt::format("; that is every candidate: pruning built {:.0f}-{:.0f}% of this work on the models "
-                                "measured (≈ {} to {})", 100 * k_pruned_work_share_low, 100 * k_pruned_work_share_high, lo, hi);
+            work += fmt::format("; every candidate: pruning built {:.0f}-{:.0f}% of this work on the models we "
+                                "measured, ≈ {} to {}", 100 * k_pruned_work_share_low, 100 * k_pruned_work_share_high, lo, hi);
         } else {
             likely_low += sec;
             likely_high += sec;
