@@ -107,6 +107,14 @@ std::string model_card_markdown(const gguf_file & src, const model_card_input & 
         md += fmt::format("| `{}` | {:.3f} | {:.3f} | {} |\n", base_name(f.gguf), file_bytes / k_mib,
                           weights > 0 ? 8.0 * bytes / weights : 0.0, f.r.target.empty() ? "-" : f.r.target);
     }
+    // A new user's trial read two BPW for one file: this one, and the comparison table's (every tensor's data, as
+    // llama.cpp counts it, the norms' f32 included).
+    md += fmt::format("\nThe bits per weight here count the tensors Voodoo chose a type for{}. The target is the size the "
+                      "run was given, in bytes of the whole file (`--like` gives a stock file's).\n",
+                      in.eval && !in.eval->files.empty()
+                          ? "; the BPW of the comparison below counts every tensor's data, the f32 norms included, as "
+                            "llama.cpp reports it"
+                          : "");
 
     md += "\n## Types per tensor family\n\n";
     for (const card_file & f : in.files) {
