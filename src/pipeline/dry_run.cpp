@@ -651,7 +651,7 @@ std::string dry_run_to_text(const nlohmann::json & p) {
         s += fmt::format("  {:<28} ×{:<4} {}\n", m["tensors"].get<std::string>(), m["n"].get<int>(), types);
     }
     const auto & c = p["candidates"];
-    s += fmt::format("candidates: {} ({}); to build: {} ({} in the cache {}); already there: {} ({})\n",
+    s += fmt::format("candidates: {} ({}); to build: {} ({} in the cache {}, each entry with its 8-byte checksum); already there: {} ({})\n",
                      c["count"].get<int64_t>(), dry_bytes_text(c["bytes"].get<double>()), c["to_build"].get<int64_t>(),
                      dry_bytes_text(c["to_build_bytes"].get<double>()), c["cache_dir"].get<std::string>(),
                      c["in_cache"].get<int64_t>(), dry_bytes_text(c["in_cache_bytes"].get<double>()));
