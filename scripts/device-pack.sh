@@ -66,4 +66,17 @@ if [ -n "${CUDA_LIB:-}" ]; then
     rm -rf "$t"
     du -sh .device-cuda/*
 fi
+# ONE_CALL=1: .device for the 1.7B and 8B jobs only, small enough to travel with .device-cuda in one call (session 40:
+# 6.4 MB): the fixtures' llama-bpe and qwen2 vocabularies, the wikitext texts, the headers and the libraries of current
+# server chips, the big files xz-compressed. The call unpacks them first:
+#   find .device -name '*.xz' -exec xz -d {} + && FIXTURE_EARLY=1 BUILD_TARGETS="voodoo voodoo-fixture" \
+#       BG_STAGES="cuda-lib e2e-8b-defaults" scripts/device-run.sh build bg        (carry .device and .device-cuda)
+if [ "${ONE_CALL:-0}" = 1 ]; then
+    rm -rf .device/llama/convert .device/llama/ggml-src.tar.xz .device/llama/models/ggml-vocab-{qwen35,llama-spm}.gguf \
+        .device/data/models/stories260K/* .device/data/text/tinystories/*
+    find .device/llama/lib -name 'libggml-cpu-*.so' \
+        ! -name '*-x64.so' ! -name '*-haswell.so' ! -name '*-skylakex.so' ! -name '*-icelake.so' \
+        ! -name '*-sapphirerapids.so' ! -name '*-zen4.so' -delete
+    xz -T0 -6 .device/llama/lib/*.so .device/llama/models/*.gguf .device/data/text/wikitext-2-raw/*.raw
+fi
 du -sh .device .device-model

@@ -5,7 +5,10 @@
 # Usage: scripts/device-run.sh STAGE... with stages build, test, e2e, e2e-0.6b, e2e-1.7b, e2e-1.7b-noahead, e2e-1.7b-ahead, e2e-1.7b-nearest, e2e-1.7b-stages2, e2e-1.7b-stages1, e2e-1.7b-eagerfast, bench-small, bench-large,
 # kernels, ncu, profile, ladder-stories, ladder-mix30M, ablations, probe-tf32, learning, ptqr, bench-qwen35, hf, delta, moe, moe-step, moe-host, bench-8b-full, e2e-8b, cand-rate, nccl, cuda-lib, cuda-build, dry-8b, e2e-8b-defaults, bg, bg-wait. Logs and results
 # go to $OUT (or ./out).
-# The 8B job in one session's device time (issue #16), on a warm machine: first a call with carry [".device-cuda"] and
+# The 8B job in one call's carry (session 40): `CUDA_LIB=… ONE_CALL=1 scripts/device-pack.sh`, then carry [".device",
+# ".device-cuda"]: `find .device -name '*.xz' -exec xz -d {} + && FIXTURE_EARLY=1 BUILD_TARGETS="voodoo voodoo-fixture"
+# BG_STAGES="cuda-lib e2e-8b-defaults" scripts/device-run.sh build bg`, then `WAIT_S=585 scripts/device-run.sh bg-wait`.
+# Or in two calls with the full .device: first a call with carry [".device-cuda"] and
 # `scripts/device-run.sh cuda-lib` (llama.cpp's CUDA backend built on the development machine, scripts/device-pack.sh
 # CUDA_LIB=…), then at once, carry [".device"]: `FIXTURE_EARLY=1 BUILD_TARGETS="voodoo voodoo-fixture"
 # BG_STAGES="cuda-lib e2e-8b-defaults" scripts/device-run.sh build bg`, then `WAIT_S=585 scripts/device-run.sh bg-wait`
