@@ -68,13 +68,9 @@ CLI::Option * add_json_option(CLI::App * sub, std::string & dest, const std::str
         if (!fs::exists(parent, ec)) {
             return "";  // made when the JSON is written, as the other outputs' folders are
         }
-        const fs::path probe = parent / fmt::format(".{}.{}.probe", fs::path(path).filename().string(), getpid());
-        FILE * f = std::fopen(probe.c_str(), "wb");
-        if (!f) {
-            return fmt::format("cannot write in '{}': {}", parent.string(), std::strerror(errno));
+        if (const int err = voodoo::cannot_create_files_in(parent.string()); err != 0) {
+            return fmt::format("cannot write in '{}': {}", parent.string(), std::strerror(err));
         }
-        std::fclose(f);
-        fs::remove(probe, ec);
         return "";
     };
     return sub->add_option("--json", dest, what + " as JSON in this file (- for stdout, instead of the text)")

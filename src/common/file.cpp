@@ -256,6 +256,17 @@ void write_file_atomic(const std::string & path, const std::string & text) {
     write_file_atomic(path, std::span<const uint8_t>(reinterpret_cast<const uint8_t *>(text.data()), text.size()));
 }
 
+int cannot_create_files_in(const std::string & dir) noexcept {
+    std::string name = (std::filesystem::path(dir) / ".voodoo-write-check-XXXXXX").string();
+    const int fd = ::mkstemp(name.data());
+    if (fd < 0) {
+        return errno;
+    }
+    ::close(fd);
+    ::unlink(name.c_str());
+    return 0;
+}
+
 folder_lock::folder_lock(const std::string & dir, const std::string & flag) {
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);

@@ -33,6 +33,11 @@ int64_t tree_disk_bytes(const std::string & path) noexcept;
 /// create). -1 when none can be read.
 int64_t free_disk_bytes(const std::string & path) noexcept;
 
+/// 0 when a new file can be made in the existing folder `dir`, else the errno why not. A file is made there (mkstemp)
+/// and removed at once: access(W_OK) is not enough, root passes it on /proc and other file systems that refuse new
+/// files. For checks before any work (quantize's -o and --work, the --json destinations).
+int cannot_create_files_in(const std::string & dir) noexcept;
+
 /// A read-only, private memory map of a whole file. Empty files map to an empty span.
 class mapped_file {
 public:

@@ -796,18 +796,20 @@ std::string dry_run_to_text(const nlohmann::json & p) {
         std::string work = st["work"].get<std::string>();
         // The candidates with --candidates targets: every one's time (at most) and the range pruning is likely to build,
         // where it reads as a range at the printed precision.
-        const std::string lo = st.contains("likely_seconds") ? dry_seconds_text(st["likely_seconds"][0].get<double>()) : "";
-        const std::string hi = st.contains("likely_seconds") ? dry_seconds_text(st["likely_seconds"][1].get<double>()) : "";
-        if (lo != hi) {
+        double low = sec, high = sec;
+        if (st.contains("likely_seconds")) {
+            low = st["likely_seconds"][0].get<double>();
+            high = st["likely_seconds"][1].get<double>();
+        }
+        if (const std::string lo = dry_seconds_text(low), hi = dry_seconds_text(high); lo != hi) {
             likely = true;
-            likely_low += st["likely_seconds"][0].get<double>();
-            likely_high += st["likely_seconds"][1].get<double>();
             work += fmt::format("; every candidate: pruning built {:.0f}-{:.0f}% of this work on the models we "
                                 "measured, ≈ {} to {}", 100 * k_pruned_work_share_low, 100 * k_pruned_work_share_high, lo, hi);
         } else {
-            likely_low += sec;
-            likely_high += sec;
+            low = high = sec;
         }
+        likely_low += low;
+        likely_high += high;
         s += fmt::format("  {:<11} {:>8}  {}\n", st["stage"].get<std::string>(), dry_seconds_text(sec), work);
     }
     s += fmt::format("  {:<11} {:>8}{}\n", "total", dry_seconds_text(total),

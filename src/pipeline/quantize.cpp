@@ -1144,22 +1144,10 @@ namespace {
 
 // A folder the job will make or write in (`flag`'s, e.g. --work): checked before anything is made, dry run included,
 // so that a path under a regular file or in a folder this user cannot write fails now, naming the flag, and not at
-// the stage that first writes there (the export, after the whole training). Nothing is made here.
-// 0 when a file can be made in the folder `dir`, else the errno why not: a file is made there (mkstemp) and removed
-// at once. access(W_OK) is not enough: root passes it on /proc and other file systems that refuse new files.
-int cannot_create_files_in(const fs::path & dir) {
-    std::string name = (dir / ".voodoo-write-check-XXXXXX").string();
-    const int fd = ::mkstemp(name.data());
-    if (fd < 0) {
-        return errno;
-    }
-    ::close(fd);
-    ::unlink(name.c_str());
-    return 0;
-}
-
+// the stage that first writes there (the export, after the whole training). Nothing is left here (a file made in
+// the nearest existing folder and removed: cannot_create_files_in).
 void check_folder_can_be_written(const std::string & dir, const char * flag) {
-    std::error_code ec;  // a folder this user cannot look in reads as missing here, and fails access() below
+    std::error_code ec;  // a folder this user cannot look in reads as missing here, and fails the check below
     fs::path p = fs::absolute(dir);
     while (!p.empty() && !fs::exists(p, ec) && p != p.root_path()) {
         p = p.parent_path();
@@ -1167,7 +1155,7 @@ void check_folder_can_be_written(const std::string & dir, const char * flag) {
     if (fs::exists(p, ec) && !fs::is_directory(p, ec)) {
         fail("{} '{}' cannot be made: '{}' is a file, not a folder; give {} a folder path", flag, dir, p.string(), flag);
     }
-    if (const int err = cannot_create_files_in(p); err != 0) {
+    if (const int err = cannot_create_files_in(p.string()); err != 0) {
         fail("{} '{}': this user cannot write in '{}' ({}); give {} a folder this user can write in", flag, dir,
              p.string(), std::strerror(err), flag);
     }
@@ -1278,7 +1266,7 @@ void check_quantize_options(const quantize_options & o, const gguf_file & src) {
         } else if (::access(out.parent_path().c_str(), F_OK) != 0 && errno == ENOENT) {
             fail("--out '{}': its folder '{}' does not exist; make it first, or give --out a path in an existing folder",
                  o.out, out.parent_path().string());
-        } else if (const int err = cannot_create_files_in(out.parent_path()); err != 0) {
+        } else if (const int err = cannot_create_files_in(out.parent_path().string()); err != 0) {
             fail("--out '{}': this user cannot write in '{}' ({}); give --out a path in a folder this user can write in",
                  o.out, out.parent_path().string(), std::strerror(err));
         }

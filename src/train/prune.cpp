@@ -570,7 +570,9 @@ double stage_band_margin(const std::vector<tensor_menu> & menus, const prune_pla
             const double m = measured[i][k], p = first.predicted[i][k];
             if (staged[i][k] && !eager[i][k] && std::isfinite(m) && std::isfinite(p) && m > 0 && p > 0) {
                 const double miss = std::abs(std::log(m / p));
-                misses.push_back(miss);
+                if (why != nullptr) {
+                    misses.push_back(miss);
+                }
                 if (miss > worst) {
                     worst = miss;
                     if (why != nullptr) {
